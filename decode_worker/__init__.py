@@ -1,0 +1,1 @@
+"""kimi-pd decode worker."""

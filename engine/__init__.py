@@ -1,0 +1,1 @@
+"""The Kimi-K3 model in PyTorch and its serving runtime."""

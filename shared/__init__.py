@@ -1,0 +1,1 @@
+"""kimi-pd shared."""
