@@ -1,0 +1,1 @@
+"""Checkpoints in the Hugging Face layout: generate, validate, load, quantize."""

@@ -1,0 +1,1 @@
+"""Kimi-K3 model: config, layers and the multimodal wrapper."""

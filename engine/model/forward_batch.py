@@ -1,0 +1,100 @@
+"""What one model forward needs to know about the sequences in it, and where their state lives.
+
+The model runs a flattened batch: the new tokens of every sequence back to back (`input_ids [N]`).
+Token-wise parts (embedding, AttnRes, MoE, norms) ignore sequence boundaries; the two mixers use
+`SequenceSlice`s to find each sequence's tokens and state:
+
+    flat tokens:  | seq0 new tokens | seq1 new tokens | ... |
+    MLA pages:    pages[layer][block, offset, :]  <- block_table[pos // block_size], pos % block_size
+    KDA state:    conv[layer][slot] [W-1, 3*H*K],  recurrent[layer][slot] [H, K, V] (fp32)
+
+`HybridCacheTensors` only holds storage; who owns which block or slot is the cache manager's business.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.config import TextConfig
+
+
+@dataclass
+class SequenceSlice:
+    """One sequence's share of a forward pass.
+
+    num_cached_tokens: MLA context already written for this sequence before this pass (prefix hit,
+      earlier chunks, imported state); the new tokens take positions num_cached..num_cached+new-1.
+    kda_slot: row of the KDA state tensors holding this sequence's state; updated in place.
+    reset_kda_state: zero that row first (a sequence starting from token 0).
+    snapshots: (k, slot) pairs: after the first k new tokens, copy the KDA state into `slot`
+      (prefix-cache snapshots at block boundaries); k in 1..num_new_tokens.
+    """
+
+    num_new_tokens: int
+    num_cached_tokens: int
+    kda_slot: int
+    block_table: torch.Tensor
+    reset_kda_state: bool = False
+    snapshots: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def num_total_tokens(self) -> int:
+        return self.num_cached_tokens + self.num_new_tokens
+
+
+@dataclass
+class HybridCacheTensors:
+    """Storage for every sequence's hybrid state, indexed by model layer id."""
+
+    block_size: int
+    mla_pages: dict[int, torch.Tensor]
+    kda_conv: dict[int, torch.Tensor]
+    kda_recurrent: dict[int, torch.Tensor]
+
+    @classmethod
+    def allocate(cls, cfg: TextConfig, num_blocks: int, num_slots: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu") -> "HybridCacheTensors":
+        lac = cfg.linear_attn_config
+        conv_shape = (num_slots, lac.short_conv_kernel_size - 1, 3 * cfg.kda_projection_size)
+        rec_shape = (num_slots, lac.num_heads, lac.head_dim, lac.head_dim)
+        rec_dtype = torch.float64 if dtype == torch.float64 else torch.float32   # fp32 unless an fp64 oracle run
+        return cls(
+            block_size=block_size,
+            mla_pages={i: torch.zeros(num_blocks, block_size, cfg.mla_cache_dim, dtype=dtype, device=device)
+                       for i in cfg.mla_layer_ids},
+            kda_conv={i: torch.zeros(conv_shape, dtype=dtype, device=device) for i in cfg.kda_layer_ids},
+            kda_recurrent={i: torch.zeros(rec_shape, dtype=rec_dtype, device=device) for i in cfg.kda_layer_ids},
+        )
+
+    def nbytes(self) -> int:
+        tensors = [*self.mla_pages.values(), *self.kda_conv.values(), *self.kda_recurrent.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass
+class ForwardBatch:
+    """A flattened forward: slices in token order, the cache storage, and what to return.
+
+    logits_indices: flat token positions whose logits are wanted (None = all).
+    mm_embeds / mm_positions: image features `[M, D]` that replace the embeddings at flat
+      positions `mm_positions [M]` (the `<|media_pad|>` tokens of this pass).
+    """
+
+    slices: list[SequenceSlice]
+    cache: HybridCacheTensors
+    logits_indices: torch.Tensor | None = None
+    mm_embeds: torch.Tensor | None = None
+    mm_positions: torch.Tensor | None = None
+    token_offsets: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        offsets, pos = [], 0
+        for s in self.slices:
+            offsets.append(pos)
+            pos += s.num_new_tokens
+        self.token_offsets = offsets
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.slices)

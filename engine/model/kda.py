@@ -1,0 +1,130 @@
+"""Kimi Delta Attention layer (MODEL.md section 3): projections, short conv, gate, recurrence, gated norm."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.config import TextConfig
+from engine.model import choices
+from engine.model.forward_batch import ForwardBatch, HybridCacheTensors, SequenceSlice
+from engine.model.kda_ops import (causal_conv_step, causal_conv_with_state, kda_chunked, kda_gate,
+                                  kda_recurrent)
+from engine.model.layers import l2norm, rms_norm, upcast
+
+
+@dataclass(frozen=True)
+class KDAOptions:
+    """Which KDA form runs. `auto`: the recurrent form for short pieces, the chunked form otherwise."""
+
+    chunk_size: int = 64
+    mode: str = "auto"                  # auto | chunked | recurrent
+    recurrent_max_tokens: int = 8
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, cfg: TextConfig, layer_id: int, options: KDAOptions) -> None:
+        super().__init__()
+        lac = cfg.linear_attn_config
+        self.layer_id, self.options = layer_id, options
+        self.num_heads, self.head_dim = lac.num_heads, lac.head_dim
+        self.lower_bound, self.eps = lac.gate_lower_bound, cfg.rms_norm_eps
+        d, hk, w = cfg.hidden_size, lac.num_heads * lac.head_dim, lac.short_conv_kernel_size
+        self.q_proj = nn.Linear(d, hk, bias=False)
+        self.k_proj = nn.Linear(d, hk, bias=False)
+        self.v_proj = nn.Linear(d, hk, bias=False)
+        self.q_conv1d = nn.Conv1d(hk, hk, w, groups=hk, bias=False)
+        self.k_conv1d = nn.Conv1d(hk, hk, w, groups=hk, bias=False)
+        self.v_conv1d = nn.Conv1d(hk, hk, w, groups=hk, bias=False)
+        self.f_a_proj = nn.Linear(d, lac.head_dim, bias=False)
+        self.f_b_proj = nn.Linear(lac.head_dim, hk, bias=False)
+        self.dt_bias = nn.Parameter(torch.zeros(hk, dtype=torch.float32))
+        # Stored like the real checkpoint: [head_dim], per-head values first, zero padding after.
+        self.A_log = nn.Parameter(torch.zeros(lac.head_dim, dtype=torch.float32))
+        self.b_proj = nn.Linear(d, lac.num_heads, bias=False)
+        self.g_proj = nn.Linear(d, hk, bias=False)
+        self.o_norm = nn.Module()
+        self.o_norm.weight = nn.Parameter(torch.ones(lac.head_dim))
+        self.o_proj = nn.Linear(hk, d, bias=False)
+
+    # ---- per-head parameters -----------------------------------------------------------------
+    def head_a_log(self) -> torch.Tensor:
+        if choices.A_LOG_PER_HEAD:
+            return self.A_log[: self.num_heads]
+        raise NotImplementedError("per-channel A_log reading is not implemented")
+
+    def conv_weight(self) -> torch.Tensor:
+        """q, k, v depthwise conv kernels concatenated along channels: [3*H*K, W]."""
+        return torch.cat([m.weight.squeeze(1) for m in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
+
+    # ---- forward -----------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """x: [N, D] normalised layer input of every new token; updates each slice's KDA state in place."""
+        h, k = self.num_heads, self.head_dim
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)       # [N, 3HK] pre-conv
+        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(-1, h, k), self.head_a_log(), self.dt_bias,
+                     self.lower_bound)
+        beta = torch.sigmoid(upcast(self.b_proj(x)))
+        out = x.new_empty(x.shape[0], h, k, dtype=upcast(x).dtype)
+        cache, conv_w = batch.cache, self.conv_weight()
+        for s in batch.slices:
+            if s.reset_kda_state:
+                cache.kda_conv[self.layer_id][s.kda_slot].zero_()
+                cache.kda_recurrent[self.layer_id][s.kda_slot].zero_()
+        decode = [i for i, s in enumerate(batch.slices) if s.num_new_tokens == 1 and not s.snapshots]
+        if decode:
+            self._decode_step(decode, qkv, g, beta, conv_w, batch, out)
+        decode_set = set(decode)
+        for i, s in enumerate(batch.slices):
+            if i not in decode_set and s.num_new_tokens:
+                self._sequence(s, batch.token_offsets[i], qkv, g, beta, conv_w, cache, out)
+        gate = self.g_proj(x).view(-1, h, k)
+        y = upcast(rms_norm(out, self.o_norm.weight, self.eps)) * torch.sigmoid(upcast(gate))
+        return self.o_proj(y.to(x.dtype).reshape(x.shape[0], h * k))
+
+    def _split_qkv(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h, k = self.num_heads, self.head_dim
+        q, kk, v = upcast(mixed).view(*mixed.shape[:-1], 3, h, k).unbind(-3)
+        return l2norm(q), l2norm(kk), v
+
+    def _decode_step(self, idx: list[int], qkv, g, beta, conv_w, batch: ForwardBatch, out) -> None:
+        """All one-token slices in one vectorised recurrent step."""
+        rows = torch.tensor([batch.token_offsets[i] for i in idx], device=qkv.device)
+        slots = torch.tensor([batch.slices[i].kda_slot for i in idx], device=qkv.device)
+        conv_store = batch.cache.kda_conv[self.layer_id]
+        rec_store = batch.cache.kda_recurrent[self.layer_id]
+        mixed, new_conv = causal_conv_step(qkv[rows], conv_w, conv_store[slots])
+        conv_store[slots] = new_conv
+        q, k, v = self._split_qkv(mixed)
+        o, new_rec = kda_recurrent(q[:, None], k[:, None], v[:, None], g[rows][:, None], beta[rows][:, None],
+                                   rec_store[slots], self.head_dim ** -0.5)
+        rec_store[slots] = new_rec
+        out[rows] = o[:, 0]
+
+    def _sequence(self, s: SequenceSlice, start: int, qkv, g, beta, conv_w,
+                  cache: HybridCacheTensors, out) -> None:
+        """One sequence's new tokens, split at snapshot points so each snapshot sees exact state."""
+        conv_store = cache.kda_conv[self.layer_id]
+        rec_store = cache.kda_recurrent[self.layer_id]
+        cuts = sorted({k for k, _ in s.snapshots} | {s.num_new_tokens})
+        lo = 0
+        for hi in cuts:
+            sl = slice(start + lo, start + hi)
+            mixed, conv_store[s.kda_slot] = causal_conv_with_state(qkv[sl], conv_w, conv_store[s.kda_slot])
+            q, k, v = self._split_qkv(mixed)
+            o, rec_store[s.kda_slot] = self._recurrence(q, k, v, g[sl], beta[sl], rec_store[s.kda_slot])
+            out[sl] = o
+            for point, slot in s.snapshots:
+                if point == hi:
+                    conv_store[slot] = conv_store[s.kda_slot]
+                    rec_store[slot] = rec_store[s.kda_slot]
+            lo = hi
+
+    def _recurrence(self, q, k, v, g, beta, state) -> tuple[torch.Tensor, torch.Tensor]:
+        opts, scale = self.options, self.head_dim ** -0.5
+        use_recurrent = opts.mode == "recurrent" or (opts.mode == "auto" and q.shape[0] <= opts.recurrent_max_tokens)
+        if use_recurrent:
+            o, s = kda_recurrent(q[None], k[None], v[None], g[None], beta[None], state[None], scale)
+            return o[0], s[0]
+        return kda_chunked(q, k, v, g, beta, state, scale, opts.chunk_size)

@@ -1,0 +1,136 @@
+"""The Kimi-K3 model: decoder layers, text model, LM head and the multimodal wrapper.
+
+Module paths equal the real checkpoint's tensor names (`language_model.model.layers.{l}.self_attn.*`,
+`...block_sparse_moe.*`, `vision_tower.*`, `mm_projector.*`), so a real checkpoint's state dict loads
+onto this code. Layer wiring follows MODEL.md section 5.2:
+
+    prefix_sum = h_in
+    x = attn_res(prefix_sum, blocks) if blocks else h_in
+    if l % B == 0: blocks.append(prefix_sum); prefix_sum = None        # close a block
+    prefix_sum = mixer(input_layernorm(x)) (+ prefix_sum)
+    x = attn_res(prefix_sum, blocks)
+    return prefix_sum + ffn(post_attention_layernorm(x))
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from engine.config import ModelConfig, TextConfig
+from engine.model.attnres import AttnResWeights, attn_res
+from engine.model.forward_batch import ForwardBatch
+from engine.model.kda import KDAOptions, KimiDeltaAttention
+from engine.model.layers import RMSNorm, SiTUMLP
+from engine.model.mla import GatedMLA, MLAOptions
+from engine.model.moe import LatentMoE
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """Runtime choices that do not change the maths (which equivalent kernel form runs)."""
+
+    kda: KDAOptions = field(default_factory=KDAOptions)
+    mla: MLAOptions = field(default_factory=MLAOptions)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TextConfig, layer_id: int, options: ModelOptions) -> None:
+        super().__init__()
+        self.layer_id, self.eps, self.block_size = layer_id, cfg.rms_norm_eps, cfg.attn_res_block_size
+        self.self_attn = (KimiDeltaAttention(cfg, layer_id, options.kda) if cfg.is_kda_layer(layer_id)
+                          else GatedMLA(cfg, layer_id, options.mla))
+        if cfg.is_moe_layer(layer_id):
+            self.block_sparse_moe = LatentMoE(cfg)
+        else:
+            self.mlp = SiTUMLP(cfg.hidden_size, cfg.intermediate_size, cfg.activation_situ_beta,
+                               cfg.activation_situ_linear_beta)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        attn_site, mlp_site = AttnResWeights(cfg.hidden_size), AttnResWeights(cfg.hidden_size)
+        self.self_attention_res_norm, self.self_attention_res_proj = attn_site.norm, attn_site.proj
+        self.mlp_res_norm, self.mlp_res_proj = mlp_site.norm, mlp_site.proj
+
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block_sparse_moe(x) if hasattr(self, "block_sparse_moe") else self.mlp(x)
+
+    def forward(self, h: torch.Tensor, blocks: list[torch.Tensor], batch: ForwardBatch) -> torch.Tensor:
+        """h: the previous layer's output (partial block sum); `blocks` grows in place at block starts."""
+        prefix_sum: torch.Tensor | None = h
+        x = self._mix(h, blocks, self.self_attention_res_proj, self.self_attention_res_norm) if blocks else h
+        if self.layer_id % self.block_size == 0:
+            blocks.append(h)
+            prefix_sum = None
+        a = self.self_attn(self.input_layernorm(x), batch)
+        prefix_sum = a if prefix_sum is None else prefix_sum + a
+        x = self._mix(prefix_sum, blocks, self.mlp_res_proj, self.mlp_res_norm)
+        return prefix_sum + self.ffn(self.post_attention_layernorm(x))
+
+    def _mix(self, partial: torch.Tensor, blocks: list[torch.Tensor], proj: nn.Linear, norm: nn.Module) -> torch.Tensor:
+        return attn_res([*blocks, partial], proj.weight, norm.weight, self.eps)
+
+
+class KimiK3TextModel(nn.Module):
+    def __init__(self, cfg: TextConfig, options: ModelOptions) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, options) for i in range(cfg.num_hidden_layers))
+        out_site = AttnResWeights(cfg.hidden_size)
+        self.output_attn_res_norm, self.output_attn_res_proj = out_site.norm, out_site.proj
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """input_ids [N] -> final normalised hidden states [N, D]."""
+        h = self.embed_tokens(input_ids)
+        if batch.mm_embeds is not None and batch.mm_positions is not None and batch.mm_positions.numel():
+            h = h.index_copy(0, batch.mm_positions, batch.mm_embeds.to(h.dtype))
+        blocks: list[torch.Tensor] = []
+        for layer in self.layers:
+            h = layer(h, blocks, batch)
+        h = attn_res([*blocks, h], self.output_attn_res_proj.weight, self.output_attn_res_norm.weight,
+                     self.cfg.rms_norm_eps)
+        return self.norm(h)
+
+
+class KimiLinearForCausalLM(nn.Module):
+    def __init__(self, cfg: TextConfig, options: ModelOptions) -> None:
+        super().__init__()
+        self.model = KimiK3TextModel(cfg, options)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        hidden = self.model(input_ids, batch)
+        if batch.logits_indices is not None:
+            hidden = hidden[batch.logits_indices]
+        logits = self.lm_head(hidden)
+        return logits if logits.dtype == torch.float64 else logits.float()
+
+
+class KimiK3ForConditionalGeneration(nn.Module):
+    """Vision tower + projector + text model. Image features replace `<|media_pad|>` embeddings."""
+
+    def __init__(self, config: ModelConfig, options: ModelOptions | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.options = options or ModelOptions()
+        if config.vision_config is not None:
+            from engine.model.vision import MMProjector, MoonViT
+            self.vision_tower = MoonViT(config.vision_config)
+            self.mm_projector = MMProjector(config.vision_config)
+        self.language_model = KimiLinearForCausalLM(config.text_config, self.options)
+
+    @property
+    def has_vision(self) -> bool:
+        return hasattr(self, "vision_tower")
+
+    def encode_images(self, pixel_values: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Preprocessed images [3, H, W] -> per image `[num_tokens, hidden]` in the model dtype."""
+        if not self.has_vision:
+            raise ValueError("this checkpoint has no vision tower (no vision_config)")
+        from engine.model.vision import encode_images
+        return encode_images(self.vision_tower, self.mm_projector, pixel_values)
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        return self.language_model(input_ids, batch)

@@ -1,0 +1,67 @@
+"""Small building blocks shared by the Kimi-K3 layers: RMSNorm, SiTU, l2norm, dense SiTU MLP."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """The accumulation dtype for internal maths: fp32, or fp64 when the input already is (oracle runs)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """`w * (x_f32 * rsqrt(mean(x_f32^2) + eps))`, cast back to x's dtype (MODEL.md section 2)."""
+    xf = upcast(x)
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * upcast(weight)
+    return y.to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """`x * rsqrt(sum(x^2) + eps)` over the last dim (fla's l2norm reference)."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
+    """SiTU-GLU: a range-limited SwiGLU, computed in fp32 because tanh saturates differently in bf16.
+
+    `beta*tanh(g/beta)*sigmoid(g) * (linear_beta*tanh(u/linear_beta))`; as beta grows it tends to SiLU(g)*u.
+    """
+    g, u = upcast(gate), upcast(up)
+    a = beta * torch.tanh(g / beta) * torch.sigmoid(g)
+    if linear_beta is not None:
+        u = linear_beta * torch.tanh(u / linear_beta)
+    return (a * u).to(gate.dtype)
+
+
+class SiTUMLP(nn.Module):
+    """Dense gated MLP `down(SiTU(gate(x), up(x)))`: layer 0's `mlp` and the MoE `shared_experts`."""
+
+    def __init__(self, hidden: int, intermediate: int, beta: float, linear_beta: float | None) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.beta, self.linear_beta = beta, linear_beta
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(situ(self.gate_proj(x), self.up_proj(x), self.beta, self.linear_beta))
+
+
+def linear_weight(module: nn.Module) -> torch.Tensor:
+    """The float weight `[out, in]` of a plain or quantized linear (absorbed MLA needs it)."""
+    if isinstance(module, nn.Linear):
+        return module.weight
+    return module.dequantized_weight()

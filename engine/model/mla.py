@@ -1,0 +1,102 @@
+"""Gated NoPE multi-head latent attention (MODEL.md section 4).
+
+Cache per token: `[c (kv_lora_rank) | k_pe (qk_rope_head_dim)]`, the normalised latent and the
+un-rotated shared key slice. Two equivalent paths:
+- compute-friendly (prefill): materialise per-head K/V from the cached latents with `kv_b_proj`;
+- absorbed (decode): fold `W_UK` into the query and `W_UV` into the output, attend in latent space.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.config import TextConfig
+from engine.model import choices
+from engine.model.forward_batch import ForwardBatch, SequenceSlice
+from engine.model.layers import RMSNorm, linear_weight, upcast
+
+
+@dataclass(frozen=True)
+class MLAOptions:
+    """`auto`: the absorbed path for pieces of at most `absorb_max_tokens` new tokens."""
+
+    mode: str = "auto"                  # auto | absorbed | materialized
+    absorb_max_tokens: int = 8
+
+
+class GatedMLA(nn.Module):
+    def __init__(self, cfg: TextConfig, layer_id: int, options: MLAOptions) -> None:
+        super().__init__()
+        self.layer_id, self.options = layer_id, options
+        self.num_heads = cfg.num_attention_heads
+        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.kv_lora = cfg.kv_lora_rank
+        self.scale = (self.nope + self.rope) ** -0.5
+        latent_eps = cfg.rms_norm_eps if choices.MLA_LATENT_NORM_USES_RMS_NORM_EPS else 1e-6
+        d, nh = cfg.hidden_size, cfg.num_attention_heads
+        self.q_a_proj = nn.Linear(d, cfg.q_lora_rank, bias=False)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, latent_eps)
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, nh * (self.nope + self.rope), bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(d, self.kv_lora + self.rope, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora, latent_eps)
+        self.kv_b_proj = nn.Linear(self.kv_lora, nh * (self.nope + self.v_dim), bias=False)
+        self.g_proj = nn.Linear(d, nh * self.v_dim, bias=False)
+        self.o_proj = nn.Linear(nh * self.v_dim, d, bias=False)
+
+    def latent(self, x: torch.Tensor) -> torch.Tensor:
+        """What the cache stores for tokens x: [N, kv_lora + rope]."""
+        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora, self.rope], dim=-1)
+        return torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """x: [N, D] normalised layer input; writes the new latents into the pages, attends, gates."""
+        nh = self.num_heads
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(-1, nh, self.nope + self.rope)
+        latent = self.latent(x)
+        pages = batch.cache.mla_pages[self.layer_id]
+        flat_pages = pages.view(-1, pages.shape[-1])
+        out = x.new_empty(x.shape[0], nh, self.v_dim)
+        for s, start in zip(batch.slices, batch.token_offsets):
+            if not s.num_new_tokens:
+                continue
+            rows = slice(start, start + s.num_new_tokens)
+            flat_pages[self._slot_index(s, s.num_cached_tokens, s.num_total_tokens, batch)] = latent[rows].to(pages.dtype)
+            context = flat_pages[self._slot_index(s, 0, s.num_total_tokens, batch)].to(x.dtype)
+            out[rows] = self._attend(q[rows], context, s.num_cached_tokens)
+        gate = torch.sigmoid(upcast(self.g_proj(x))).to(x.dtype)
+        return self.o_proj(out.reshape(x.shape[0], -1) * gate)
+
+    @staticmethod
+    def _slot_index(s: SequenceSlice, lo: int, hi: int, batch: ForwardBatch) -> torch.Tensor:
+        bs = batch.cache.block_size
+        pos = torch.arange(lo, hi, device=s.block_table.device)
+        return s.block_table[pos // bs] * bs + pos % bs
+
+    def _use_absorbed(self, num_new: int) -> bool:
+        mode = self.options.mode
+        return mode == "absorbed" or (mode == "auto" and num_new <= self.options.absorb_max_tokens)
+
+    def _attend(self, q: torch.Tensor, context: torch.Tensor, num_cached: int) -> torch.Tensor:
+        """q: [t, H, nope+rope]; context: [ctx+t, kv_lora+rope] -> [t, H, v_dim]; causal."""
+        t, total = q.shape[0], context.shape[0]
+        q_pos = torch.arange(num_cached, num_cached + t, device=q.device)
+        mask = torch.arange(total, device=q.device)[None, :] > q_pos[:, None]          # [t, total]
+        q_nope, q_pe = upcast(q).split([self.nope, self.rope], dim=-1)
+        c, k_pe = upcast(context).split([self.kv_lora, self.rope], dim=-1)
+        w_kvb = upcast(linear_weight(self.kv_b_proj)).view(self.num_heads, self.nope + self.v_dim, self.kv_lora)
+        w_uk, w_uv = w_kvb[:, : self.nope], w_kvb[:, self.nope:]
+        if self._use_absorbed(t):
+            ql = torch.einsum("thn,hnl->thl", q_nope, w_uk)
+            scores = torch.einsum("thl,sl->hts", ql, c) + torch.einsum("thr,sr->hts", q_pe, k_pe)
+            probs = torch.softmax((scores * self.scale).masked_fill(mask, float("-inf")), dim=-1)
+            o_lat = torch.einsum("hts,sl->thl", probs, c)
+            out = torch.einsum("thl,hvl->thv", o_lat, w_uv)
+        else:
+            k_nope = torch.einsum("sl,hnl->shn", c, w_uk)
+            v = torch.einsum("sl,hvl->shv", c, w_uv)
+            scores = torch.einsum("thn,shn->hts", q_nope, k_nope) + torch.einsum("thr,sr->hts", q_pe, k_pe)
+            probs = torch.softmax((scores * self.scale).masked_fill(mask, float("-inf")), dim=-1)
+            out = torch.einsum("hts,shv->thv", probs, v)
+        return out.to(q.dtype)

@@ -1,0 +1,1 @@
+"""Kimi-K3 tokenizer (tiktoken BPE + special tokens) and the XTML chat renderer."""
