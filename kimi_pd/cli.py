@@ -2,18 +2,88 @@
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import sys
+from pathlib import Path
+
+DEFAULT_TINY_DIR = Path("checkpoints/tiny")
+_DTYPES = ("float32", "bfloat16")
+
+
+def _checkpoint_create(args: argparse.Namespace) -> int:
+    from engine.checkpoint.create import create_checkpoint
+    out = create_checkpoint(args.preset, args.out, seed=args.seed, quant=args.quant, progress=not args.quiet)
+    print(out)
+    return 0
+
+
+def _ensure_model(path: str | None) -> Path:
+    """`--model` or, by default, the tiny generated checkpoint (created on first use)."""
+    if path:
+        return Path(path)
+    if not (DEFAULT_TINY_DIR / "config.json").exists():
+        from engine.checkpoint.create import create_checkpoint
+        print(f"no --model given: writing the tiny generated checkpoint to {DEFAULT_TINY_DIR}", file=sys.stderr)
+        create_checkpoint("tiny", DEFAULT_TINY_DIR)
+    return DEFAULT_TINY_DIR
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from engine.generate import generate, load_for_generation, prepare_prompt
+    from engine.model.image_processing import load_image
+
+    model, tokenizer = load_for_generation(_ensure_model(args.model), getattr(torch, args.dtype))
+    images = [load_image(path) for path in args.image]
+    prompt = prepare_prompt(model, tokenizer, args.prompt, images, thinking=args.thinking)
+    result = generate(model, tokenizer, prompt, args.max_tokens, args.temperature, args.seed)
+    if args.json:
+        print(json.dumps({"prompt_token_ids": result.prompt_token_ids, "token_ids": result.token_ids,
+                          "logprobs": result.logprobs, "text": result.text,
+                          "finish_reason": result.finish_reason}))
+    else:
+        print(result.text)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kimi-pd", description=__doc__)
-    parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="kimi-pd", description="Disaggregated prefill/decode serving for Kimi-K3.")
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    ckpt = sub.add_parser("checkpoint", help="generated checkpoints").add_subparsers(dest="action", required=True)
+    create = ckpt.add_parser("create", help="write a generated Kimi-K3 checkpoint (HF layout)")
+    create.add_argument("--preset", choices=("tiny", "small"), default="tiny")
+    create.add_argument("--quant", choices=("w4a8",), default=None)
+    create.add_argument("--seed", type=int, default=0)
+    create.add_argument("--out", required=True)
+    create.add_argument("--quiet", action="store_true", help="no progress bar")
+    create.set_defaults(func=_checkpoint_create)
+
+    gen = sub.add_parser("generate", help="offline generation from one prompt")
+    gen.add_argument("--model", help=f"checkpoint directory (default: {DEFAULT_TINY_DIR}, created if absent)")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--image", action="append", default=[], help="image file (repeatable)")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--dtype", choices=_DTYPES, default="float32")
+    gen.add_argument("--thinking", action="store_true", help="open a think block in the generation prompt")
+    gen.add_argument("--json", action="store_true", help="print token ids and per-token logprobs as JSON")
+    gen.set_defaults(func=_generate)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"kimi-pd: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

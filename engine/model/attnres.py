@@ -17,7 +17,7 @@ def attn_res(sources: list[torch.Tensor], proj_weight: torch.Tensor, norm_weight
     keys = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
     query = upcast(norm_weight) * upcast(proj_weight).view(-1)
     probs = torch.softmax(keys @ query, dim=-1)                                # [T, n]
-    return torch.einsum("tn,tnd->td", probs, v).to(sources[-1].dtype)
+    return (probs[:, None, :] @ v).squeeze(1).to(sources[-1].dtype)
 
 
 class AttnResWeights(nn.Module):

@@ -59,10 +59,10 @@ def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     outs = []
     for t in range(q.shape[1]):
         s = s * g[:, t].exp()[..., None]
-        kv_mem = torch.einsum("bhkv,bhk->bhv", s, k[:, t])
+        kv_mem = (k[:, t, :, None, :] @ s).squeeze(-2)                   # S^T k: [B, H, V]
         delta = beta[:, t, :, None] * (v[:, t] - kv_mem)
         s = s + k[:, t, :, :, None] * delta[:, :, None, :]
-        outs.append(torch.einsum("bhkv,bhk->bhv", s, q[:, t]))
+        outs.append((q[:, t, :, None, :] @ s).squeeze(-2))
     return torch.stack(outs, dim=1), s
 
 

@@ -111,14 +111,15 @@ class KimiLinearForCausalLM(nn.Module):
 class KimiK3ForConditionalGeneration(nn.Module):
     """Vision tower + projector + text model. Image features replace `<|media_pad|>` embeddings."""
 
-    def __init__(self, config: ModelConfig, options: ModelOptions | None = None) -> None:
+    def __init__(self, config: ModelConfig, options: ModelOptions | None = None, with_rot_proj: bool = False) -> None:
+        """with_rot_proj: the projector carries a QuaRot `rot_proj` (ModelSlim checkpoints may ship one)."""
         super().__init__()
         self.config = config
         self.options = options or ModelOptions()
         if config.vision_config is not None:
             from engine.model.vision import MMProjector, MoonViT
             self.vision_tower = MoonViT(config.vision_config)
-            self.mm_projector = MMProjector(config.vision_config)
+            self.mm_projector = MMProjector(config.vision_config, with_rot_proj=with_rot_proj)
         self.language_model = KimiLinearForCausalLM(config.text_config, self.options)
 
     @property

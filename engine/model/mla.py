@@ -87,16 +87,16 @@ class GatedMLA(nn.Module):
         c, k_pe = upcast(context).split([self.kv_lora, self.rope], dim=-1)
         w_kvb = upcast(linear_weight(self.kv_b_proj)).view(self.num_heads, self.nope + self.v_dim, self.kv_lora)
         w_uk, w_uv = w_kvb[:, : self.nope], w_kvb[:, self.nope:]
+        q_nope, q_pe = q_nope.transpose(0, 1), q_pe.transpose(0, 1)                   # [H, t, .]
+        pe_scores = q_pe @ k_pe.t()                                                     # [H, t, total]
         if self._use_absorbed(t):
-            ql = torch.einsum("thn,hnl->thl", q_nope, w_uk)
-            scores = torch.einsum("thl,sl->hts", ql, c) + torch.einsum("thr,sr->hts", q_pe, k_pe)
-            probs = torch.softmax((scores * self.scale).masked_fill(mask, float("-inf")), dim=-1)
-            o_lat = torch.einsum("hts,sl->thl", probs, c)
-            out = torch.einsum("thl,hvl->thv", o_lat, w_uv)
+            ql = q_nope @ w_uk                                                          # [H, t, kv_lora]
+            probs = torch.softmax(((ql @ c.t() + pe_scores) * self.scale).masked_fill(mask, float("-inf")), dim=-1)
+            out = (probs @ c) @ w_uv.transpose(1, 2)                                    # latent out -> [H, t, v]
         else:
-            k_nope = torch.einsum("sl,hnl->shn", c, w_uk)
-            v = torch.einsum("sl,hvl->shv", c, w_uv)
-            scores = torch.einsum("thn,shn->hts", q_nope, k_nope) + torch.einsum("thr,sr->hts", q_pe, k_pe)
+            k_nope = c @ w_uk.transpose(1, 2)                                           # [H, total, nope]
+            v = c @ w_uv.transpose(1, 2)                                                # [H, total, v]
+            scores = q_nope @ k_nope.transpose(1, 2) + pe_scores
             probs = torch.softmax((scores * self.scale).masked_fill(mask, float("-inf")), dim=-1)
-            out = torch.einsum("hts,shv->thv", probs, v)
-        return out.to(q.dtype)
+            out = probs @ v
+        return out.transpose(0, 1).to(q.dtype)

@@ -69,7 +69,8 @@ class LatentMoE(nn.Module):
             expert = self.experts[e]
             he = h[tok]
             out = expert.w2(situ(expert.w1(he), expert.w3(he), self.beta, self.linear_beta))
-            y.index_add_(0, tok, upcast(out) * weights[tok, slot, None])
+            # index_put_ rather than index_add_: the latter costs ~30 ms a call on this CPU build of torch.
+            y.index_put_((tok,), upcast(out) * weights[tok, slot, None], accumulate=True)
         y = y.to(x.dtype)
         if self.routed_expert_norm is not None:
             y = self.routed_expert_norm(y)

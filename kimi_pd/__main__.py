@@ -1,0 +1,5 @@
+import sys
+
+from kimi_pd.cli import main
+
+sys.exit(main())

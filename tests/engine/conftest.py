@@ -1,0 +1,28 @@
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from engine.checkpoint.init import init_weights
+from engine.model.kda import KDAOptions
+from engine.model.kimi_k3 import KimiK3ForConditionalGeneration, ModelOptions
+from engine.presets import preset_config
+
+TEST_KDA_CHUNK = 8      # MODEL.md 15: chunk 8 makes short prompts cross chunk boundaries
+
+
+def tiny_model(options: ModelOptions | None = None, dtype=torch.float32, seed: int = 0,
+               vision: bool = False) -> KimiK3ForConditionalGeneration:
+    cfg = preset_config("tiny")
+    if not vision:
+        cfg = replace(cfg, vision_config=None)
+    model = KimiK3ForConditionalGeneration(cfg, options or ModelOptions(kda=KDAOptions(chunk_size=TEST_KDA_CHUNK)))
+    init_weights(model, seed)
+    return model.to(dtype).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_config():
+    return preset_config("tiny")
