@@ -58,7 +58,11 @@ def build_model(config: ModelConfig, ckpt: Path, dtype: torch.dtype, device: tor
     quant_file = ckpt / QUANT_DESCRIPTION_FILE
     if quant_file.exists():
         from engine.model.quant import QuantDescription, apply_quant_description
-        apply_quant_description(model, QuantDescription.from_file(quant_file))
+        try:
+            description = QuantDescription.from_dict(json.loads(quant_file.read_text()))
+        except (json.JSONDecodeError, ValueError) as exc:
+            raise CheckpointError(f"{quant_file}: {exc}") from exc
+        apply_quant_description(model, description)
     model.to_empty(device=device)
     for name, p in model.named_parameters():
         if p.dtype.is_floating_point:

@@ -90,3 +90,38 @@ def test_kda_snapshots_equal_state_at_that_point():
         for layer in cfg.kda_layer_ids:
             torch.testing.assert_close(cache.kda_recurrent[layer][slot], ref.kda_recurrent[layer][0], rtol=0, atol=1e-12)
             torch.testing.assert_close(cache.kda_conv[layer][slot], ref.kda_conv[layer][0], rtol=0, atol=1e-12)
+
+
+def _image_prompt(model):
+    """A prompt whose middle is one image's pad run; returns (ids, embeds [n, D], positions [n])."""
+    from engine.model.image_processing import num_image_tokens, preprocess_image
+    vcfg = model.config.vision_config
+    pixels = (torch.arange(60 * 90 * 3) % 251).to(torch.uint8).view(60, 90, 3)
+    n = num_image_tokens(vcfg, 60, 90)
+    embeds = model.encode_images([preprocess_image(pixels, vcfg)])[0]
+    assert embeds.shape[0] == n
+    pad = model.config.media_placeholder_token_id
+    ids = torch.cat([prompt(5, 1), torch.full((n,), pad), prompt(6, 2)])
+    return ids, embeds, torch.arange(5, 5 + n)
+
+
+def feed_with_image(model, ids, embeds, positions, pieces) -> torch.Tensor:
+    runner, outs, done = SequenceRunner(model, 128), [], 0
+    for n in pieces:
+        inside = (positions >= done) & (positions < done + n)
+        outs.append(runner.feed(ids[done:done + n], embeds[inside], positions[inside] - done))
+        done += n
+    return torch.cat(outs)
+
+
+def test_image_prompt_prefill_equals_chunks_equals_decode():
+    model = tiny_model(vision=True)
+    ids, embeds, positions = _image_prompt(model)
+    full = feed_with_image(model, ids, embeds, positions, [ids.numel()])
+    split_inside_image = feed_with_image(model, ids, embeds, positions, [7, 3, ids.numel() - 10])
+    decode = feed_with_image(model, ids, embeds, positions, [1] * ids.numel())
+    assert relative_error(split_inside_image, full) <= FP32_REL_TOL
+    assert relative_error(decode, full) <= FP32_REL_TOL
+    # the image really is used: other pixels, other logits after it
+    text_only = feed_in_pieces(model, ids, [ids.numel()])
+    assert relative_error(text_only[-1], full[-1]) > 1e-3
