@@ -1,1 +1,15 @@
 """The Kimi-K3 model in PyTorch and its serving runtime."""
+from __future__ import annotations
+
+__all__ = ["LLM", "SamplingParams"]
+
+
+def __getattr__(name: str):
+    """Lazy exports, so `import engine.config` does not load the whole runtime."""
+    if name == "LLM":
+        from engine.llm import LLM
+        return LLM
+    if name == "SamplingParams":
+        from engine.sampling_params import SamplingParams
+        return SamplingParams
+    raise AttributeError(name)

@@ -1,0 +1,1 @@
+"""Serving runtime: hybrid cache, scheduler, model runner, engine."""

@@ -1,0 +1,260 @@
+"""LLMEngine: requests in, one scheduled forward per `step()`, outputs out. Single-threaded.
+
+It ties the scheduler (who runs), the cache manager (where state lives), the model runner (the
+forward), the sampler and the detokenizer. Disaggregation hooks: a request added with
+`export_state=True` stops after its first token and is HELD (pages and KDA slot kept) until
+`release_export`, an abort, or its lease expiring; `export_state()` copies its state out. A request
+added with `imported=` state starts with its prompt already computed and its first token known.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.checkpoint.loader import load_checkpoint
+from engine.core.cache_manager import CacheConfig, HybridCacheManager, budget_cache
+from engine.core.inputs import EngineInput, encode_images, validate_tokens
+from engine.core.model_runner import ModelRunner
+from engine.core.outputs import CompletionOutput, RequestOutput
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import Scheduler, SchedulerConfig
+from engine.core.state_export import ExportedState, StateIdentity
+from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import InvalidRequest, RequestTooLarge
+from engine.model.kda import KDAOptions
+from engine.model.kimi_k3 import ModelOptions
+from engine.sampler import SamplingState, sample
+from engine.sampling_params import SamplingParams
+from engine.tokenizer.tokenizer import KimiTokenizer
+from shared.hashing import block_hashes, root_hash
+
+log = logging.getLogger(__name__)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    block_size: int = 16
+    device: str = "cpu"
+    dtype: str = "float32"
+    cache_memory_bytes: int = 256 << 20
+    num_snapshot_slots: int | None = None
+    snapshot_interval_blocks: int = 4
+    kda_chunk_size: int = 64
+    export_lease_s: float = 60.0
+    seed: int = 0
+    model_id: str | None = None          # names the prefix-hash chain; defaults to the config hash
+
+    def validate(self) -> None:
+        checks = {"max_num_seqs": self.max_num_seqs >= 1, "max_num_batched_tokens": self.max_num_batched_tokens >= 1,
+                  "block_size": self.block_size >= 1, "kda_chunk_size": self.kda_chunk_size >= 1,
+                  "snapshot_interval_blocks": self.snapshot_interval_blocks >= 1,
+                  "dtype": self.dtype in _DTYPES, "export_lease_s": self.export_lease_s > 0}
+        bad = [k for k, ok in checks.items() if not ok]
+        if bad:
+            raise ValueError(f"invalid engine settings: {', '.join(f'{k}={getattr(self, k)!r}' for k in bad)}")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        config.validate()
+        self.config = config
+        options = ModelOptions(kda=KDAOptions(chunk_size=config.kda_chunk_size))
+        self.model = load_checkpoint(config.model, _DTYPES[config.dtype], config.device, options)
+        self.tokenizer = KimiTokenizer.from_dir(config.model)
+        text = self.model.config.text_config
+        self.cache_config = budget_cache(text, config.cache_memory_bytes, config.block_size, config.max_num_seqs,
+                                         config.num_snapshot_slots if config.num_snapshot_slots is not None
+                                         else 2 * config.max_num_seqs,
+                                         torch.finfo(_DTYPES[config.dtype]).bits // 8,
+                                         config.enable_prefix_caching, config.snapshot_interval_blocks)
+        self.max_model_len = min(config.max_model_len or text.max_position_embeddings, text.max_position_embeddings)
+        self.cache = HybridCacheManager(self.cache_config)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                                   self.max_model_len), self.cache)
+        config_hash = self.model.config.identity_hash()
+        schedule = "".join("K" if text.is_kda_layer(i) else "M" for i in range(text.num_hidden_layers))
+        self.identity = StateIdentity(config_hash, config.dtype, schedule, config.block_size)
+        self.runner = ModelRunner(self.model, self.cache_config, self.identity)
+        self.hash_root = root_hash(config.model_id or config_hash)
+        self.eos_token_ids = {self.tokenizer.eos_id}
+        self.requests: dict[str, Request] = {}
+        self.held: dict[str, float] = {}                       # request id -> lease expiry (monotonic)
+        self._seed_source = torch.Generator().manual_seed(config.seed)
+        self._ids = itertools.count()
+        log.info("engine ready: %d MLA pages x %d tokens (%d tokens), %d+%d KDA slots",
+                 self.cache_config.num_blocks, config.block_size, self.capacity_tokens,
+                 self.cache_config.num_working_slots, self.cache_config.num_snapshot_slots)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.cache_config.capacity_tokens
+
+    # ---- requests -----------------------------------------------------------------------------
+    def add_request(self, request_id: str | None, prompt: EngineInput | list[int], params: SamplingParams,
+                    export_state: bool = False, imported: ExportedState | None = None) -> str:
+        """Validate and queue. Raises InvalidRequest subclasses (bad tokens, too long, never fits)."""
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
+        inputs = prompt if isinstance(prompt, EngineInput) else EngineInput(list(prompt))
+        params.validate(self.model.config.text_config.vocab_size)
+        validate_tokens(inputs.prompt_token_ids, self.model.config.text_config.vocab_size, self.max_model_len)
+        max_tokens = self._resolve_max_tokens(len(inputs.prompt_token_ids), params)
+        if imported is not None:
+            self._check_import(inputs.prompt_token_ids, imported)
+        req = Request(request_id, list(inputs.prompt_token_ids), params, export_state=export_state, imported=imported)
+        req.max_tokens = 1 if export_state else max_tokens
+        req.images = [] if imported else encode_images(self.model, inputs.images, len(req.prompt_token_ids),
+                                                        self.tokenizer.media_pad_id, req.prompt_token_ids)
+        req.block_hashes = block_hashes(req.prompt_token_ids, self.config.block_size, self.hash_root,
+                                        [img.span for img in req.images])
+        req.generator = torch.Generator().manual_seed(
+            params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_source)))
+        req.detokenizer = IncrementalDetokenizer(self.tokenizer, params, self.eos_token_ids)
+        self.requests[request_id] = req
+        if imported is not None:
+            self._adopt_first_token(req, imported)
+        if not req.is_finished:
+            self.scheduler.add(req)
+        return request_id
+
+    def _resolve_max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
+        room = self.max_model_len - prompt_len
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        if max_tokens > room:
+            raise InvalidRequest(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds this model's "
+                                 f"maximum context length of {self.max_model_len}", param="max_tokens")
+        if prompt_len + max_tokens > self.capacity_tokens:
+            raise RequestTooLarge(prompt_len + max_tokens, self.capacity_tokens)
+        return max_tokens
+
+    def _check_import(self, prompt_token_ids: list[int], state: ExportedState) -> None:
+        if list(state.prompt_token_ids) != list(prompt_token_ids):
+            raise InvalidRequest("imported state was computed for a different prompt")
+        self.identity.check_compatible(state.identity)
+
+    def _adopt_first_token(self, req: Request, state: ExportedState) -> None:
+        req.num_cached_tokens = state.num_cached_tokens
+        self._append_token(req, state.first_token_id, state.first_logprob, state.first_top_logprobs)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request wherever it is and free what it holds. Unknown ids return None."""
+        req = self.requests.get(request_id)
+        if req is None or (req.is_finished and request_id not in self.held):
+            return None
+        if req.status == RequestStatus.HELD:
+            self.release_export(request_id, reason="abort")
+            return None
+        self._finish(req, "abort", None)
+        return self._output(req, "", [])
+
+    # ---- export / release -----------------------------------------------------------------------
+    def export_state(self, request_id: str) -> ExportedState:
+        req = self.requests.get(request_id)
+        if req is None or req.status != RequestStatus.HELD:
+            raise KeyError(f"no held state for request {request_id!r}")
+        parts = self.runner.export_state(req)
+        top = req.output_top_logprobs[0] if req.output_top_logprobs else None
+        return ExportedState(request_id, list(req.prompt_token_ids), req.output_token_ids[0], req.output_logprobs[0],
+                             self.identity, num_cached_tokens=req.num_cached_tokens, first_top_logprobs=top, **parts)
+
+    def release_export(self, request_id: str, reason: str = "released") -> bool:
+        """Free a held prefill state. True if something was held (frees exactly once)."""
+        if self.held.pop(request_id, None) is None:
+            return False
+        req = self.requests.pop(request_id)
+        self.cache.free(req)
+        req.status = RequestStatus.FINISHED
+        log.debug("released held state of %s (%s)", request_id, reason)
+        return True
+
+    def expire_leases(self, now: float | None = None) -> list[str]:
+        now = time.monotonic() if now is None else now
+        expired = [rid for rid, expiry in self.held.items() if expiry <= now]
+        for rid in expired:
+            self.release_export(rid, reason="expired")
+        return expired
+
+    # ---- stepping -------------------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> list[RequestOutput]:
+        self.expire_leases()
+        out = self.scheduler.schedule()
+        if not out.seqs:
+            return []
+        logits = self.runner.execute(out)
+        sampling = []
+        for s in out.seqs:
+            s.req.num_computed_tokens += s.num_new_tokens
+            s.req.first_scheduled_time = s.req.first_scheduled_time or time.monotonic()
+            self.cache.commit(s.req)
+            if s.samples:
+                sampling.append(s.req)
+        states = [SamplingState(params=r.params, prompt_token_ids=r.prompt_token_ids,
+                                output_token_ids=r.output_token_ids, generator=r.generator) for r in sampling]
+        result = sample(logits, states, self.eos_token_ids)
+        return [self._append_token(req, tok, lp, top) for req, tok, lp, top in
+                zip(sampling, result.token_ids, result.logprobs, result.top_logprobs)]
+
+    def _append_token(self, req: Request, token: int, logprob: float, top) -> RequestOutput:
+        req.output_token_ids.append(token)
+        req.output_logprobs.append(logprob)
+        req.output_top_logprobs.append(top)
+        step = req.detokenizer.add(token)
+        new_text = step.new_text
+        reason, stop = self._stop_check(req, step.stopped)
+        if reason is not None:
+            new_text += req.detokenizer.finish() if reason != "stop_string" else ""
+            if req.export_state:
+                self._hold(req, reason, stop)
+            else:
+                self._finish(req, reason, stop)
+        req.text += new_text
+        return self._output(req, new_text, [token])
+
+    def _stop_check(self, req: Request, stopped) -> tuple[str | None, int | str | None]:
+        if stopped is not None:
+            return ("stop", stopped.value)
+        if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return ("length", None)
+        return (None, None)
+
+    def _finish(self, req: Request, reason: str, stop) -> None:
+        self.scheduler.remove(req)
+        self.cache.free(req)
+        req.status, req.finish_reason, req.stop_reason = RequestStatus.FINISHED, reason, stop
+        self.requests.pop(req.request_id, None)
+
+    def _hold(self, req: Request, reason: str, stop) -> None:
+        self.scheduler.remove(req)
+        req.status, req.finish_reason, req.stop_reason = RequestStatus.HELD, reason, stop
+        self.held[req.request_id] = time.monotonic() + self.config.export_lease_s
+
+    def _output(self, req: Request, new_text: str, new_tokens: list[int]) -> RequestOutput:
+        finished = req.status in (RequestStatus.FINISHED, RequestStatus.HELD)
+        completion = CompletionOutput(0, req.text, list(req.output_token_ids), list(req.output_logprobs),
+                                      list(req.output_top_logprobs), req.finish_reason, req.stop_reason)
+        return RequestOutput(req.request_id, req.prompt_token_ids, [completion], finished,
+                             req.num_cached_tokens, new_text, new_tokens)
+
+    # ---- checks ---------------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Every block and slot is owned by exactly the live requests that reference it."""
+        holders = [r for r in self.requests.values() if r.status != RequestStatus.FINISHED]
+        self.cache.check_integrity(holders)
+        live = set(self.scheduler.running) | set(self.scheduler.waiting)
+        for r in self.requests.values():
+            if r.status in (RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.PREEMPTED) and r not in live:
+                raise AssertionError(f"request {r.request_id} is {r.status.value} but in no queue")

@@ -1,0 +1,65 @@
+"""Prompt inputs -> validated engine requests: token ids, image features and prefix hashes."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.core.request import ImageInput
+from engine.errors import InvalidRequest, InvalidTokenIds, PromptTooLong
+from engine.model.kimi_k3 import KimiK3ForConditionalGeneration
+from shared.hashing import ImageSpan, image_content_hash
+
+
+@dataclass
+class ImageItem:
+    """A decoded image placed at a `<|media_pad|>` run of `length` tokens starting at `start`."""
+
+    start: int
+    length: int
+    image: Any                                   # PIL.Image (RGB)
+
+
+@dataclass
+class EngineInput:
+    prompt_token_ids: list[int]
+    images: list[ImageItem] = field(default_factory=list)
+
+
+def content_hash_of(image) -> bytes:
+    rgb = image.convert("RGB") if image.mode != "RGB" else image
+    return image_content_hash(rgb.tobytes(), rgb.width, rgb.height)
+
+
+def validate_tokens(ids: list[int], vocab_size: int, max_model_len: int) -> None:
+    if not ids:
+        raise InvalidRequest("the prompt is empty")
+    bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidTokenIds(bad, vocab_size)
+    if len(ids) >= max_model_len:
+        raise PromptTooLong(len(ids), max_model_len - 1)
+
+
+def encode_images(model: KimiK3ForConditionalGeneration, items: list[ImageItem], num_tokens: int,
+                  media_pad_id: int, token_ids: list[int]) -> list[ImageInput]:
+    """Run the vision tower once per image; check each placeholder run matches its feature count."""
+    if not items:
+        return []
+    if not model.has_vision:
+        raise InvalidRequest("this model has no vision tower; images are not accepted")
+    from engine.model.image_processing import preprocess_image
+    vcfg = model.config.vision_config
+    dtype = next(model.language_model.parameters()).dtype
+    out = []
+    with torch.inference_mode():
+        for item in items:
+            end = item.start + item.length
+            if item.start < 0 or end > num_tokens or any(t != media_pad_id for t in token_ids[item.start:end]):
+                raise InvalidRequest(f"image placeholder run [{item.start}, {end}) is not all <|media_pad|>")
+            embeds = model.encode_images([preprocess_image(item.image, vcfg).to(dtype)])[0]
+            if embeds.shape[0] != item.length:
+                raise InvalidRequest(f"image gives {embeds.shape[0]} features for {item.length} placeholders")
+            out.append(ImageInput(ImageSpan(item.start, item.length, content_hash_of(item.image)), embeds.cpu()))
+    return out

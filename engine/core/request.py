@@ -1,0 +1,81 @@
+"""A request's life inside the engine. The scheduler reads and moves these; it never touches tensors."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from shared.hashing import ImageSpan
+
+if TYPE_CHECKING:
+    from engine.core.state_export import ExportedState
+    from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    HELD = "held"                       # prefill finished, state kept for export until released
+    FINISHED = "finished"
+
+
+@dataclass
+class ImageInput:
+    """One image of a prompt: its pad-run span (with content hash) and its encoded features [n, D]."""
+
+    span: ImageSpan
+    embeds: torch.Tensor
+
+
+@dataclass(eq=False)                   # identity semantics: queues compare and hash by object
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: "SamplingParams"
+    images: list[ImageInput] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    export_state: bool = False          # prefill leg: hold the state for a decode worker
+    imported: "ExportedState | None" = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[Any] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0          # prompt tokens that came from the prefix cache (first schedule)
+    blocks: list[int] = field(default_factory=list)
+    kda_slot: int | None = None
+    resume_snapshot_slot: int | None = None   # copy this snapshot into kda_slot before the next forward
+    num_published_blocks: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    generator: torch.Generator | None = None
+    max_tokens: int = 16
+    detokenizer: Any = None
+    text: str = ""
+    first_scheduled_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def token_at(self, position: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]

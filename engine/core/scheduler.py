@@ -1,0 +1,130 @@
+"""Continuous batching with chunked prefill under a token budget. Owns no tensors.
+
+Every request has `num_computed_tokens` and `num_tokens`; each step gives it
+`min(num_tokens - num_computed_tokens, remaining budget)` new tokens. A fresh prompt, a prefill chunk,
+a prefix-cache hit (computed jumps to the hit), an imported prefill (computed = prompt length) and
+a decode step are all that one rule. When pages run out, the most recently admitted running request
+is preempted (its pages freed, recomputed later from its tokens: prompt + output so far).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.core.cache_manager import HybridCacheManager, PrefixHit
+from engine.core.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096
+
+
+@dataclass
+class ScheduledSeq:
+    req: Request
+    num_new_tokens: int
+    num_computed_before: int
+    snapshots: tuple[tuple[int, int], ...] = ()
+    resume_from_slot: int | None = None         # copy this KDA snapshot into the working slot first
+    import_state: bool = False                  # write req.imported into the cache first
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the end of the known tokens, so its last logits pick the next one."""
+        return self.num_computed_before + self.num_new_tokens == self.req.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.seqs)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, cache: HybridCacheManager) -> None:
+        self.config = config
+        self.cache = cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._make_room(req, n, out):
+                break                                   # req itself was preempted
+            out.seqs.append(ScheduledSeq(req, n, req.num_computed_tokens,
+                                         self.cache.plan_snapshots(req, req.num_computed_tokens, n)))
+            budget -= n
+            i += 1
+        return budget
+
+    def _make_room(self, req: Request, n: int, out: SchedulerOutput) -> bool:
+        while not self.cache.allocate(req, n):
+            victim = self.running[-1]
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.cache.free(req)
+        req.num_computed_tokens = 0
+        req.num_published_blocks = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        req.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(req)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            imported = req.imported is not None and req.num_computed_tokens == 0
+            if imported:
+                req.num_computed_tokens = req.num_prompt_tokens
+            hit = self.cache.prefix_hit(req) if req.num_computed_tokens == 0 else PrefixHit.none()
+            start = hit.num_tokens or req.num_computed_tokens
+            n = min(req.num_tokens - start, budget)
+            if not self.cache.allocate(req, n, hit):
+                if imported:
+                    req.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            req.status = RequestStatus.RUNNING
+            out.seqs.append(ScheduledSeq(req, n, start, self.cache.plan_snapshots(req, start, n),
+                                         resume_from_slot=req.resume_snapshot_slot, import_state=imported))
+            req.resume_snapshot_slot = None
+            budget -= n
+
+    def remove(self, req: Request) -> None:
+        """Take a request out of the queues (finished, held for export or aborted)."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)

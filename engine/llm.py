@@ -1,0 +1,98 @@
+"""vLLM-like offline API: `LLM(model=DIR, ...).generate(prompts, params)` and `.chat(messages, params)`."""
+from __future__ import annotations
+
+import base64
+import io
+import itertools
+from dataclasses import fields
+from typing import Any, Sequence
+
+from engine.core.engine import EngineConfig, LLMEngine
+from engine.core.inputs import EngineInput, ImageItem
+from engine.core.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.tokenizer.chat import render_chat
+
+PromptLike = str | list[int] | dict[str, Any] | EngineInput
+
+
+class LLM:
+    def __init__(self, model: str, **settings: Any) -> None:
+        known = {f.name for f in fields(EngineConfig)}
+        unknown = sorted(set(settings) - known)
+        if unknown:
+            raise TypeError(f"unknown LLM settings {unknown}; known: {sorted(known - {'model'})}")
+        self.engine = LLMEngine(EngineConfig(model=str(model), **settings))
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(self, prompts: PromptLike | Sequence[PromptLike],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion together (continuous batching); outputs in prompt order.
+
+        A prompt is text (encoded as is, no chat template), token ids, an EngineInput, or a dict with
+        `prompt_token_ids` (and optional `images`: ImageItem list).
+        """
+        if isinstance(prompts, (str, dict, EngineInput)) or (isinstance(prompts, list) and prompts
+                                                            and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params_list = self._params_for(len(prompts), params)
+        ids = [self.engine.add_request(f"llm-{next(self._ids)}", self._to_input(p), sp)
+               for p, sp in zip(prompts, params_list)]
+        return self._run(ids)
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             params: SamplingParams | Sequence[SamplingParams] | None = None, **render_options: Any) -> list[RequestOutput]:
+        """Render each conversation with the K3 XTML renderer (images from content parts), then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self.generate([self.render(c, **render_options) for c in conversations], params)
+
+    def render(self, messages: list[dict[str, Any]], **render_options: Any) -> EngineInput:
+        from engine.model.image_processing import num_image_tokens
+        images = [decode_image_part(part) for m in messages if isinstance(m.get("content"), list)
+                  for part in m["content"] if part.get("type") in ("image", "image_url")]
+        vcfg = self.engine.model.config.vision_config
+        counts = [num_image_tokens(vcfg, img.height, img.width) for img in images] if images else None
+        rendered = render_chat(self.tokenizer, messages, image_token_counts=counts, **render_options)
+        items = [ImageItem(start, n, img) for (start, n), img in zip(rendered.image_spans, images)]
+        return EngineInput(rendered.token_ids, items)
+
+    def _to_input(self, prompt: PromptLike) -> EngineInput:
+        if isinstance(prompt, EngineInput):
+            return prompt
+        if isinstance(prompt, str):
+            return EngineInput(self.tokenizer.encode(prompt))
+        if isinstance(prompt, dict):
+            return EngineInput(list(prompt["prompt_token_ids"]), list(prompt.get("images", [])))
+        return EngineInput(list(prompt))
+
+    @staticmethod
+    def _params_for(n: int, params) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams() for _ in range(n)]
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        if len(params) != n:
+            raise ValueError(f"{len(params)} sampling params for {n} prompts")
+        return list(params)
+
+    def _run(self, ids: list[str]) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            if not self.engine.has_unfinished():
+                break
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+
+
+def decode_image_part(part: dict[str, Any]):
+    """A PIL image from an OpenAI content part: {"type": "image", "image": PIL} or a data: URL."""
+    from engine.model.image_processing import load_image
+    if part.get("type") == "image" and "image" in part:
+        return part["image"]
+    url = (part.get("image_url") or {}).get("url", "") if isinstance(part.get("image_url"), dict) else part.get("image_url", "")
+    if not isinstance(url, str) or not url.startswith("data:") or ";base64," not in url:
+        raise ValueError("images must be given as data: URLs with base64 content (no network fetches)")
+    return load_image(base64.b64decode(url.split(";base64,", 1)[1], validate=True))

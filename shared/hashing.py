@@ -1,0 +1,68 @@
+"""Chained prefix-block hashes, shared by the engine's prefix cache and the router's prefix index.
+
+    h_root = H("kimi-pd/v1", model_id, cache_salt)
+    h_i    = H(h_{i-1}, token ids of block i, images overlapping block i)
+
+Only full blocks are hashed. An image contributes (content hash, absolute start, length) to every
+block its placeholder run overlaps, so two prompts with equal token ids but different pixels never
+share a block. Hashes are unsigned 64-bit ints (blake2b-8), the form vLLM's KV events carry.
+Both sides must call exactly these functions: the router's index is only exact if it agrees bit for bit.
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+HASH_VERSION = "kimi-pd/v1"
+
+
+@dataclass(frozen=True)
+class ImageSpan:
+    """An image's placeholder run in the prompt: tokens [start, start + length) and its content hash."""
+
+    start: int
+    length: int
+    content_hash: bytes
+
+
+def _digest(*parts: bytes) -> int:
+    h = hashlib.blake2b(digest_size=8)
+    for part in parts:
+        h.update(struct.pack("<I", len(part)))
+        h.update(part)
+    return int.from_bytes(h.digest(), "big")
+
+
+def root_hash(model_id: str, cache_salt: str | None = None) -> int:
+    """The chain's parent for block 0: different models or salts never share blocks."""
+    return _digest(HASH_VERSION.encode(), model_id.encode(), (cache_salt or "").encode())
+
+
+def image_content_hash(rgb_bytes: bytes, width: int, height: int) -> bytes:
+    """Hash of an image's decoded RGB pixels (not its file encoding), so router and engine agree."""
+    return hashlib.sha256(struct.pack("<II", width, height) + rgb_bytes).digest()
+
+
+def _block_extra(lo: int, hi: int, images: Sequence[ImageSpan]) -> bytes:
+    parts = [struct.pack("<II", img.start, img.length) + img.content_hash
+             for img in images if img.start < hi and img.start + img.length > lo]
+    return b"".join(parts)
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, root: int,
+                 images: Sequence[ImageSpan] = ()) -> list[int]:
+    """Hashes of every FULL block of `token_ids`, chained from `root`."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    out, parent = [], root
+    for i in range(len(tokens) // block_size):
+        lo, hi = i * block_size, (i + 1) * block_size
+        parent = _digest(parent.to_bytes(8, "big"), tokens[lo:hi].astype("<i8").tobytes(),
+                         _block_extra(lo, hi, images))
+        out.append(parent)
+    return out

