@@ -14,6 +14,7 @@ from engine.config import TextConfig
 from engine.core.block_pool import BlockPool
 from engine.core.request import Request
 from engine.core.state_slots import StateSlotPool
+from shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class HybridCacheManager:
         self.pool = BlockPool(config.num_blocks)
         self.slots = StateSlotPool(config.num_working_slots, config.num_snapshot_slots)
         self._pending: dict[str, list[tuple[int, int]]] = {}
+        self._events: list[KVEvent] = []
 
     # ---- lookups ------------------------------------------------------------------------------
     def prefix_hit(self, req: Request) -> PrefixHit:
@@ -138,8 +140,14 @@ class HybridCacheManager:
     def commit(self, req: Request) -> None:
         """After a forward: publish the request's newly full prompt blocks and written snapshots."""
         full = min(len(req.block_hashes), req.num_computed_tokens // self.block_size)
-        for i in range(req.num_published_blocks, full):
+        first = req.num_published_blocks
+        for i in range(first, full):
             self.pool.cache(req.blocks[i], req.block_hashes[i])
+        if full > first:
+            self._flush_evictions()
+            bs = self.block_size
+            self._events.append(BlockStored(req.block_hashes[first:full], req.block_hashes[first - 1] if first else None,
+                                            req.prompt_token_ids[first * bs: full * bs], bs))
         req.num_published_blocks = max(req.num_published_blocks, full)
         for block_hash, slot in self._pending.pop(req.request_id, []):
             self.slots.commit_snapshot(block_hash, slot)
@@ -164,7 +172,20 @@ class HybridCacheManager:
         if not self.pool.reset_prefix_cache():
             return False
         self.slots.clear_snapshots()
+        self.pool.evicted_hashes()
+        self._events.append(AllBlocksCleared())
         return True
+
+    def _flush_evictions(self) -> None:
+        evicted = self.pool.evicted_hashes()
+        if evicted:
+            self._events.append(BlockRemoved(evicted))
+
+    def drain_events(self) -> list[KVEvent]:
+        """KV events (vLLM schema) since the last call, in the order the cache changed."""
+        self._flush_evictions()
+        events, self._events = self._events, []
+        return events
 
     def check_integrity(self, holders: list[Request]) -> None:
         """Raise AssertionError if any block or slot is leaked, double-owned or mis-hashed."""

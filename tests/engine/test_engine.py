@@ -300,3 +300,28 @@ def test_abort_mid_generation_frees_and_others_continue(tiny_dir):
 def test_capacity_is_reported_from_the_memory_budget(tiny_dir):
     llm = make_llm(tiny_dir, max_num_seqs=2, num_snapshot_slots=2, cache_memory_bytes=4 * 12800 + 50 * 768)
     assert llm.engine.capacity_tokens == 49 * 4
+
+
+def test_kv_events_replay_to_the_pool_contents(tiny_dir):
+    """Stored/removed events, replayed in order, give exactly the hashes the pool holds."""
+    from shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+    llm = make_llm(tiny_dir, max_num_seqs=2, num_snapshot_slots=2, cache_memory_bytes=4 * 12800 + 20 * 768)
+    held: set[int] = set()
+
+    def replay():
+        for event in llm.engine.cache.drain_events():
+            if isinstance(event, BlockStored):
+                assert event.block_size == 4 and len(event.token_ids) == 4 * len(event.block_hashes)
+                held.update(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                held.difference_update(event.block_hashes)
+            elif isinstance(event, AllBlocksCleared):
+                held.clear()
+
+    for seed in range(6):                                   # enough to force evictions
+        llm.generate([prompt_ids(23, 200 + seed)], GREEDY)
+        replay()
+        assert held == set(llm.engine.cache.pool.hash_to_block)
+    assert llm.engine.cache.reset_prefix_cache()
+    replay()
+    assert held == set() == set(llm.engine.cache.pool.hash_to_block)

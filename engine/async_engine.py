@@ -1,0 +1,162 @@
+"""AsyncEngine: the LLMEngine on its own thread, for asyncio services.
+
+All engine state is touched by one thread only. Callers submit commands (add, abort, export,
+release) that the engine thread runs between steps; outputs flow back to per-request asyncio
+queues. A consumer that stops iterating (client gone, task cancelled) aborts its request, so no
+request keeps running or holding cache for nobody. If a step raises, the engine is marked dead and
+every open stream ends with EngineDead instead of hanging.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from engine.core.engine import EngineConfig, LLMEngine
+from engine.core.inputs import EngineInput
+from engine.core.outputs import RequestOutput
+from engine.core.state_export import ExportedState
+from engine.errors import EngineDead
+from engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+_DONE = object()
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None) -> None:
+        self.engine = engine or LLMEngine(config)
+        self._commands: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future]] = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stop = threading.Event()
+        self._dead: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._thread.start()
+
+    # ---- public API -----------------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt: EngineInput | list[int], params: SamplingParams,
+                       export_state: bool = False, imported: ExportedState | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield this request's outputs as steps produce them; the last one has `finished=True`."""
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (loop, outputs)
+        try:
+            await self.call(lambda: self.engine.add_request(request_id, prompt, params, export_state, imported))
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        finished = False
+        try:
+            while True:
+                item = await outputs.get()
+                if item is _DONE:
+                    raise EngineDead(f"engine stopped: {self._dead!r}" if self._dead else "engine stopped")
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort_nowait(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        await self.call(lambda: self.engine.abort(request_id))
+
+    def abort_nowait(self, request_id: str) -> None:
+        """Abort from any context (e.g. a generator being closed); runs on the engine thread."""
+        if self._dead is None:
+            self._commands.put((lambda: self.engine.abort(request_id), concurrent.futures.Future()))
+
+    async def export_state(self, request_id: str) -> ExportedState:
+        return await self.call(lambda: self.engine.export_state(request_id))
+
+    async def release_export(self, request_id: str, reason: str = "released") -> bool:
+        return await self.call(lambda: self.engine.release_export(request_id, reason))
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run fn on the engine thread between steps; its exception is raised here."""
+        if self._dead is not None or self._stop.is_set():
+            raise EngineDead()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((fn, future))
+        return await asyncio.wrap_future(future)
+
+    def stats(self) -> dict[str, Any]:
+        """A racy but safe snapshot for health and load reports (reads only counters)."""
+        e = self.engine
+        return {"running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting), "held": len(e.held),
+                "cache_usage": e.cache.usage, "capacity_tokens": e.capacity_tokens,
+                "preemptions": e.scheduler.num_preemptions, "dead": self._dead is not None}
+
+    @property
+    def is_dead(self) -> bool:
+        return self._dead is not None
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._commands.put((lambda: None, concurrent.futures.Future()))
+        self._thread.join(timeout)
+
+    # ---- engine thread --------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._run_commands(block=not self.engine.has_unfinished())
+            if self._stop.is_set() or not self.engine.has_unfinished():
+                continue
+            try:
+                outputs = self.engine.step()
+            except BaseException as exc:                       # noqa: BLE001 - the engine must not hang streams
+                log.exception("engine step failed; failing every open request")
+                self._die(exc)
+                return
+            for out in outputs:
+                self._publish(out.request_id, out)
+        self._die(None)
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            fn, future = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._run_one(fn, future)
+            try:
+                fn, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _run_one(self, fn: Callable[[], Any], future: concurrent.futures.Future) -> None:
+        try:
+            result = fn()
+        except BaseException as exc:                           # noqa: BLE001 - delivered to the caller
+            future.set_exception(exc)
+            return
+        future.set_result(result)
+        if isinstance(result, RequestOutput) and result.finished:  # an abort's final output
+            self._publish(result.request_id, result)
+
+    def _publish(self, request_id: str, item: Any) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            loop, q = stream
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, item)
+            except RuntimeError:                               # the loop is closed: nobody listens
+                pass
+
+    def _die(self, exc: BaseException | None) -> None:
+        self._dead = exc if exc is not None else EngineDead("shut down")
+        for request_id in list(self._streams):
+            self._publish(request_id, _DONE)
+        while True:
+            try:
+                _, future = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if not future.done():
+                future.set_exception(EngineDead())

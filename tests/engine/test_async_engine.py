@@ -1,0 +1,109 @@
+"""AsyncEngine: streamed outputs equal the offline ones; abort and disconnect free everything."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.async_engine import AsyncEngine
+from engine.checkpoint.create import create_checkpoint
+from engine.core.engine import EngineConfig, LLMEngine
+from engine.errors import EngineDead, InvalidRequest
+from engine.sampling_params import SamplingParams
+from tests.engine.test_engine import SETTINGS, assert_clean, make_llm, prompt_ids
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return create_checkpoint("tiny", tmp_path_factory.mktemp("async") / "tiny", seed=0, progress=False)
+
+
+@pytest.fixture()
+def async_engine(tiny_dir):
+    eng = AsyncEngine(EngineConfig(model=str(tiny_dir), **SETTINGS))
+    yield eng
+    eng.shutdown()
+
+
+class _Wrapped:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+
+
+async def collect(engine: AsyncEngine, rid: str, prompt, params=GREEDY):
+    return [out async for out in engine.generate(rid, prompt, params)]
+
+
+def test_concurrent_streams_equal_offline(async_engine, tiny_dir):
+    prompts = [prompt_ids(n, n) for n in (4, 11, 19)]
+    expected = [o.output.token_ids for o in make_llm(tiny_dir).generate(prompts, GREEDY)]
+
+    async def main():
+        return await asyncio.gather(*(collect(async_engine, f"r{i}", p) for i, p in enumerate(prompts)))
+
+    results = asyncio.run(main())
+    for outs, want in zip(results, expected):
+        assert outs[-1].finished and outs[-1].output.token_ids == want
+        assert [t for o in outs for t in o.new_token_ids] == want            # one delta per step, in order
+        assert "".join(o.new_text for o in outs) == outs[-1].output.text
+    assert_clean(_Wrapped(async_engine.engine))
+
+
+def test_consumer_that_stops_early_aborts_its_request(async_engine):
+    async def main():
+        stream = async_engine.generate("early", prompt_ids(9, 1), SamplingParams(temperature=0.0, max_tokens=50,
+                                                                                  ignore_eos=True))
+        async for out in stream:
+            if len(out.output.token_ids) == 3:
+                break
+        await stream.aclose()
+        await async_engine.call(lambda: None)          # let the abort run on the engine thread
+        return await async_engine.call(lambda: dict(async_engine.engine.requests))
+
+    assert asyncio.run(main()) == {}
+    assert_clean(_Wrapped(async_engine.engine))
+
+
+def test_explicit_abort_ends_the_stream(async_engine):
+    async def main():
+        outs = []
+        async for out in async_engine.generate("ab", prompt_ids(7, 2), SamplingParams(temperature=0.0, max_tokens=200,
+                                                                                       ignore_eos=True)):
+            outs.append(out)
+            if len(outs) == 2:
+                await async_engine.abort("ab")
+        return outs
+
+    outs = asyncio.run(main())
+    assert outs[-1].finished and outs[-1].output.finish_reason == "abort"
+    assert_clean(_Wrapped(async_engine.engine))
+
+
+def test_bad_request_raises_to_the_caller_and_engine_keeps_serving(async_engine):
+    async def main():
+        with pytest.raises(InvalidRequest):
+            await collect(async_engine, "bad", [1, 2, 10**6])
+        return await collect(async_engine, "good", prompt_ids(5, 3))
+
+    assert asyncio.run(main())[-1].finished
+    assert_clean(_Wrapped(async_engine.engine))
+
+
+def test_engine_failure_ends_streams_with_engine_dead(async_engine):
+    def boom():
+        raise RuntimeError("device lost")
+
+    async def main():
+        stream = async_engine.generate("x", prompt_ids(5, 4), SamplingParams(temperature=0.0, max_tokens=500,
+                                                                              ignore_eos=True))
+        first = await stream.__anext__()
+        async_engine.engine.step = boom                 # the next step fails
+        with pytest.raises(EngineDead):
+            async for _ in stream:
+                pass
+        return first
+
+    assert asyncio.run(main()).output.token_ids
+    assert async_engine.is_dead
