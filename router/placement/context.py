@@ -1,0 +1,27 @@
+"""Building a RoutingContext: hash the prompt once per hash chain, read the prefix index once."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from router.placement.prefix_index import PrefixQuery
+from router.placement.types import HashKey, RoutingContext, WorkerState
+from shared.hashing import ImageSpan, block_hashes
+from shared.workers import Role
+
+
+def build_context(request_id: str, token_ids: Sequence[int], workers: Sequence[WorkerState],
+                  index: PrefixQuery, *, model: str, role: Role, now: float,
+                  images: Sequence[ImageSpan] = ()) -> RoutingContext:
+    """Context for one request over the workers serving `model`.
+
+    The prompt is hashed once per distinct (hash_root, block_size) among those workers, since
+    workers on different chains never share a block hash; each worker's cached prefix is read
+    from `index` here, once, so all plugins of this decision see the same numbers.
+    """
+    serving = [w for w in workers if w.info.model_id == model]
+    keys = {HashKey.of(w.info) for w in serving}
+    hashes = {k: tuple(block_hashes(token_ids, k.block_size, k.hash_root, images)) for k in keys}
+    cached = {w.worker_id: index.matched_blocks(w.worker_id, hashes[HashKey.of(w.info)]) for w in serving}
+    return RoutingContext(request_id=request_id, model=model, role=role,
+                          num_prompt_tokens=len(token_ids), prompt_hashes=hashes,
+                          cached_blocks=cached, now=now)

@@ -1,0 +1,97 @@
+"""Filters: pure `(ctx, workers) -> workers` functions that drop candidates that must not be picked.
+
+Each keeps the input order and never adds a worker. The pipeline runs them in sequence and reports
+which one emptied the set. Registry names: role, model, healthy, circuit-not-open, not-draining,
+not-overloaded.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
+
+from router.placement.registry import Registry
+from router.placement.types import CircuitState, RoutingContext, WorkerState
+
+Workers = tuple[WorkerState, ...]
+
+
+class Filter(Protocol):
+    name: ClassVar[str]
+
+    def __call__(self, ctx: RoutingContext, workers: Sequence[WorkerState]) -> Workers: ...
+
+
+FILTERS: Registry[Filter] = Registry("filter")
+
+# Which worker roles can serve a wanted role: a colocated ("both") worker can do either leg, and
+# a request that wants one worker for everything needs a colocated one.
+SERVES: dict[str, frozenset[str]] = {
+    "prefill": frozenset({"prefill", "both"}),
+    "decode": frozenset({"decode", "both"}),
+    "both": frozenset({"both"}),
+}
+
+
+@FILTERS.register("role")
+@dataclass(frozen=True)
+class RoleFilter:
+    def __call__(self, ctx: RoutingContext, workers: Sequence[WorkerState]) -> Workers:
+        return tuple(w for w in workers if w.info.role in SERVES[ctx.role])
+
+
+@FILTERS.register("model")
+@dataclass(frozen=True)
+class ModelFilter:
+    def __call__(self, ctx: RoutingContext, workers: Sequence[WorkerState]) -> Workers:
+        return tuple(w for w in workers if w.info.model_id == ctx.model)
+
+
+@FILTERS.register("healthy")
+@dataclass(frozen=True)
+class HealthyFilter:
+    def __call__(self, ctx: RoutingContext, workers: Sequence[WorkerState]) -> Workers:
+        return tuple(w for w in workers if w.healthy)
+
+
+@FILTERS.register("circuit-not-open")
+@dataclass(frozen=True)
+class CircuitFilter:
+    """Drops open circuits. A half-open circuit admits one probe at a time: it passes only while
+    this router has nothing in flight to it, so a recovering worker is not flooded."""
+
+    def __call__(self, ctx: RoutingContext, workers: Sequence[WorkerState]) -> Workers:
+        return tuple(w for w in workers if w.circuit is CircuitState.CLOSED
+                     or (w.circuit is CircuitState.HALF_OPEN and w.inflight == 0))
+
+
+@FILTERS.register("not-draining")
+@dataclass(frozen=True)
+class DrainingFilter:
+    def __call__(self, ctx: RoutingContext, workers: Sequence[WorkerState]) -> Workers:
+        return tuple(w for w in workers if not w.is_draining)
+
+
+@FILTERS.register("not-overloaded")
+@dataclass(frozen=True)
+class OverloadFilter:
+    """The "death spiral" guard of cache-aware routing: drops a worker whose active requests exceed
+    the least-loaded candidate's by more than `abs_margin` AND by a factor above `rel_factor`
+    (SGLang's imbalance rule, applied per worker). The least-loaded worker always survives, so
+    this filter never empties the set; a full prefix hit cannot pull traffic onto a hot worker."""
+
+    abs_margin: int = 8
+    rel_factor: float = 1.5
+
+    def __post_init__(self) -> None:
+        if self.abs_margin < 0 or self.rel_factor < 1.0:
+            raise ValueError("not-overloaded needs abs_margin >= 0 and rel_factor >= 1")
+
+    def __call__(self, ctx: RoutingContext, workers: Sequence[WorkerState]) -> Workers:
+        if not workers:
+            return ()
+        floor = min(w.active_requests for w in workers)
+        return tuple(w for w in workers if not self._overloaded(w.active_requests, floor))
+
+    def _overloaded(self, load: int, floor: int) -> bool:
+        return load - floor > self.abs_margin and load > self.rel_factor * floor

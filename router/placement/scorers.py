@@ -1,0 +1,83 @@
+"""Scorers: pure `(ctx, workers) -> one float per worker`, where higher is better.
+
+Contract: a scorer returns exactly one value per input worker, in input order. Values are meant to
+lie in [0, 1]; `run_scorer` (the only way the pipeline calls a scorer) clamps them there and maps
+NaN to 0, so one bad engine report cannot outweigh the other scorers. Scorers that compare workers
+("load") are relative to the candidates they are given, i.e. the fleet after filtering.
+Registry names: prefix, load, kv_usage.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
+
+from router.placement.registry import Registry
+from router.placement.types import RoutingContext, WorkerState
+
+
+class Scorer(Protocol):
+    name: ClassVar[str]
+
+    def __call__(self, ctx: RoutingContext, workers: Sequence[WorkerState]) -> Sequence[float]: ...
+
+
+SCORERS: Registry[Scorer] = Registry("scorer")
+
+
+def clamp01(value: float) -> float:
+    return 0.0 if math.isnan(value) else min(max(value, 0.0), 1.0)
+
+
+def run_scorer(scorer: Scorer, ctx: RoutingContext, workers: Sequence[WorkerState]) -> list[float]:
+    """Scores clamped to [0, 1]; raises ValueError if the scorer broke the one-per-worker contract."""
+    raw = list(scorer(ctx, workers))
+    if len(raw) != len(workers):
+        raise ValueError(f"scorer {scorer.name!r} returned {len(raw)} scores for {len(workers)} workers")
+    return [clamp01(v) for v in raw]
+
+
+@SCORERS.register("prefix")
+@dataclass(frozen=True)
+class PrefixScorer:
+    """Fraction of the prompt's full blocks the worker holds as a chain from block 0
+    (`ctx.cached_blocks`, read from a PrefixIndex when the context was built)."""
+
+    def __call__(self, ctx: RoutingContext, workers: Sequence[WorkerState]) -> list[float]:
+        return [ctx.prefix_fraction(w.info) for w in workers]
+
+
+@SCORERS.register("load")
+@dataclass(frozen=True)
+class LoadScorer:
+    """`1 - L_w / (max_v L_v + headroom)` with L = `WorkerState.active_requests`.
+
+    Relative to the fleet's busiest candidate, so the scale of the counts does not matter (engine
+    counts, or per-replica counters that shrink as router replicas are added). `headroom` (in
+    requests) keeps small absolute gaps at low concurrency (1 vs 0) from looking like 100% vs 0%.
+    An idle fleet scores 1 everywhere.
+    """
+
+    headroom: float = 4.0
+
+    def __post_init__(self) -> None:
+        if self.headroom <= 0:
+            raise ValueError("load headroom must be > 0")
+
+    def __call__(self, ctx: RoutingContext, workers: Sequence[WorkerState]) -> list[float]:
+        loads = [w.active_requests for w in workers]
+        scale = max(loads, default=0) + self.headroom
+        return [1.0 - load / scale for load in loads]
+
+
+@SCORERS.register("kv_usage")
+@dataclass(frozen=True)
+class KVUsageScorer:
+    """`1 - cache_usage` from the engine's report. A worker without a report gets the mean of the
+    others (neutral: it neither wins nor loses on a number we do not have); 1.0 if nobody reports."""
+
+    def __call__(self, ctx: RoutingContext, workers: Sequence[WorkerState]) -> list[float]:
+        known = [clamp01(1.0 - w.load.cache_usage) for w in workers if w.load is not None]
+        neutral = sum(known) / len(known) if known else 1.0
+        return [neutral if w.load is None else 1.0 - w.load.cache_usage for w in workers]

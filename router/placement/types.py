@@ -1,0 +1,105 @@
+"""The data a placement decision reads: one `WorkerState` per candidate and one `RoutingContext`.
+
+Both are frozen. The router builds fresh ones per decision (health, circuit and load change between
+requests); plugins never mutate them, so a decision is a pure function of (context, workers).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from types import MappingProxyType
+
+from shared.workers import LoadReport, Role, WorkerInfo
+
+
+class CircuitState(str, Enum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half-open"
+
+
+@dataclass(frozen=True)
+class WorkerState:
+    """One worker as the router sees it at decision time.
+
+    `load` is the worker's latest engine report, or None when there is none or it is stale (the
+    caller decides staleness). `inflight` counts requests THIS router replica has sent and not yet
+    seen finish; with N replicas it is roughly 1/N of the truth, so plugins prefer `load`.
+    """
+
+    info: WorkerInfo
+    load: LoadReport | None = None
+    inflight: int = 0
+    healthy: bool = True
+    circuit: CircuitState = CircuitState.CLOSED
+    draining: bool = False
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id
+
+    @property
+    def is_draining(self) -> bool:
+        """Drained by an operator here, or the worker says it is shutting down."""
+        return self.draining or (self.load is not None and self.load.draining)
+
+    @property
+    def active_requests(self) -> int:
+        """Requests on the worker: the engine's running + waiting, never below our own in-flight.
+
+        The engine counts every router replica's requests but lags by one heartbeat; our counter is
+        current but sees one replica only. Each is a lower bound of the truth, so take the max.
+        """
+        if self.load is None:
+            return max(self.inflight, 0)
+        return max(self.load.running + self.load.waiting, self.inflight, 0)
+
+
+@dataclass(frozen=True)
+class HashKey:
+    """A prefix-hash chain: workers agree on block hashes only if root AND block size are equal."""
+
+    hash_root: int
+    block_size: int
+
+    @classmethod
+    def of(cls, info: WorkerInfo) -> HashKey:
+        return cls(info.hash_root, info.block_size)
+
+
+@dataclass(frozen=True)
+class RoutingContext:
+    """Everything about one request that placement needs, computed once per request.
+
+    Invariants: `prompt_hashes[k]` holds the hashes of every FULL block of the prompt under chain
+    `k` (so `len * k.block_size <= num_prompt_tokens`); `cached_blocks[w] <= len(hashes for w)` is
+    the number of those blocks that worker `w` holds as a contiguous chain from block 0, read from
+    a prefix index once, so every plugin (scorer, decider) sees the same snapshot.
+    """
+
+    request_id: str
+    model: str
+    role: Role
+    num_prompt_tokens: int
+    prompt_hashes: Mapping[HashKey, tuple[int, ...]] = field(default_factory=dict)
+    cached_blocks: Mapping[str, int] = field(default_factory=dict)
+    now: float = 0.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt_hashes", MappingProxyType(dict(self.prompt_hashes)))
+        object.__setattr__(self, "cached_blocks", MappingProxyType(dict(self.cached_blocks)))
+
+    def hashes_for(self, info: WorkerInfo) -> tuple[int, ...]:
+        return self.prompt_hashes.get(HashKey.of(info), ())
+
+    def prefix_fraction(self, info: WorkerInfo) -> float:
+        """Share of the prompt's full blocks cached on the worker; 0.0 when there are none."""
+        total = len(self.hashes_for(info))
+        return min(self.cached_blocks.get(info.worker_id, 0), total) / total if total else 0.0
+
+    def uncached_tokens(self, info: WorkerInfo) -> int:
+        """Prompt tokens the worker must compute; at least 1 (the engine never serves a whole prompt
+        from cache, it needs one computed token for the logits)."""
+        cached = min(self.cached_blocks.get(info.worker_id, 0), len(self.hashes_for(info)))
+        return max(self.num_prompt_tokens - cached * info.block_size, 1)
