@@ -1,0 +1,188 @@
+"""The kv_transfer interface (version 1): prefill publishes under a lease, decode pulls then releases.
+
+    prefill worker                                   decode worker
+    sender.publish(payload, lease_s, on_free) ─params─> receiver.pull(params)  -> TransferPayload
+                                                       receiver.release(params) (always, even after
+    on_free(request_id, reason)  <── release / lease expiry / abort / stop      a failed pull)
+
+Invariants every transport keeps:
+- `on_free` is called exactly once per published request, with reason `released`, `expired`,
+  `aborted` or `shutdown`, and never while a pull is still reading that request's tensors.
+- A pull returns the whole state or raises a `TransferError`; it never returns partial state, and
+  a pull that outlives its lease raises `LeaseExpired` even if every byte arrived.
+- Every network wait is bounded by a timeout in `TransferConfig`.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import importlib
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kv_transfer.errors import ConfigError
+from kv_transfer.metrics import TransferMetrics
+from kv_transfer.payload import ModelIdentity, TransferPayload
+
+INTERFACE_VERSION = 1
+FREE_REASONS = ("released", "expired", "aborted", "shutdown")
+OnFree = Callable[[str, str], None]
+
+
+@dataclass
+class KVTransferParams:
+    """vLLM's `kv_transfer_params` fields, plus ours (`transport`, `interface_version`, `state_bytes`)."""
+
+    do_remote_prefill: bool = False
+    do_remote_decode: bool = False
+    remote_engine_id: str | None = None
+    remote_request_id: str | None = None
+    remote_host: str | None = None
+    remote_port: int | None = None
+    remote_block_ids: list[int] | None = None
+    remote_num_tokens: int | None = None
+    remote_blocks_expiry_time: float | None = None
+    transport: str | None = None
+    interface_version: int = INTERFACE_VERSION
+    state_bytes: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> KVTransferParams:
+        """Build from a JSON dict; unknown fields are ignored, as the protocol requires."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in raw.items() if k in known})
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """Everything a transport needs, parsed once at the process edge.
+
+    `host`/`port` is where a sender listens (port 0 = any free port); `advertise_host` is what it
+    puts in params (defaults to `host`). `secret` authenticates every frame and is never logged.
+    """
+
+    identity: ModelIdentity
+    secret: bytes = field(repr=False)
+    transport: str = "tcp"
+    engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    host: str = "127.0.0.1"
+    port: int = 0
+    advertise_host: str | None = None
+    streams: int = 4
+    chunk_bytes: int = 4 << 20
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 10.0
+    transfer_timeout_s: float = 120.0
+    lease_s: float = 30.0
+    sweep_interval_s: float = 0.5
+    max_state_bytes: int = 64 << 30
+    device: str = "cpu"
+    mooncake_protocol: str = "tcp"
+    mooncake_metadata_server: str = "P2PHANDSHAKE"
+    mooncake_device_name: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.secret, bytes) or len(self.secret) < 16:
+            raise ConfigError("secret must be bytes, at least 16 of them")
+        if not 1 <= self.streams <= 64:
+            raise ConfigError("streams must be in [1, 64]")
+        if not 64 << 10 <= self.chunk_bytes <= 256 << 20:
+            raise ConfigError("chunk_bytes must be in [64 KiB, 256 MiB]")
+        timeouts = (self.connect_timeout_s, self.read_timeout_s, self.transfer_timeout_s)
+        if min(*timeouts, self.lease_s, self.sweep_interval_s) <= 0:
+            raise ConfigError("timeouts, lease_s and sweep_interval_s must be positive")
+
+
+class KVSender(abc.ABC):
+    """Prefill side: holds published states under leases and serves pulls and releases."""
+
+    transport_name: str
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Bind and start serving; afterwards `publish` may be called."""
+
+    @abc.abstractmethod
+    async def stop(self) -> None:
+        """Stop serving, end in-flight pulls and free every lease with reason `shutdown`."""
+
+    @abc.abstractmethod
+    def publish(self, payload: TransferPayload, lease_s: float | None, on_free: OnFree) -> KVTransferParams:
+        """Hold `payload` for `lease_s` seconds (config default when None); thread-safe.
+
+        Raises `DuplicateRequest` if the id is already held, `TypeError` if meta is not msgpack-able.
+        """
+
+    @abc.abstractmethod
+    def abort(self, request_id: str) -> bool:
+        """Free a held request with reason `aborted`; False if it was not held. Thread-safe."""
+
+    @abc.abstractmethod
+    def held_count(self) -> int:
+        """Leases whose `on_free` has not run yet."""
+
+    @property
+    @abc.abstractmethod
+    def port(self) -> int:
+        """The bound control port (valid after `start`)."""
+
+
+class KVReceiver(abc.ABC):
+    """Decode side: pulls a published state, then releases it on the sender."""
+
+    transport_name: str
+
+    async def start(self) -> None:
+        """Acquire transport resources (no-op for transports that need none)."""
+
+    async def stop(self) -> None:
+        """Release transport resources; idempotent."""
+
+    @abc.abstractmethod
+    async def pull(self, params: KVTransferParams) -> TransferPayload:
+        """Fetch the whole state or raise a `TransferError`; never returns partial state."""
+
+    @abc.abstractmethod
+    async def release(self, params: KVTransferParams) -> bool:
+        """Ask the sender to free the lease; True if this call freed it, False if already gone.
+
+        Call it after every pull, failed ones included, so prefill blocks are never stranded.
+        Raises `TransferError` only when the sender cannot be reached or refuses us.
+        """
+
+
+_TRANSPORTS: dict[str, tuple[str, str, str]] = {
+    "tcp": ("kv_transfer.tcp", "TcpSender", "TcpReceiver"),
+    "torch-dist": ("kv_transfer.torch_dist", "TorchDistSender", "TorchDistReceiver"),
+    "mooncake": ("kv_transfer.mooncake", "MooncakeSender", "MooncakeReceiver"),
+}
+
+
+def register_transport(name: str, module: str, sender_cls: str, receiver_cls: str) -> None:
+    """Add a transport; the module is imported only when the transport is first used."""
+    _TRANSPORTS[name] = (module, sender_cls, receiver_cls)
+
+
+def transports() -> list[str]:
+    return sorted(_TRANSPORTS)
+
+
+def _resolve(name: str, index: int) -> type:
+    if name not in _TRANSPORTS:
+        raise ConfigError(f"unknown transport {name!r}; known: {', '.join(transports())}")
+    module = importlib.import_module(_TRANSPORTS[name][0])
+    return getattr(module, _TRANSPORTS[name][index])
+
+
+def make_sender(config: TransferConfig, metrics: TransferMetrics | None = None) -> KVSender:
+    return _resolve(config.transport, 1)(config, metrics)
+
+
+def make_receiver(config: TransferConfig, metrics: TransferMetrics | None = None) -> KVReceiver:
+    return _resolve(config.transport, 2)(config, metrics)

@@ -1,0 +1,192 @@
+"""`mooncake` transport: the receiver reads the sender's registered tensor memory with the Mooncake
+Transfer Engine (one-sided batch reads); the control plane is the shared TCP one
+(`kv_transfer.sideband`), whose authenticated manifest carries the engine session, the remote
+addresses and the per-tensor SHA-256 digests that the receiver verifies.
+
+Engine setup: `TransferEngine.initialize(config.host, config.mooncake_metadata_server,
+config.mooncake_protocol, config.mooncake_device_name)`: here `P2PHANDSHAKE` metadata and the
+`tcp` protocol; on Ascend the `ascend` protocol. Its data listener binds the wildcard address
+whatever host is given, so only trusted networks may reach it; its reads are verified by digest.
+
+Memory: a held state is registered with the engine at its first pull and unregistered when its
+lease is freed, which the lease table does only after every reader finished (so a remote read
+never targets memory we already dropped; a read racing an expiry is refused by the engine and
+fails the pull). Install: `pip install mooncake-transfer-engine-non-cuda` (CPU) or
+`mooncake-transfer-engine`, plus the system package `libibverbs1`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import Any
+
+import torch
+
+from kv_transfer.errors import ConfigError, CorruptFrame, TransferError
+from kv_transfer.interface import TransferConfig
+from kv_transfer.leases import Lease
+from kv_transfer.server import HeldState
+from kv_transfer.sideband import SidebandReceiver, SidebandSender
+from kv_transfer.wire import Channel
+
+logger = logging.getLogger(__name__)
+Region = tuple[list[int], list[torch.Tensor]]  # registered addresses, and the tensors they live in
+
+
+_ENGINES: dict[tuple[str, str, str, str], Any] = {}
+_ENGINES_LOCK = threading.Lock()
+
+
+def shared_engine(host: str, metadata: str, protocol: str, device: str) -> Any:
+    """The process's engine for these settings, created on first use and kept for the process's
+    life: Mooncake expects one engine per process, and tearing one down blocks for about 1 s."""
+    key = (host, metadata, protocol, device)
+    with _ENGINES_LOCK:
+        if key not in _ENGINES:
+            _ENGINES[key] = _new_engine(*key)
+        return _ENGINES[key]
+
+
+def _new_engine(host: str, metadata: str, protocol: str, device: str) -> Any:
+    try:
+        from mooncake.engine import TransferEngine
+    except ImportError as exc:
+        raise ConfigError("mooncake transport needs `pip install mooncake-transfer-engine-non-cuda` "
+                          "(or mooncake-transfer-engine) and the system package libibverbs1") from exc
+    engine = TransferEngine()
+    if engine.initialize(host, metadata, protocol, device) != 0:
+        raise ConfigError(f"mooncake engine failed to initialize on {host} ({protocol}, {metadata})")
+    return engine
+
+
+def _engine_for(config: TransferConfig) -> Any:
+    return shared_engine(config.host, config.mooncake_metadata_server, config.mooncake_protocol,
+                         config.mooncake_device_name)
+
+
+def _regions(tensors: list[torch.Tensor]) -> tuple[list[int], list[int]]:
+    pairs = [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors if t.numel()]
+    return [p for p, _ in pairs], [n for _, n in pairs]
+
+
+def _read_done(engine: Any, local: list[int], read: asyncio.Future) -> None:
+    engine.batch_unregister_memory(local)
+    if not read.cancelled() and read.exception() is not None:
+        logger.warning("mooncake read raised %r", read.exception())
+
+
+class MooncakeSender(SidebandSender):
+    """Registers held tensors with the engine and lets the receiver read them.
+
+    A pull that fails mid-read may leave a remote read in flight, so that state's memory stays
+    registered and referenced for `transfer_timeout_s` after its lease is freed.
+    """
+
+    transport_name = "mooncake"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._engine: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread = 0
+        self._registered: dict[str, Region] = {}
+        self._suspect: set[str] = set()
+        self._deferred: dict[int, tuple[asyncio.TimerHandle, Region]] = {}
+        self._reg_lock = threading.Lock()
+
+    async def start(self) -> None:
+        self._loop, self._loop_thread = asyncio.get_running_loop(), threading.get_ident()
+        self._engine = _engine_for(self.config)
+        await super().start()
+
+    async def stop(self) -> None:
+        """Stop serving; regions still deferred are unregistered now (nobody may read them)."""
+        await super().stop()
+        for handle, region in self._deferred.values():
+            handle.cancel()
+            self._unregister(region)
+        self._deferred.clear()
+
+    async def _offer(self, state: HeldState, request: dict) -> dict:
+        addrs, sizes = _regions(state.tensors)
+        with self._reg_lock:
+            if state.request_id not in self._registered:
+                if addrs and self._engine.batch_register_memory(addrs, sizes) != 0:
+                    raise TransferError("mooncake failed to register the state's memory")
+                self._registered[state.request_id] = (addrs, state.tensors)
+        host = self.config.advertise_host or self.config.host
+        return {"session": f"{host}:{self._engine.get_rpc_port()}", "addrs": addrs}
+
+    async def _serve_pull(self, chan: Channel, lease: Lease, request: dict) -> tuple[int, bool]:
+        try:
+            return await super()._serve_pull(chan, lease, request)
+        except BaseException:
+            with self._reg_lock:
+                self._suspect.add(lease.request_id)
+            raise
+
+    def _on_freed(self, request_id: str) -> None:
+        with self._reg_lock:
+            region = self._registered.pop(request_id, None)
+            suspect = request_id in self._suspect
+            self._suspect.discard(request_id)
+        if region is None:
+            return
+        loop = self._loop
+        if not suspect or loop is None or loop.is_closed():
+            self._unregister(region)
+        elif threading.get_ident() == self._loop_thread:
+            self._defer(region)
+        else:
+            loop.call_soon_threadsafe(self._defer, region)
+
+    def _defer(self, region: Region) -> None:
+        def expire() -> None:
+            self._deferred.pop(id(region), None)
+            self._unregister(region)
+        handle = self._loop.call_later(self.config.transfer_timeout_s, expire)
+        self._deferred[id(region)] = (handle, region)
+
+    def _unregister(self, region: Region) -> None:
+        engine, addrs = self._engine, region[0]
+        if addrs and engine is not None and engine.batch_unregister_memory(addrs) != 0:
+            logger.warning("mooncake failed to unregister %d regions", len(addrs))
+
+
+class MooncakeReceiver(SidebandReceiver):
+    """Reads a pulled state into freshly registered host tensors."""
+
+    transport_name = "mooncake"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._engine: Any = None
+
+    async def start(self) -> None:
+        self._engine = _engine_for(self.config)
+
+    async def stop(self) -> None:
+        self._engine = None
+
+    async def _move(self, chan: Channel, manifest: dict, tensors: list[torch.Tensor]) -> None:
+        engine = self._engine
+        if engine is None:
+            raise ConfigError("MooncakeReceiver.start() was not awaited")
+        session, remote = manifest.get("session"), manifest.get("addrs")
+        local, sizes = _regions(tensors)
+        if not isinstance(session, str) or not isinstance(remote, list) or len(remote) != len(local):
+            raise CorruptFrame("mooncake manifest lacks a session or addresses")
+        if not local:
+            return
+        if engine.batch_register_memory(local, sizes) != 0:
+            raise TransferError("mooncake failed to register the receive buffers")
+        read = asyncio.get_running_loop().run_in_executor(
+            None, engine.batch_transfer_sync_read, session, local, remote, sizes)
+        # If we are cancelled, the read still writes into `tensors` until it returns: the callback
+        # keeps them alive and registered until then.
+        read.add_done_callback(lambda f, keep=tensors: _read_done(engine, local, f))
+        rc = await asyncio.shield(read)
+        if rc != 0:
+            raise TransferError(f"mooncake read from {session} failed (rc {rc})")
