@@ -1,9 +1,8 @@
-"""Requests -> engine inputs, and K3 output text -> OpenAI messages (whole and streamed)."""
+"""Requests -> engine inputs (sampling params, render options) and logprobs builders."""
 from __future__ import annotations
 
 import json
 import math
-import random
 
 import pytest
 
@@ -11,19 +10,18 @@ from engine.errors import InvalidRequest, InvalidSamplingParams
 from engine.tokenizer.chat import render_chat
 from engine.tokenizer.tokenizer import KimiTokenizer
 from shared.openai.convert import (
-    ChatDeltaShaper,
     chat_logprobs,
     chat_messages,
     completion_logprobs,
     image_urls,
     render_options,
-    shape_chat_message,
     to_sampling_params,
 )
 from shared.openai.errors import error_from_exception
 from shared.openai.models import ChatCompletionRequest, CompletionRequest
 
-PNG = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
+PNG = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5E"
+       "rkJggg==")
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather for a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -185,102 +183,6 @@ def test_openai_conversation_renders_identically_after_a_round_trip():
     assert "get_weather" in text and "18C, sunny" in text and "Paris, by the tower." in text
     assert text.count("<|media_pad|>") == 4
     assert image_urls(req) == [PNG]
-
-
-# ---- shaping -------------------------------------------------------------------------------------
-
-CALLS = ('<|open|>tools<|sep|><|open|>call tool="get_weather" index="1"<|sep|>'
-         '<|open|>argument key="city" type="string"<|sep|>Paris<|close|>argument<|sep|>'
-         '<|open|>argument key="days" type="number"<|sep|>3<|close|>argument<|sep|><|close|>call<|sep|>'
-         '<|open|>call tool="get_time" index="2"<|sep|><|open|>json type="object"<|sep|>{"tz": "CET"}'
-         '<|close|>json<|sep|><|close|>call<|sep|><|close|>tools<|sep|>')
-THINK_END, RESPONSE, RESPONSE_END = "<|close|>think<|sep|>", "<|open|>response<|sep|>", "<|close|>response<|sep|>"
-MESSAGE_END = "<|close|>message<|sep|>"
-K3_OUTPUTS = [
-    f"Let me think.\nIt is 2+2.{THINK_END}{RESPONSE}The answer is 4. ✓{RESPONSE_END}{MESSAGE_END}",
-    f"Need weather.{THINK_END}{RESPONSE}{RESPONSE_END}{CALLS}{MESSAGE_END}",
-    f"Plan: call.{THINK_END}{RESPONSE}Checking… 🌦{RESPONSE_END}{CALLS}{MESSAGE_END}<|end_of_msg|>",
-    f"r{THINK_END}\n {RESPONSE}Hi",                        # whitespace before the opener is dropped
-    f"r{THINK_END}\n Hi there{RESPONSE_END}",               # ... but is content without an opener
-    f"r{THINK_END}  {RESPONSE_END}{MESSAGE_END}",
-    f"r{THINK_END}Hi {RESPONSE}x",                          # an opener after text is text
-    f"<|open|>think<|sep|>echoed opener{THINK_END}{RESPONSE}ok",
-    "<|open|>th", "Thinking about <|clo", "abc<|end_of_msg|>junk", "", THINK_END,
-    f"a < b and <|weird|> text{THINK_END}{RESPONSE}x <| y <|close|>resp",
-    f"t{THINK_END}{RESPONSE}c{RESPONSE_END}<|open|>tools<|sep|><|open|>call tool=\"a\" index=\"1\"<|sep|>"
-    f"<|open|>call tool=\"b&amp;c\" index=\"2\"<|sep|><|close|>call<|sep|>",   # the cut-short call is dropped
-    f"t{THINK_END}{RESPONSE}c{RESPONSE_END}{CALLS[:180]}<|end_of_msg|>{CALLS}",
-    f"Hello{RESPONSE_END}{CALLS}{MESSAGE_END}",             # as generated with thinking off
-    f"  {RESPONSE}Hi{RESPONSE_END}",
-    f"t{THINK_END}{RESPONSE}c{RESPONSE_END}{CALLS}after the tools",
-    f"t{THINK_END}{RESPONSE}cut inside an opener <|open|>resp",  # held back like a marker, as the parser does
-]
-MARKERS = ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>")
-
-
-def summary(content, reasoning, calls, finish) -> tuple:
-    return content or "", reasoning or "", calls, finish
-
-
-def whole(text: str, thinking: bool, tools: bool) -> tuple:
-    shaped = shape_chat_message(text, thinking=thinking, tools_requested=tools)
-    calls = [(c.id, c.function.name, c.function.arguments) for c in shaped.tool_calls]
-    return summary(shaped.content, shaped.reasoning_content, calls, shaped.finish_reason)
-
-
-def streamed(pieces: list[str], thinking: bool, tools: bool) -> tuple:
-    shaper = ChatDeltaShaper(thinking=thinking, tools_requested=tools)
-    deltas = [d for d in [*(shaper.feed(p) for p in pieces), shaper.finish()] if d is not None]
-    calls = [tc for d in deltas for tc in d.tool_calls or []]
-    assert [tc.index for tc in calls] == list(range(len(calls)))
-    flat = [(tc.id, tc.function.name, tc.function.arguments) for tc in calls]
-    return summary("".join(d.content or "" for d in deltas), "".join(d.reasoning_content or "" for d in deltas),
-                   flat, shaper.finish_reason)
-
-
-def splits(text: str, rng: random.Random) -> list[list[str]]:
-    """Every two-piece split, one character at a time, and random multi-piece splits."""
-    ways = [[text[:i], text[i:]] for i in range(len(text) + 1)] + [list(text)]
-    for _ in range(30):
-        cuts = sorted(rng.sample(range(len(text) + 1), k=min(len(text) + 1, rng.randint(2, 12))))
-        ways.append([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])])
-    return ways
-
-
-@pytest.mark.parametrize("thinking", [True, False])
-@pytest.mark.parametrize("tools", [True, False])
-@pytest.mark.parametrize("text", K3_OUTPUTS)
-def test_streaming_equals_whole_at_every_split(text, thinking, tools):
-    expected = whole(text, thinking, tools)
-    for pieces in splits(text, random.Random(len(text))):
-        assert streamed(pieces, thinking, tools) == expected, pieces
-
-
-def test_shape_well_formed_message_with_tool_calls():
-    shaped = shape_chat_message(K3_OUTPUTS[2], thinking=True, tools_requested=True)
-    assert (shaped.reasoning_content, shaped.content, shaped.finish_reason) == ("Plan: call.", "Checking… 🌦", "tool_calls")
-    assert [(c.id, c.function.name, json.loads(c.function.arguments)) for c in shaped.tool_calls] == [
-        ("get_weather:0", "get_weather", {"city": "Paris", "days": 3}), ("get_time:1", "get_time", {"tz": "CET"})]
-    only_calls = shape_chat_message(K3_OUTPUTS[1], thinking=True, tools_requested=True)
-    assert only_calls.content is None and len(only_calls.tool_calls) == 2
-    ignored = shape_chat_message(K3_OUTPUTS[1], thinking=True, tools_requested=False)
-    assert (ignored.content, ignored.tool_calls, ignored.finish_reason) == ("", [], None)
-
-
-def test_shape_thinking_off_and_truncated_output():
-    off = shape_chat_message(f"Hello{RESPONSE_END}{MESSAGE_END}", thinking=False, tools_requested=False)
-    assert (off.content, off.reasoning_content) == ("Hello", None)
-    cut = shape_chat_message(f"Because{THINK_END}{RESPONSE}Hel<|clo", thinking=True, tools_requested=False)
-    assert (cut.reasoning_content, cut.content) == ("Because", "Hel")
-
-
-@pytest.mark.parametrize("text", K3_OUTPUTS[:3])
-def test_markers_never_reach_streamed_content(text):
-    shaper = ChatDeltaShaper(thinking=True, tools_requested=True)
-    for piece in [*text, None]:
-        delta = shaper.feed(piece) if piece is not None else shaper.finish()
-        for value in (delta.content, delta.reasoning_content) if delta else ():
-            assert value is None or not any(marker in value for marker in MARKERS) and "<|" not in value
 
 
 # ---- logprobs ------------------------------------------------------------------------------------

@@ -23,7 +23,8 @@ from shared.openai.models import (
     Usage,
 )
 
-PNG = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
+PNG = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5E"
+       "rkJggg==")
 KV_PARAMS = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "p-0",
              "remote_request_id": "chatcmpl-1", "remote_host": "10.0.0.7", "remote_port": 7100,
              "remote_block_ids": [[3, 4, 9]], "remote_num_tokens": 137, "remote_blocks_expiry_time": 1.7e9,
@@ -50,9 +51,9 @@ CLIENT_CHAT = {
     "seed": 42,
     "logprobs": True,
     "top_logprobs": 2,
-    "tools": [{"type": "function", "function": {"name": "lookup", "description": "Search",
-                                                "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
-                                                "strict": False}}],
+    "tools": [{"type": "function", "function": {
+        "name": "lookup", "description": "Search", "strict": False,
+        "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}],
     "tool_choice": "auto",
     "parallel_tool_calls": True,
     "user": "u-123",
@@ -119,7 +120,8 @@ IMAGE = {"type": "image_url", "image_url": {"url": PNG}}
     (messages({"role": "user"}), "messages[0].content"),
     (messages({"role": "user", "content": 5}), "messages[0].content"),
     (messages({"role": "user", "content": [{"type": "text"}]}), "messages[0].content[0].text"),
-    (messages({"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}), "messages[0].content[0].type"),
+    (messages({"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}),
+     "messages[0].content[0].type"),
     (messages({"role": "user", "content": [{"type": "text", "text": "x"}, {"type": "image_url"}]}),
      "messages[0].content[1].image_url"),
     (messages({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}),
@@ -132,8 +134,8 @@ IMAGE = {"type": "image_url", "image_url": {"url": PNG}}
      "messages[1].tool_calls[0].function.arguments"),
     (messages({"role": "user", "content": "x", "tool_calls": []}, {"role": "tool", "tool_call_id": "c"}),
      "messages[1].content"),
-    (messages({"role": "user", "content": "x", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": ""}}]}),
-     "messages[0].tool_calls"),
+    (messages({"role": "user", "content": "x",
+               "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": ""}}]}), "messages[0].tool_calls"),
     (chat_with(temperature="hot"), "temperature"),
     (chat_with(temperature="0.7"), "temperature"),   # OpenAI does not coerce strings either
     (chat_with(stream="true"), "stream"),

@@ -1,0 +1,41 @@
+"""The bodies of the two legs of a disaggregated request, in vLLM's P/D protocol (DESIGN.md).
+
+Bodies are built from what the client sent (`exclude_unset`), so unknown fields and vendor
+extensions reach the workers unchanged and the workers render the same prompt the router hashed.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from shared.openai.requests import SamplingRequest
+
+PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False}
+
+
+def wire_body(req: SamplingRequest) -> dict[str, Any]:
+    """The JSON body to forward: the client's fields (normalised), nothing the server defaulted."""
+    return req.model_dump(mode="json", exclude_unset=True)
+
+
+def prefill_body(req: SamplingRequest) -> dict[str, Any]:
+    """The prefill leg: one token, not streamed, asking the worker to keep the state for a decode.
+
+    Both token limits are set to 1, since `max_completion_tokens` overrides `max_tokens`;
+    `min_tokens` is capped at 1 so that it still fits and still bans an end token at position 1.
+    """
+    body = wire_body(req)
+    body.pop("stream_options", None)
+    body.update(max_tokens=1, stream=False, kv_transfer_params=dict(PREFILL_KV_TRANSFER_PARAMS))
+    if "max_completion_tokens" in body:
+        body["max_completion_tokens"] = 1
+    if body.get("min_tokens"):
+        body["min_tokens"] = 1
+    return body
+
+
+def decode_body(req: SamplingRequest, kv_transfer_params: Mapping[str, Any]) -> dict[str, Any]:
+    """The decode leg: the client's request plus the prefill response's `kv_transfer_params`."""
+    body = wire_body(req)
+    body["kv_transfer_params"] = dict(kv_transfer_params)
+    return body

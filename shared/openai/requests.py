@@ -1,0 +1,146 @@
+"""`/v1/chat/completions` and `/v1/completions` request bodies: OpenAI's fields plus vLLM's extras.
+
+Sampling fields default to None, meaning "the server's default" (`convert.to_sampling_params`
+fills them in and range-checks them through `SamplingParams.validate`); only checks about the
+request's shape live here. Names, types and defaults follow vLLM's `protocol.py`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, field_validator, model_validator
+
+from shared.openai.base import Bool, Float, Int, OpenAIModel, RequestModel, by_kind, invalid
+from shared.openai.messages import ChatMessage, Tool, ToolChoice
+
+Stop = by_kind("a string or a list of strings", str=str, list=list[str])
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: Bool = False                 # a last chunk with usage and no choices
+    continuous_usage_stats: Bool = False        # vLLM: usage on every chunk
+
+
+class SamplingRequest(RequestModel):
+    """Fields shared by chat and text completions."""
+
+    model: str | None = None                    # None: the served model
+    n: Int = 1
+    stream: Bool = False
+    stream_options: StreamOptions | None = None
+    stop: Stop | None = None
+    seed: Int | None = None
+    temperature: Float | None = None
+    top_p: Float | None = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: Int | None = None
+    min_p: Float | None = None
+    repetition_penalty: Float | None = None
+    stop_token_ids: list[Int] | None = None
+    ignore_eos: Bool = False
+    min_tokens: Int = 0
+    skip_special_tokens: Bool = True
+    include_stop_str_in_output: Bool = False
+    kv_transfer_params: dict[str, Any] | None = None    # P/D protocol; forwarded untouched
+    request_id: str | None = None
+
+    @model_validator(mode="after")
+    def _check_stream_options(self) -> SamplingRequest:
+        if self.stream_options is not None and not self.stream:
+            raise invalid("only allowed when stream is true", "stream_options")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk."""
+        return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Int | None = None               # deprecated by OpenAI; max_completion_tokens wins
+    max_completion_tokens: Int | None = None
+    logprobs: Bool = False
+    top_logprobs: Int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None       # None: "auto" with tools, "none" without
+    parallel_tool_calls: Bool | None = None     # accepted; K3 decides how many calls to make
+    reasoning_effort: str | None = None         # alias of chat_template_kwargs.thinking_effort
+    chat_template_kwargs: dict[str, Any] | None = None  # thinking / enable_thinking, thinking_effort
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise invalid("requires logprobs to be true", "top_logprobs")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise invalid("requires a non-empty tools list", "tool_choice")
+        return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        """The output budget: `max_completion_tokens` if given, else `max_tokens`."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def tools_requested(self) -> bool:
+        """Whether tools are declared to the model and its output is parsed for calls."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+
+_PROMPT_SHAPES = "a string, a list of token ids, or a one-element list of either"
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in value)
+
+
+def _check_prompt(prompt: Any) -> str | list[int]:
+    """The one prompt of a request; a one-element batch is unwrapped."""
+    if isinstance(prompt, list) and prompt and all(isinstance(x, (str, list)) for x in prompt):
+        if len(prompt) != 1:
+            raise invalid(f"must be a single prompt; batches are not supported, got {len(prompt)} prompts")
+        prompt = prompt[0]
+    if not isinstance(prompt, str) and not _is_token_ids(prompt):
+        raise invalid(f"must be {_PROMPT_SHAPES}")
+    if not prompt:
+        raise invalid("must not be empty")
+    return prompt
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[int]                     # normalised: a one-element batch is unwrapped
+    max_tokens: Int | None = 16                 # OpenAI's and vLLM's default for completions
+    logprobs: Int | None = None
+    echo: Bool = False
+    suffix: str | None = None
+    best_of: Int | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, prompt: Any) -> str | list[int]:
+        return _check_prompt(prompt)
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, echo: bool) -> bool:
+        if echo:
+            raise invalid("not supported; prepend the prompt on the client side")
+        return echo
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, suffix: str | None) -> str | None:
+        if suffix:
+            raise invalid("not supported (the model has no fill-in-the-middle mode)")
+        return suffix
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, best_of: int | None) -> int | None:
+        if best_of not in (None, 1):
+            raise invalid(f"must be 1 (one completion per request), got {best_of}")
+        return best_of
+
