@@ -48,6 +48,24 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _worker(role: str):
+    def run(args: argparse.Namespace) -> int:
+        from shared.serving.cli import run_worker
+        return run_worker(args, role, str(_ensure_model(args.model)))
+    return run
+
+
+def _router(args: argparse.Namespace) -> int:
+    from router.cli import run_router
+    return run_router(args, str(_ensure_model(args.model)))
+
+
+def _up(args: argparse.Namespace) -> int:
+    from kimi_pd.up import up
+    model = str(_ensure_model(args.model).resolve())
+    return up(model, args.port, args.prefill_workers, args.decode_workers, args.redis_url, Path(args.log_dir), [])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kimi-pd", description="Disaggregated prefill/decode serving for Kimi-K3.")
     parser.add_argument("--log-level", default="WARNING")
@@ -73,6 +91,28 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--thinking", action="store_true", help="open a think block in the generation prompt")
     gen.add_argument("--json", action="store_true", help="print token ids and per-token logprobs as JSON")
     gen.set_defaults(func=_generate)
+
+    from router.cli import add_router_args
+    router = sub.add_parser("router", help="the OpenAI-compatible gateway in front of the P/D fleet")
+    add_router_args(router)
+    router.set_defaults(func=_router)
+
+    upp = sub.add_parser("up", help="router + prefill + decode workers on loopback, embedded defaults")
+    upp.add_argument("--model", help=f"checkpoint directory (default: {DEFAULT_TINY_DIR}, created if absent)")
+    upp.add_argument("--port", type=int, default=8000)
+    upp.add_argument("--prefill-workers", type=int, default=1)
+    upp.add_argument("--decode-workers", type=int, default=1)
+    upp.add_argument("--redis-url", default=None, help="use this store instead of starting an embedded one")
+    upp.add_argument("--log-dir", default="logs")
+    upp.set_defaults(func=_up)
+
+    from shared.serving.cli import add_worker_args
+    for role, help_text in (("prefill", "a prefill worker (computes prompts, hands state to decode workers)"),
+                            ("decode", "a decode worker (pulls prefill state, generates, streams)"),
+                            ("worker", "a colocated worker (prefill and decode in one engine)")):
+        worker = sub.add_parser(role, help=help_text)
+        add_worker_args(worker)
+        worker.set_defaults(func=_worker("both" if role == "worker" else role))
     return parser
 
 

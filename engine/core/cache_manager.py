@@ -111,7 +111,7 @@ class HybridCacheManager:
             self.pool.touch(hit.blocks)
             req.blocks = list(hit.blocks)
             req.num_computed_tokens = req.num_cached_tokens = hit.num_tokens
-            req.num_published_blocks = len(hit.blocks)
+            req.num_published_blocks = req.snapshot_upto_blocks = len(hit.blocks)
             req.resume_snapshot_slot = hit.snapshot_slot
         req.blocks += self.pool.allocate(self.blocks_needed(req, num_new_tokens))
         if needs_slot:
@@ -132,14 +132,20 @@ class HybridCacheManager:
             if b % self.config.snapshot_interval_blocks and b not in ends:
                 continue
             slot = self.slots.reserve_snapshot(req.block_hashes[b - 1])
+            if slot is not None or self.slots.snapshot_for(req.block_hashes[b - 1]) is not None:
+                req.snapshot_upto_blocks = max(req.snapshot_upto_blocks, b)
             if slot is not None:
                 self._pending.setdefault(req.request_id, []).append((req.block_hashes[b - 1], slot))
                 plan.append((b * bs - start, slot))
         return tuple(sorted(plan))
 
     def commit(self, req: Request) -> None:
-        """After a forward: publish the request's newly full prompt blocks and written snapshots."""
-        full = min(len(req.block_hashes), req.num_computed_tokens // self.block_size)
+        """After a forward: publish the request's newly full prompt blocks and written snapshots.
+
+        Only blocks up to the furthest KDA snapshot are published: a hybrid prefix can resume only at
+        a snapshot, so pages past it (or an imported prompt's pages) are never announced as reusable.
+        """
+        full = min(len(req.block_hashes), req.num_computed_tokens // self.block_size, req.snapshot_upto_blocks)
         first = req.num_published_blocks
         for i in range(first, full):
             self.pool.cache(req.blocks[i], req.block_hashes[i])

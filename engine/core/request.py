@@ -51,6 +51,7 @@ class Request:
     kda_slot: int | None = None
     resume_snapshot_slot: int | None = None   # copy this snapshot into kda_slot before the next forward
     num_published_blocks: int = 0
+    snapshot_upto_blocks: int = 0       # furthest prompt block boundary with a KDA snapshot (taken or found)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     generator: torch.Generator | None = None

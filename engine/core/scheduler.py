@@ -96,6 +96,7 @@ class Scheduler:
         self.cache.free(req)
         req.num_computed_tokens = 0
         req.num_published_blocks = 0
+        req.snapshot_upto_blocks = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED

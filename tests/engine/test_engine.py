@@ -325,3 +325,25 @@ def test_kv_events_replay_to_the_pool_contents(tiny_dir):
     assert llm.engine.cache.reset_prefix_cache()
     replay()
     assert held == set() == set(llm.engine.cache.pool.hash_to_block)
+
+
+def test_only_resumable_prefixes_are_published(tiny_dir):
+    """Pages past the last KDA snapshot, and imported prompts, are never announced as cached."""
+    llm = make_llm(tiny_dir, snapshot_interval_blocks=100)          # snapshots only at prompt ends
+    p = prompt_ids(23, 300)                                          # ends: blocks 5 (20 tokens)
+    llm.generate([p], GREEDY)
+    published = set(llm.engine.cache.pool.hash_to_block)
+    from shared.hashing import block_hashes
+    chain = block_hashes(p, 4, llm.engine.hash_root)
+    assert published == set(chain[:5])
+    llm.engine.add_request("p", prompt_ids(30, 301), GREEDY, export_state=True)
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    state = llm.engine.export_state("p")
+    llm.engine.release_export("p")
+    other = make_llm(tiny_dir)
+    other.engine.add_request("d", state.prompt_token_ids, GREEDY, imported=state)
+    while other.engine.has_unfinished():
+        other.engine.step()
+    assert not other.engine.cache.pool.hash_to_block and not other.engine.cache.drain_events()
+    assert_clean(other)

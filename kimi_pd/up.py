@@ -1,0 +1,113 @@
+"""`kimi-pd up`: the whole system on one machine, on embedded defaults.
+
+Starts (unless given) an embedded Valkey store on loopback, then N prefill workers, M decode workers
+and the router as child processes sharing generated secrets, waits until the router is ready, prints
+the URL and a curl line, and on Ctrl-C / SIGTERM (or if any child dies) stops everything it started.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+READY_TIMEOUT_S = 180.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Fleet:
+    procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
+    store: object | None = None
+
+    def spawn(self, name: str, argv: list[str], env: dict[str, str], log_dir: Path) -> None:
+        log = open(log_dir / f"{name}.log", "ab")
+        proc = subprocess.Popen([sys.executable, "-m", "kimi_pd", *argv], env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        self.procs.append((name, proc))
+
+    def dead(self) -> list[str]:
+        return [f"{name} (exit {p.returncode})" for name, p in self.procs if p.poll() is not None]
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        for _, p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for _, p in self.procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+        if self.store is not None:
+            self.store.stop()
+
+
+def wait_ready(url: str, fleet: Fleet, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if fleet.dead():
+            raise RuntimeError(f"a process exited during start-up: {', '.join(fleet.dead())}")
+        try:
+            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the router at {url} was not ready within {timeout_s:.0f} s")
+
+
+def up(model_dir: str, port: int, num_prefill: int, num_decode: int, redis_url: str | None, log_dir: Path,
+       extra_worker_args: list[str]) -> int:
+    fleet = Fleet()
+    stopping = {"flag": False}
+
+    def on_signal(signum, frame):
+        stopping["flag"] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        if redis_url is None:
+            from shared.store.embedded import EmbeddedValkey
+            fleet.store = EmbeddedValkey()
+            fleet.store.start()
+            redis_url = fleet.store.url
+        env = {**os.environ, "KIMI_PD_TRANSFER_SECRET": os.environ.get("KIMI_PD_TRANSFER_SECRET") or secrets.token_hex(24),
+               "KIMI_PD_ADMIN_TOKEN": os.environ.get("KIMI_PD_ADMIN_TOKEN") or secrets.token_hex(16)}
+        common = ["--model", model_dir, "--redis-url", redis_url, *extra_worker_args]
+        for role, count in (("prefill", num_prefill), ("decode", num_decode)):
+            for i in range(count):
+                fleet.spawn(f"{role}-{i}", [role, *common, "--port", str(free_port()), "--worker-id", f"{role}-{i}"],
+                            env, log_dir)
+        fleet.spawn("router", ["router", "--model", model_dir, "--redis-url", redis_url, "--port", str(port)],
+                    env, log_dir)
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url, fleet, READY_TIMEOUT_S)
+        print(f"kimi-pd is up: {url}  ({num_prefill} prefill + {num_decode} decode workers, store {redis_url})")
+        print(f"logs: {log_dir}/   stop: Ctrl-C")
+        print(f"""curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' """
+              """-d '{"model": "kimi-k3", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16}'""",
+              flush=True)
+        while not stopping["flag"]:
+            if fleet.dead():
+                print(f"kimi-pd: stopping, a process exited: {', '.join(fleet.dead())}", file=sys.stderr)
+                return 1
+            time.sleep(0.5)
+        return 0
+    finally:
+        fleet.stop()

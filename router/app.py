@@ -1,0 +1,195 @@
+"""The router service: OpenAI endpoints in front of the P/D fleet, /health, /ready, /metrics, admin.
+
+Clients created once in the lifespan (one pooled httpx client, the store, background loops) and
+kept on app.state; routes only compose them.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import itertools
+import logging
+import time
+from contextlib import asynccontextmanager
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from engine.config import ModelConfig
+from engine.tokenizer.tokenizer import KimiTokenizer
+from router import health_checker
+from router.metrics import RouterMetrics
+from router.orchestrator import Orchestrator, Trace
+from router.placement.pipeline import build_pipeline
+from router.registry import WorkerRegistry
+from router.settings import RouterSettings
+from router.upstream import UpstreamError
+from shared.openai.errors import AuthenticationFailed, ModelNotFound, OpenAIError, error_response
+from shared.openai.requests import ChatCompletionRequest, CompletionRequest
+from shared.openai.responses import ModelCard, ModelList
+from shared.serving.app import _body, install_error_handlers
+from shared.serving.disconnect import until_disconnect
+from shared.serving.prompts import prepare_chat, prepare_completion
+from shared.store.factory import make_store
+from shared.workers import WorkerInfo
+
+log = logging.getLogger(__name__)
+_ids = itertools.count()
+
+
+def create_app(settings: RouterSettings) -> FastAPI:
+    settings.validate()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        stop = asyncio.Event()
+        client = httpx.AsyncClient(limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100))
+        store = make_store(settings.store_url, settings.namespace) if settings.store_url else None
+        registry = WorkerRegistry(settings, store)
+        metrics = RouterMetrics()
+        pipeline = build_pipeline(scorers=dict(settings.scorer_weights))
+        app.state.settings, app.state.registry, app.state.metrics = settings, registry, metrics
+        app.state.tokenizer = KimiTokenizer.from_dir(settings.model)
+        app.state.model_config = ModelConfig.from_file(settings.model)
+        app.state.orchestrator = Orchestrator(settings, registry, client, pipeline, metrics, settings.admin_token)
+        await registry.refresh()
+        await health_checker.check_once(client, registry, settings.connect_timeout_s)
+        tasks = [asyncio.create_task(registry.run(stop)),
+                 asyncio.create_task(health_checker.run(client, registry, settings.health_check_s, stop))]
+        log.info("router on %s:%d (%d static workers, store %s)", settings.host, settings.port,
+                 len(registry.static), "yes" if store else "no")
+        yield
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await client.aclose()
+        if store is not None:
+            await store.close()
+
+    app = FastAPI(title="kimi-pd router", lifespan=lifespan)
+    install_error_handlers(app)
+    app.add_exception_handler(UpstreamError, _upstream_error)
+    for path, fn, methods in (("/v1/models", _models, ["GET"]), ("/v1/chat/completions", _chat, ["POST"]),
+                              ("/v1/completions", _completions, ["POST"]), ("/health", _health, ["GET"]),
+                              ("/ready", _ready, ["GET"]), ("/metrics", _metrics, ["GET"]),
+                              ("/admin/workers", _list_workers, ["GET"]), ("/admin/workers", _add_worker, ["POST"]),
+                              ("/admin/workers/{worker_id:path}/drain", _drain_worker, ["POST"])):
+        app.add_api_route(path, fn, methods=methods)
+    return app
+
+
+async def _upstream_error(request: Request, exc: UpstreamError) -> JSONResponse:
+    """A worker's own OpenAI error passes through unchanged; transport failures become 502/503/504."""
+    if exc.body is not None:
+        return JSONResponse(exc.body, status_code=exc.status)
+    body = error_response(exc.status, exc.message, code=exc.reason)
+    return JSONResponse(body.model_dump(mode="json"), status_code=exc.status)
+
+
+def _bearer(request: Request) -> str:
+    return request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+
+
+def _check_client(request: Request) -> None:
+    keys = request.app.state.settings.api_keys
+    if keys and not any(hmac.compare_digest(_bearer(request).encode(), k.encode()) for k in keys):
+        raise AuthenticationFailed("Incorrect API key provided.", code="invalid_api_key")
+
+
+def _check_admin(request: Request) -> None:
+    token = request.app.state.settings.admin_token
+    if not token or not hmac.compare_digest(_bearer(request).encode(), token.encode()):
+        raise AuthenticationFailed("admin endpoints need the admin token", code="invalid_admin_token")
+
+
+def _check_model(request: Request, model: str | None) -> None:
+    if model not in (None, request.app.state.settings.served_model_name):
+        raise ModelNotFound(model)
+
+
+async def _models(request: Request) -> JSONResponse:
+    _check_client(request)
+    card = ModelCard(id=request.app.state.settings.served_model_name, owned_by="kimi-pd")
+    return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
+
+
+async def _serve(request: Request, endpoint: str, req, prepare) -> Response:
+    st = request.app.state
+    _check_model(request, req.model)
+    prepared = await asyncio.to_thread(prepare)
+    trace = Trace(f"{endpoint}-{req.request_id or request.headers.get('x-request-id') or ''}-{next(_ids)}", endpoint)
+    outcome = "error"
+    try:
+        response = await (st.orchestrator.handle(trace, req, prepared) if req.stream
+                          else until_disconnect(request, st.orchestrator.handle(trace, req, prepared)))
+        outcome = "ok"
+        return response
+    finally:
+        st.metrics.requests.labels(endpoint=endpoint, decision=trace.decision, outcome=outcome).inc()
+
+
+async def _chat(request: Request) -> Response:
+    _check_client(request)
+    req = ChatCompletionRequest.model_validate(await _body(request))
+    st = request.app.state
+    return await _serve(request, "chat", req, lambda: prepare_chat(req, st.tokenizer, st.model_config))
+
+
+async def _completions(request: Request) -> Response:
+    _check_client(request)
+    req = CompletionRequest.model_validate(await _body(request))
+    return await _serve(request, "completions", req, lambda: prepare_completion(req, request.app.state.tokenizer))
+
+
+async def _health(request: Request) -> JSONResponse:
+    return JSONResponse({"status": "ok"})
+
+
+def _ready_state(registry: WorkerRegistry) -> dict:
+    usable = [s for s in registry.states() if s.healthy and not s.is_draining]
+    roles = {s.info.role for s in usable}
+    ready = "both" in roles or {"prefill", "decode"} <= roles or "decode" in roles
+    return {"ready": ready, "workers": {r: sum(s.info.role == r for s in usable) for r in ("prefill", "decode", "both")},
+            "store": "ok" if registry.store_ok else "unavailable"}
+
+
+async def _ready(request: Request) -> JSONResponse:
+    state = _ready_state(request.app.state.registry)
+    return JSONResponse(state, status_code=200 if state["ready"] else 503)
+
+
+async def _metrics(request: Request) -> Response:
+    st = request.app.state
+    st.metrics.store_up.set(1 if st.registry.store_ok else 0)
+    st.metrics.workers.clear()
+    for s in st.registry.states():
+        st.metrics.workers.labels(role=s.info.role, healthy=str(s.healthy).lower()).inc()
+    return Response(generate_latest(st.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _list_workers(request: Request) -> JSONResponse:
+    _check_admin(request)
+    return JSONResponse({"workers": request.app.state.registry.snapshot()})
+
+
+async def _add_worker(request: Request) -> JSONResponse:
+    """Add a static worker: {"url": ..., "role": "prefill"|"decode"|"both"}."""
+    _check_admin(request)
+    body = await _body(request)
+    url, role = body.get("url"), body.get("role")
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")) or role not in ("prefill", "decode", "both"):
+        raise OpenAIError("give url (http[s]://...) and role (prefill, decode or both)", status=400)
+    st = request.app.state
+    from shared.hashing import root_hash
+    st.registry.add_static(WorkerInfo(worker_id=url, role=role, url=url.rstrip("/"), model_id=st.settings.served_model_name,
+                                      block_size=st.settings.block_size, hash_root=root_hash(st.settings.served_model_name),
+                                      started_at=time.time()))
+    return JSONResponse({"added": url})
+
+
+async def _drain_worker(request: Request, worker_id: str) -> JSONResponse:
+    _check_admin(request)
+    if not request.app.state.registry.drain(worker_id):
+        raise OpenAIError(f"unknown worker {worker_id!r}", status=404)
+    return JSONResponse({"draining": worker_id})

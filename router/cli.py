@@ -1,0 +1,53 @@
+"""`kimi-pd router` flags -> RouterSettings; secrets from the environment only."""
+from __future__ import annotations
+
+import argparse
+import os
+
+from router.settings import RouterSettings
+
+API_KEYS_ENV = "KIMI_PD_API_KEYS"          # comma-separated client keys (optional)
+ADMIN_TOKEN_ENV = "KIMI_PD_ADMIN_TOKEN"
+
+
+def add_router_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="checkpoint directory (tokenizer + config; default: the tiny generated one)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default="kimi-k3")
+    p.add_argument("--prefill", action="append", default=[], metavar="URL", help="static prefill worker")
+    p.add_argument("--decode", action="append", default=[], metavar="URL", help="static decode worker")
+    p.add_argument("--worker", action="append", default=[], metavar="URL", help="static colocated worker")
+    p.add_argument("--block-size", type=int, default=16, help="block size of static workers")
+    p.add_argument("--redis-url", default=None, help="state store: discover workers, load, KV events")
+    p.add_argument("--namespace", default="default")
+    p.add_argument("--disagg-threshold", type=int, default=32,
+                   help="decode-only when fewer prompt tokens than this are uncached on the decode worker")
+    p.add_argument("--max-attempts", type=int, default=3)
+    p.add_argument("--connect-timeout", type=float, default=2.0)
+    p.add_argument("--prefill-timeout", type=float, default=120.0)
+    p.add_argument("--idle-timeout", type=float, default=60.0)
+    p.add_argument("--health-check-interval", type=float, default=2.0)
+    p.add_argument("--log-level", default="info")
+
+
+def settings_from_args(args: argparse.Namespace, model_dir: str) -> RouterSettings:
+    keys = tuple(k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip())
+    return RouterSettings(model=model_dir, host=args.host, port=args.port, served_model_name=args.served_model_name,
+                          static_prefill=tuple(args.prefill), static_decode=tuple(args.decode),
+                          static_both=tuple(args.worker), block_size=args.block_size, store_url=args.redis_url,
+                          namespace=args.namespace, disagg_threshold_tokens=args.disagg_threshold,
+                          max_attempts=args.max_attempts, connect_timeout_s=args.connect_timeout,
+                          prefill_timeout_s=args.prefill_timeout, idle_timeout_s=args.idle_timeout,
+                          health_check_s=args.health_check_interval, api_keys=keys,
+                          admin_token=os.environ.get(ADMIN_TOKEN_ENV) or None)
+
+
+def run_router(args: argparse.Namespace, model_dir: str) -> int:
+    import uvicorn
+
+    from router.app import create_app
+    settings = settings_from_args(args, model_dir)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=args.log_level,
+                access_log=False, timeout_graceful_shutdown=30)
+    return 0

@@ -1,0 +1,40 @@
+"""Router Prometheus metrics, one registry per app. All names are prefixed `kimi_pd_router_`.
+
+  requests_total{endpoint, decision, outcome}   decision: prefill-decode | decode-only | none
+  decisions_total{decision}                      placement decisions
+  leg_failures_total{leg, reason}                leg: prefill | decode; reason: connect, timeout, http_5xx, ...
+  retries_total{leg}                             a connect failure retried on another worker
+  prefill_seconds, transfer_seconds              per leg (transfer as reported by the decode worker)
+  ttft_seconds, tpot_seconds, e2e_seconds        client-visible latencies
+  stream_errors_total                            streams ended with an SSE error event
+  prefill_releases_total{outcome}                prefill states released by the router (client gone)
+  workers{role, healthy}                         fleet size as this replica sees it
+  store_up                                       1 if the state store answered the last refresh
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        p = "kimi_pd_router_"
+        self.requests = Counter(p + "requests_total", "Finished requests", ["endpoint", "decision", "outcome"],
+                                registry=r)
+        self.decisions = Counter(p + "decisions_total", "Placement decisions", ["decision"], registry=r)
+        self.leg_failures = Counter(p + "leg_failures_total", "Failed legs", ["leg", "reason"], registry=r)
+        self.retries = Counter(p + "retries_total", "Legs retried on another worker", ["leg"], registry=r)
+        self.prefill_seconds = Histogram(p + "prefill_seconds", "Prefill leg", buckets=_BUCKETS, registry=r)
+        self.transfer_seconds = Histogram(p + "transfer_seconds", "State transfer (decode side)", buckets=_BUCKETS,
+                                          registry=r)
+        self.ttft = Histogram(p + "ttft_seconds", "Time to first token", buckets=_BUCKETS, registry=r)
+        self.tpot = Histogram(p + "tpot_seconds", "Time per output chunk after the first", buckets=_BUCKETS, registry=r)
+        self.e2e = Histogram(p + "e2e_seconds", "Whole request", buckets=_BUCKETS, registry=r)
+        self.stream_errors = Counter(p + "stream_errors_total", "Streams ended with an SSE error event", registry=r)
+        self.prefill_releases = Counter(p + "prefill_releases_total", "Prefill states released by the router",
+                                        ["outcome"], registry=r)
+        self.workers = Gauge(p + "workers", "Workers known to this replica", ["role", "healthy"], registry=r)
+        self.store_up = Gauge(p + "store_up", "State store reachable", registry=r)

@@ -1,0 +1,265 @@
+"""One client request through the fleet (DESIGN.md "Request path").
+
+    place decode worker D (prefix + load) -> decide: uncached tokens on D < threshold ? decode-only
+    prefill-decode: P leg (max_tokens=1, do_remote_decode) -> kv_transfer_params -> D leg (streamed)
+
+Guarantees: connect failures are retried on a different worker; every leg has timeouts; a stream
+that fails after it started ends with an SSE `error` event then [DONE]; a client that goes away
+aborts both legs (the D connection is closed; a prefill state no D ever received is released).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from router.metrics import RouterMetrics
+from router.placement.context import build_context
+from router.placement.pipeline import NoWorkerAvailable, Pipeline, decide_disaggregation
+from router.placement.types import RoutingContext, WorkerState
+from router.registry import WorkerRegistry
+from router.settings import RouterSettings
+from router.upstream import UpstreamError, classify, error_body, post_json
+from shared.openai.errors import NoWorkerAvailable as NoWorker503
+from shared.openai.legs import decode_body, prefill_body, wire_body
+from shared.openai.sse import SSE_DONE, SSEParser, sse_error
+from shared.serving.prompts import PreparedPrompt
+
+log = logging.getLogger(__name__)
+ADMIN_HEADER = "authorization"
+
+
+@dataclass
+class Trace:
+    request_id: str
+    endpoint: str
+    decision: str = "none"
+    start: float = field(default_factory=time.perf_counter)
+    prefill_worker: str | None = None
+    decode_worker: str | None = None
+    cached_tokens: int | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    decode_connected: bool = False
+
+
+class Orchestrator:
+    def __init__(self, settings: RouterSettings, registry: WorkerRegistry, client: httpx.AsyncClient,
+                 pipeline: Pipeline, metrics: RouterMetrics, admin_token: str | None) -> None:
+        self.s, self.registry, self.client = settings, registry, client
+        self.pipeline, self.metrics, self.admin_token = pipeline, metrics, admin_token
+        self._background: set[asyncio.Task] = set()
+
+    # ---- entry --------------------------------------------------------------------------------
+    async def handle(self, trace: Trace, req, prepared: PreparedPrompt) -> Response:
+        try:
+            return await self._handle(trace, req, prepared)
+        except BaseException:
+            # client gone or a leg failed: never strand a prefill state that no decode worker took
+            task = asyncio.get_running_loop().create_task(self.release_prefill(trace))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+            raise
+
+    async def _handle(self, trace: Trace, req, prepared: PreparedPrompt) -> Response:
+        states = self.registry.states()
+        ctx = self._context(trace, prepared, states, "decode")
+        decode = self._pick(ctx, states, exclude=set())
+        trace.decision = self._decide(ctx, decode, states)
+        self.metrics.decisions.labels(decision=trace.decision).inc()
+        if trace.decision == "prefill-decode":
+            await self._prefill_leg(trace, req, prepared, states)
+        self._record_sent(ctx, decode)
+        return await self._decode_leg(trace, req, decode, ctx, states)
+
+    def _context(self, trace: Trace, prepared: PreparedPrompt, states, role: str) -> RoutingContext:
+        return build_context(trace.request_id, prepared.token_ids, states, self.registry.index,
+                             model=self.s.served_model_name, role=role, now=time.time(),
+                             images=prepared.image_spans())
+
+    def _pick(self, ctx: RoutingContext, states: list[WorkerState], exclude: set[str]) -> WorkerState:
+        candidates = [w for w in states if w.worker_id not in exclude]
+        try:
+            return self.pipeline.pick(ctx, candidates).worker
+        except NoWorkerAvailable as exc:
+            raise NoWorker503(str(exc)) from exc
+
+    def _decide(self, ctx: RoutingContext, decode: WorkerState, states: list[WorkerState]) -> str:
+        has_prefill = any(w.info.role == "prefill" and w.healthy and not w.is_draining for w in states)
+        if not has_prefill:
+            return "decode-only"
+        return decide_disaggregation(ctx, decode, self.s.disagg_threshold_tokens)
+
+    def _record_sent(self, ctx: RoutingContext, worker: WorkerState) -> None:
+        self.registry.index.record_sent(worker.worker_id, ctx.hashes_for(worker.info))
+
+    # ---- prefill leg --------------------------------------------------------------------------
+    async def _prefill_leg(self, trace: Trace, req, prepared: PreparedPrompt, states: list[WorkerState]) -> None:
+        ctx = self._context(trace, prepared, states, "prefill")
+        tried: set[str] = set()
+        body = prefill_body(req)
+        timeout = httpx.Timeout(self.s.prefill_timeout_s, connect=self.s.connect_timeout_s)
+        for attempt in range(self.s.max_attempts):
+            worker = self._pick(ctx, states, tried)
+            tried.add(worker.worker_id)
+            self.registry.begin(worker.worker_id)
+            start = time.perf_counter()
+            try:
+                reply = await post_json(self.client, self._url(worker, trace), body, timeout, self._headers(trace))
+            except UpstreamError as err:
+                self.registry.end(worker.worker_id, ok=not err.retryable and err.status < 500)
+                self.metrics.leg_failures.labels(leg="prefill", reason=err.reason).inc()
+                if err.retryable and attempt + 1 < self.s.max_attempts:
+                    self.metrics.retries.labels(leg="prefill").inc()
+                    continue
+                raise
+            self.registry.end(worker.worker_id, ok=True)
+            self._record_sent(ctx, worker)
+            self.metrics.prefill_seconds.observe(time.perf_counter() - start)
+            trace.prefill_worker = worker.worker_id
+            trace.kv_transfer_params = reply.body.get("kv_transfer_params")
+            details = (reply.body.get("usage") or {}).get("prompt_tokens_details") or {}
+            trace.cached_tokens = details.get("cached_tokens")
+            if not trace.kv_transfer_params:
+                log.warning("prefill worker %s returned no kv_transfer_params; decode will recompute", worker.worker_id)
+            return
+
+    # ---- decode leg ---------------------------------------------------------------------------
+    async def _decode_leg(self, trace: Trace, req, decode: WorkerState, ctx: RoutingContext,
+                          states: list[WorkerState]) -> Response:
+        body = decode_body(req, trace.kv_transfer_params) if trace.kv_transfer_params else wire_body(req)
+        tried: set[str] = set()
+        worker = decode
+        for attempt in range(self.s.max_attempts):
+            tried.add(worker.worker_id)
+            try:
+                resp = await self._open(worker, trace, body, req.stream)
+                break
+            except UpstreamError as err:
+                self.metrics.leg_failures.labels(leg="decode", reason=err.reason).inc()
+                if not (err.retryable and attempt + 1 < self.s.max_attempts):
+                    raise
+                self.metrics.retries.labels(leg="decode").inc()
+                worker = self._pick(ctx, states, tried)
+        trace.decode_worker = worker.worker_id
+        if req.stream:
+            return StreamingResponse(self._relay(trace, worker, resp), media_type="text/event-stream",
+                                     headers={"x-request-id": trace.request_id})
+        return await self._whole(trace, worker, resp)
+
+    async def _open(self, worker: WorkerState, trace: Trace, body: dict, stream: bool) -> httpx.Response:
+        """Send the decode leg; returns an open streaming response with a 200 status."""
+        timeout = httpx.Timeout(self.s.idle_timeout_s, connect=self.s.connect_timeout_s)
+        self.registry.begin(worker.worker_id)
+        request = self.client.build_request("POST", self._url(worker, trace), json=body, timeout=timeout,
+                                            headers=self._headers(trace))
+        try:
+            resp = await self.client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            err = classify(exc, worker.info.url)
+            self.registry.end(worker.worker_id, ok=False)
+            raise err from exc
+        trace.decode_connected = True
+        if resp.status_code >= 400:
+            content = await resp.aread()
+            await resp.aclose()
+            self.registry.end(worker.worker_id, ok=resp.status_code < 500)
+            parsed = error_body(content)
+            raise UpstreamError(f"http_{resp.status_code // 100}xx", (parsed or {}).get("error", {}).get(
+                "message", content[:200].decode(errors="replace")), resp.status_code, parsed,
+                retryable=resp.status_code == 503 and not trace.kv_transfer_params)
+        self._observe_transfer(resp)
+        return resp
+
+    def _observe_transfer(self, resp: httpx.Response) -> None:
+        pulled = resp.headers.get("x-kv-pull-seconds")
+        if pulled:
+            self.metrics.transfer_seconds.observe(float(pulled))
+
+    async def _whole(self, trace: Trace, worker: WorkerState, resp: httpx.Response) -> Response:
+        try:
+            content = await asyncio.wait_for(resp.aread(), self.s.decode_timeout_s)
+        except (httpx.HTTPError, asyncio.TimeoutError) as exc:
+            self.registry.end(worker.worker_id, ok=False)
+            raise classify(exc if isinstance(exc, httpx.HTTPError) else httpx.ReadTimeout("decode"), worker.info.url)
+        finally:
+            await resp.aclose()
+        self.registry.end(worker.worker_id, ok=True)
+        body = json.loads(content)
+        if trace.cached_tokens is not None and isinstance(body.get("usage"), dict):
+            body["usage"]["prompt_tokens_details"] = {"cached_tokens": trace.cached_tokens}
+        body.pop("kv_transfer_params", None)
+        elapsed = time.perf_counter() - trace.start
+        self.metrics.ttft.observe(elapsed)
+        self.metrics.e2e.observe(elapsed)
+        return JSONResponse(body, headers={"x-request-id": trace.request_id})
+
+    async def _relay(self, trace: Trace, worker: WorkerState, resp: httpx.Response) -> AsyncIterator[bytes]:
+        """Pass chunks through as they arrive; a cut or silent upstream becomes an SSE error event."""
+        parser, saw_done, ok, first_at, last_at, chunks = SSEParser(), False, False, None, None, 0
+        try:
+            iterator = resp.aiter_raw().__aiter__()
+            while True:
+                try:
+                    chunk = await asyncio.wait_for(iterator.__anext__(), self.s.idle_timeout_s)
+                except StopAsyncIteration:
+                    break
+                now = time.perf_counter()
+                first_at = first_at or now
+                if last_at is not None:
+                    self.metrics.tpot.observe(now - last_at)
+                last_at, chunks = now, chunks + 1
+                events = parser.feed(chunk)
+                saw_done = saw_done or any(e.is_done for e in events)
+                if any(e.is_error for e in events):
+                    self.metrics.stream_errors.inc()
+                yield chunk
+            ok = saw_done
+            if not saw_done:
+                raise UpstreamError("truncated", "the decode worker ended the stream early", 502)
+        except (httpx.HTTPError, asyncio.TimeoutError, UpstreamError) as exc:
+            err = exc if isinstance(exc, UpstreamError) else classify(
+                exc if isinstance(exc, httpx.HTTPError) else httpx.ReadTimeout("idle"), worker.info.url)
+            log.warning("decode stream %s failed mid-stream: %s", trace.request_id, err.message)
+            self.metrics.leg_failures.labels(leg="decode", reason=err.reason).inc()
+            self.metrics.stream_errors.inc()
+            yield sse_error(502, f"the decode worker failed mid-stream: {err.reason}", "upstream_error",
+                            "decode_failed")
+            yield SSE_DONE
+        finally:
+            await resp.aclose()                       # client gone or done: D sees the disconnect and aborts
+            self.registry.end(worker.worker_id, ok=ok)
+            if first_at is not None:
+                self.metrics.ttft.observe(first_at - trace.start)
+            self.metrics.e2e.observe(time.perf_counter() - trace.start)
+
+    # ---- helpers --------------------------------------------------------------------------------
+    async def release_prefill(self, trace: Trace) -> None:
+        """A prefill state that no decode worker received is released now instead of at lease expiry."""
+        ktp = trace.kv_transfer_params
+        if not ktp or trace.decode_connected or not trace.prefill_worker:
+            return
+        info = self.registry.all_infos().get(trace.prefill_worker)
+        if info is None or not self.admin_token:
+            return
+        try:
+            await self.client.post(f"{info.url}/internal/kv/release", json={"request_id": ktp.get("remote_request_id")},
+                                   headers={ADMIN_HEADER: f"Bearer {self.admin_token}"}, timeout=self.s.connect_timeout_s)
+            self.metrics.prefill_releases.labels(outcome="released").inc()
+        except httpx.HTTPError as exc:
+            self.metrics.prefill_releases.labels(outcome="failed").inc()
+            log.warning("could not release prefill state of %s: %s", trace.request_id, exc)
+
+    def _url(self, worker: WorkerState, trace: Trace) -> str:
+        path = "/v1/chat/completions" if trace.endpoint == "chat" else "/v1/completions"
+        return worker.info.url + path
+
+    @staticmethod
+    def _headers(trace: Trace) -> dict[str, str]:
+        return {"x-request-id": trace.request_id}

@@ -1,0 +1,160 @@
+"""The router's view of the fleet: static + discovered workers, their load, health and caches.
+
+Discovered workers come from the state store; each refresh replaces the registry with the store's
+list. If the store is unreachable, the last known list is kept (routing degrades, it never stops),
+and refreshes resume when it returns. KV events feed an exact prefix index per worker: a late
+router loads each worker's snapshot, then the events after it; a gap in sequence numbers (a
+trimmed or restarted stream) means reloading from the next snapshot. Static workers (e.g. stock
+vLLM) have no events: an approximate index of what this router sent them stands in.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from router.placement.health import HealthTracker
+from router.placement.prefix_index import ApproximatePrefixIndex, PrefixIndex
+from router.placement.types import WorkerState
+from router.settings import RouterSettings
+from shared.hashing import root_hash
+from shared.store.base import StateStore, StoreError
+from shared.workers import LoadReport, WorkerInfo
+
+log = logging.getLogger(__name__)
+
+
+class CombinedIndex:
+    """Exact index for workers that publish events, approximate for the rest."""
+
+    def __init__(self, approximate_blocks: int) -> None:
+        self.exact = PrefixIndex()
+        self.approximate = ApproximatePrefixIndex(approximate_blocks)
+        self.exact_workers: set[str] = set()
+
+    def matched_blocks(self, worker_id: str, hashes) -> int:
+        index = self.exact if worker_id in self.exact_workers else self.approximate
+        return index.matched_blocks(worker_id, hashes)
+
+    def record_sent(self, worker_id: str, hashes) -> None:
+        if worker_id not in self.exact_workers:
+            self.approximate.record(worker_id, list(hashes))
+
+
+class WorkerRegistry:
+    def __init__(self, settings: RouterSettings, store: StateStore | None) -> None:
+        self.settings, self.store = settings, store
+        self.static: dict[str, WorkerInfo] = self._static_workers(settings)
+        self.discovered: dict[str, WorkerInfo] = {}
+        self.loads: dict[str, LoadReport] = {}
+        self.inflight: dict[str, int] = {}
+        self.drained: set[str] = set()
+        self.health = HealthTracker()
+        self.index = CombinedIndex(settings.approximate_index_blocks)
+        self._event_seq: dict[str, int] = {}
+        self.store_ok = store is None
+        self.last_refresh = 0.0
+
+    @staticmethod
+    def _static_workers(s: RouterSettings) -> dict[str, WorkerInfo]:
+        root = root_hash(s.served_model_name)
+        out = {}
+        for role, urls in (("prefill", s.static_prefill), ("decode", s.static_decode), ("both", s.static_both)):
+            for url in urls:
+                out[url] = WorkerInfo(worker_id=url, role=role, url=url.rstrip("/"), model_id=s.served_model_name,
+                                      block_size=s.block_size, hash_root=root)
+        return out
+
+    # ---- views --------------------------------------------------------------------------------
+    def all_infos(self) -> dict[str, WorkerInfo]:
+        return {**self.static, **self.discovered}
+
+    def states(self) -> list[WorkerState]:
+        out = []
+        for wid, info in self.all_infos().items():
+            state = WorkerState(info=info, load=self.loads.get(wid), inflight=self.inflight.get(wid, 0),
+                                draining=wid in self.drained)
+            out.append(self.health.annotate(state))
+        return out
+
+    def add_static(self, info: WorkerInfo) -> None:
+        self.static[info.worker_id] = info
+
+    def begin(self, worker_id: str) -> None:
+        self.inflight[worker_id] = self.inflight.get(worker_id, 0) + 1
+
+    def end(self, worker_id: str, ok: bool) -> None:
+        self.inflight[worker_id] = max(0, self.inflight.get(worker_id, 0) - 1)
+        self.health.record_outcome(worker_id, ok)
+
+    # ---- refresh from the store -----------------------------------------------------------------
+    async def refresh(self) -> None:
+        if self.store is None:
+            return
+        try:
+            records = await self.store.workers()
+            self.discovered = {r.info.worker_id: r.info for r in records}
+            self.loads.update({r.info.worker_id: r.load for r in records})
+            for wid in list(self._event_seq):
+                if wid not in self.discovered:
+                    self._forget(wid)
+            for wid in self.discovered:
+                await self._sync_events(wid)
+            if not self.store_ok:
+                log.info("state store reachable again; registry rebuilt (%d workers)", len(self.discovered))
+            self.store_ok, self.last_refresh = True, time.time()
+        except StoreError as exc:
+            if self.store_ok:
+                log.warning("state store unavailable, routing on the last known state: %s", exc)
+            self.store_ok = False
+
+    def _forget(self, worker_id: str) -> None:
+        self._event_seq.pop(worker_id, None)
+        self.index.exact.drop_worker(worker_id)
+        self.index.exact_workers.discard(worker_id)
+        self.loads.pop(worker_id, None)
+
+    async def _sync_events(self, worker_id: str) -> None:
+        seq = self._event_seq.get(worker_id)
+        if seq is None:
+            snap = await self.store.read_kv_snapshot(worker_id)
+            if snap is None:
+                return
+            seq, hashes = snap
+            self.index.exact.load_snapshot(worker_id, hashes)
+            self.index.exact_workers.add(worker_id)
+        batches = await self.store.read_kv_events(worker_id, after=seq)
+        for number, batch in batches:
+            if number != seq + 1:                    # gap: the stream was trimmed or restarted
+                self._forget(worker_id)
+                return
+            self.index.exact.apply(worker_id, batch)
+            seq = number
+        self._event_seq[worker_id] = seq
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await self.refresh()
+            try:
+                await asyncio.wait_for(stop.wait(), self.settings.refresh_s)
+            except asyncio.TimeoutError:
+                pass
+
+    def drain(self, worker_id: str) -> bool:
+        if worker_id not in self.all_infos():
+            return False
+        self.drained.add(worker_id)
+        return True
+
+    def snapshot(self) -> list[dict]:
+        out = []
+        for s in self.states():
+            out.append({"worker_id": s.info.worker_id, "role": s.info.role, "url": s.info.url,
+                        "model": s.info.model_id, "source": "static" if s.info.worker_id in self.static else "store",
+                        "healthy": s.healthy, "circuit": s.circuit.value, "draining": s.is_draining,
+                        "inflight": s.inflight, "load": None if s.load is None else s.load.to_dict(),
+                        "cached_blocks": self.index.exact.num_blocks(s.info.worker_id)
+                        if s.info.worker_id in self.index.exact_workers
+                        else self.index.approximate.num_blocks(s.info.worker_id)})
+        return out
+

@@ -1,0 +1,1 @@
+"""What both worker roles share: settings, the OpenAI endpoints over the async engine, registration."""

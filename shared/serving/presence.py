@@ -1,0 +1,85 @@
+"""A worker's presence in the state store: registration, heartbeats with load, KV events, snapshots.
+
+Store outages never stop serving: failures are logged (once per outage) and retried on the next
+tick; when a heartbeat says the registration is gone (Redis restarted), the worker registers again
+and re-seeds its KV stream with a fresh snapshot, so routers rebuild their index.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import replace
+
+from engine.async_engine import AsyncEngine
+from shared.kv_events import KVEventBatch
+from shared.store.base import StateStore, StoreError
+from shared.workers import LoadReport, WorkerInfo
+
+log = logging.getLogger(__name__)
+
+
+class WorkerPresence:
+    def __init__(self, store: StateStore, info: WorkerInfo, engine: AsyncEngine, heartbeat_s: float,
+                 ttl_s: float, snapshot_every_s: float = 30.0) -> None:
+        self.store, self.info, self.engine = store, info, engine
+        self.heartbeat_s, self.ttl_s, self.snapshot_every_s = heartbeat_s, ttl_s, snapshot_every_s
+        self.draining = False
+        self._registered = False
+        self._last_snapshot = 0.0
+        self._outage = False
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"presence-{self.info.worker_id}")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        try:
+            await self.store.deregister(self.info.worker_id)
+        except StoreError as exc:
+            log.warning("could not deregister %s: %s", self.info.worker_id, exc)
+
+    def load(self) -> LoadReport:
+        s = self.engine.stats()
+        return LoadReport(running=s["running"], waiting=s["waiting"], held=s["held"], cache_usage=s["cache_usage"],
+                          capacity_tokens=s["capacity_tokens"], draining=self.draining, ts=time.time())
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.tick()
+                if self._outage:
+                    log.info("state store reachable again")
+                self._outage = False
+            except StoreError as exc:
+                if not self._outage:
+                    log.warning("state store unavailable, serving on: %s", exc)
+                # events drained during the outage are lost: re-register and re-snapshot once it is back
+                self._outage, self._registered = True, False
+            await asyncio.sleep(self.heartbeat_s)
+
+    async def tick(self) -> None:
+        """One round: (re-)register, heartbeat, publish new KV events, snapshot when due."""
+        if not self._registered:
+            await self.store.register(replace(self.info, started_at=self.info.started_at or time.time()), self.ttl_s)
+            self._registered = True
+            await self._snapshot()
+        if not await self.store.heartbeat(self.info.worker_id, self.load(), self.ttl_s):
+            self._registered = False
+            return
+        events = await self.engine.call(lambda: self.engine.engine.cache.drain_events())
+        if events:
+            await self.store.publish_kv_events(self.info.worker_id, KVEventBatch(time.time(), events))
+        if time.monotonic() - self._last_snapshot > self.snapshot_every_s:
+            await self._snapshot()
+
+    async def _snapshot(self) -> None:
+        """Seed/refresh: publish pending events, then the full set of hashes at the returned seq."""
+        events = await self.engine.call(lambda: self.engine.engine.cache.drain_events())
+        seq = await self.store.publish_kv_events(self.info.worker_id, KVEventBatch(time.time(), events))
+        hashes = await self.engine.call(lambda: list(self.engine.engine.cache.pool.hash_to_block))
+        await self.store.write_kv_snapshot(self.info.worker_id, seq, hashes)
+        self._last_snapshot = time.monotonic()
