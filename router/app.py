@@ -27,6 +27,7 @@ from router.registry import WorkerRegistry
 from router.settings import RouterSettings
 from router.upstream import UpstreamError
 from shared.openai.errors import AuthenticationFailed, ModelNotFound, OpenAIError, error_response
+from shared.openai.convert import to_sampling_params
 from shared.openai.requests import ChatCompletionRequest, CompletionRequest
 from shared.openai.responses import ModelCard, ModelList
 from shared.serving.app import _body, install_error_handlers
@@ -117,6 +118,7 @@ async def _models(request: Request) -> JSONResponse:
 async def _serve(request: Request, endpoint: str, req, prepare) -> Response:
     st = request.app.state
     _check_model(request, req.model)
+    to_sampling_params(req)                      # reject bad parameters here, before any worker is busy
     prepared = await asyncio.to_thread(prepare)
     trace = Trace(f"{endpoint}-{req.request_id or request.headers.get('x-request-id') or ''}-{next(_ids)}", endpoint)
     outcome = "error"

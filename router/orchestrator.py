@@ -36,6 +36,16 @@ log = logging.getLogger(__name__)
 ADMIN_HEADER = "authorization"
 
 
+def trace_headers(trace: "Trace") -> dict[str, str]:
+    """Where a request went: for clients' tracing and for tests (worker ids, never secrets)."""
+    headers = {"x-request-id": trace.request_id, "x-kimi-pd-decision": trace.decision}
+    if trace.prefill_worker:
+        headers["x-kimi-pd-prefill-worker"] = trace.prefill_worker
+    if trace.decode_worker:
+        headers["x-kimi-pd-decode-worker"] = trace.decode_worker
+    return headers
+
+
 @dataclass
 class Trace:
     request_id: str
@@ -150,7 +160,7 @@ class Orchestrator:
         trace.decode_worker = worker.worker_id
         if req.stream:
             return StreamingResponse(self._relay(trace, worker, resp), media_type="text/event-stream",
-                                     headers={"x-request-id": trace.request_id})
+                                     headers=trace_headers(trace))
         return await self._whole(trace, worker, resp)
 
     async def _open(self, worker: WorkerState, trace: Trace, body: dict, stream: bool) -> httpx.Response:
@@ -198,7 +208,7 @@ class Orchestrator:
         elapsed = time.perf_counter() - trace.start
         self.metrics.ttft.observe(elapsed)
         self.metrics.e2e.observe(elapsed)
-        return JSONResponse(body, headers={"x-request-id": trace.request_id})
+        return JSONResponse(body, headers=trace_headers(trace))
 
     async def _relay(self, trace: Trace, worker: WorkerState, resp: httpx.Response) -> AsyncIterator[bytes]:
         """Pass chunks through as they arrive; a cut or silent upstream becomes an SSE error event."""

@@ -89,6 +89,7 @@ class LLMEngine:
         self.eos_token_ids = {self.tokenizer.eos_id}
         self.requests: dict[str, Request] = {}
         self.held: dict[str, float] = {}                       # request id -> lease expiry (monotonic)
+        self._pending_outputs: list[RequestOutput] = []        # produced outside a step (imported first tokens)
         self._seed_source = torch.Generator().manual_seed(config.seed)
         self._ids = itertools.count()
         log.info("engine ready: %d MLA pages x %d tokens (%d tokens), %d+%d KDA slots",
@@ -123,7 +124,7 @@ class LLMEngine:
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, params, self.eos_token_ids)
         self.requests[request_id] = req
         if imported is not None:
-            self._adopt_first_token(req, imported)
+            self._pending_outputs.append(self._adopt_first_token(req, imported))
         if not req.is_finished:
             self.scheduler.add(req)
         return request_id
@@ -143,9 +144,9 @@ class LLMEngine:
             raise InvalidRequest("imported state was computed for a different prompt")
         self.identity.check_compatible(state.identity)
 
-    def _adopt_first_token(self, req: Request, state: ExportedState) -> None:
+    def _adopt_first_token(self, req: Request, state: ExportedState) -> RequestOutput:
         req.num_cached_tokens = state.num_cached_tokens
-        self._append_token(req, state.first_token_id, state.first_logprob, state.first_top_logprobs)
+        return self._append_token(req, state.first_token_id, state.first_logprob, state.first_top_logprobs)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request wherever it is and free what it holds. Unknown ids return None."""
@@ -187,13 +188,15 @@ class LLMEngine:
 
     # ---- stepping -------------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or bool(self._pending_outputs)
 
     def step(self) -> list[RequestOutput]:
+        """One forward for the scheduled requests; returns every output produced since the last step."""
+        pending, self._pending_outputs = self._pending_outputs, []
         self.expire_leases()
         out = self.scheduler.schedule()
         if not out.seqs:
-            return []
+            return pending
         logits = self.runner.execute(out)
         sampling = []
         for s in out.seqs:
@@ -205,8 +208,8 @@ class LLMEngine:
         states = [SamplingState(params=r.params, prompt_token_ids=r.prompt_token_ids,
                                 output_token_ids=r.output_token_ids, generator=r.generator) for r in sampling]
         result = sample(logits, states, self.eos_token_ids)
-        return [self._append_token(req, tok, lp, top) for req, tok, lp, top in
-                zip(sampling, result.token_ids, result.logprobs, result.top_logprobs)]
+        return pending + [self._append_token(req, tok, lp, top) for req, tok, lp, top in
+                          zip(sampling, result.token_ids, result.logprobs, result.top_logprobs)]
 
     def _append_token(self, req: Request, token: int, logprob: float, top) -> RequestOutput:
         req.output_token_ids.append(token)

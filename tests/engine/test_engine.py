@@ -347,3 +347,21 @@ def test_only_resumable_prefixes_are_published(tiny_dir):
         other.engine.step()
     assert not other.engine.cache.pool.hash_to_block and not other.engine.cache.drain_events()
     assert_clean(other)
+
+
+def test_imported_request_streams_its_first_token(tiny_dir):
+    """The first token comes from the prefill side; a decode-side stream must still deliver it."""
+    prefill, decode = make_llm(tiny_dir), make_llm(tiny_dir)
+    prefill.engine.add_request("p", prompt_ids(14, 400), GREEDY, export_state=True)
+    while prefill.engine.has_unfinished():
+        prefill.engine.step()
+    state = prefill.engine.export_state("p")
+    prefill.engine.release_export("p")
+    decode.engine.add_request("d", state.prompt_token_ids, GREEDY, imported=state)
+    deltas, final = [], None
+    while decode.engine.has_unfinished():
+        for out in decode.engine.step():
+            deltas += out.new_token_ids
+            final = out
+    assert deltas == final.output.token_ids and deltas[0] == state.first_token_id and len(deltas) == 12
+    assert_clean(decode)

@@ -1,0 +1,128 @@
+"""Real processes for end-to-end tests: workers and routers on loopback, free ports, bounded waits.
+
+Every process is started in its own session and stopped (SIGTERM, then SIGKILL) when the fleet
+closes, also when a test fails. Logs go to files under the test's tmp dir; a failed wait prints
+the tail of the process's log so the cause is visible in CI output.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+SECRET = "e2e-transfer-secret-0123456789abcdef"
+ADMIN = "e2e-admin-token"
+WORKER_ARGS = ["--block-size", "4", "--kda-chunk-size", "8", "--cache-memory", "8MiB", "--heartbeat-s", "0.2",
+               "--max-num-seqs", "8", "--log-level", "warning"]
+ROUTER_ARGS = ["--health-check-interval", "0.3", "--refresh-interval", "0.2", "--connect-timeout", "1",
+               "--log-level", "warning"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    url: str
+    log: Path
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.popen.poll() is None:
+            os.killpg(self.popen.pid, sig)
+            self.popen.wait(10)
+
+
+class Fleet:
+    def __init__(self, tmp: Path, model_dir: Path, redis_url: str | None = None, namespace: str = "e2e") -> None:
+        self.tmp, self.model_dir, self.redis_url, self.namespace = tmp, model_dir, redis_url, namespace
+        self.procs: list[Proc] = []
+        self.env = {**os.environ, "KIMI_PD_TRANSFER_SECRET": SECRET, "KIMI_PD_ADMIN_TOKEN": ADMIN,
+                    "PYTHONUNBUFFERED": "1"}
+
+    def __enter__(self) -> "Fleet":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _spawn(self, name: str, argv: list[str], port: int) -> Proc:
+        log = self.tmp / f"{name}.log"
+        popen = subprocess.Popen([sys.executable, "-m", "kimi_pd", *argv], env=self.env, stdout=open(log, "ab"),
+                                 stderr=subprocess.STDOUT, start_new_session=True)
+        proc = Proc(name, popen, f"http://127.0.0.1:{port}", log)
+        self.procs.append(proc)
+        return proc
+
+    def _store_args(self) -> list[str]:
+        return ["--redis-url", self.redis_url, "--namespace", self.namespace] if self.redis_url else []
+
+    def worker(self, role: str, name: str, *extra: str) -> Proc:
+        port = free_port()
+        argv = [role, "--model", str(self.model_dir), "--port", str(port), "--worker-id", name, *WORKER_ARGS,
+                *self._store_args(), *extra]
+        return self._spawn(name, argv, port)
+
+    def router(self, name: str, *extra: str, port: int | None = None) -> Proc:
+        port = port or free_port()
+        argv = ["router", "--model", str(self.model_dir), "--port", str(port), *ROUTER_ARGS, *self._store_args(),
+                *extra]
+        return self._spawn(name, argv, port)
+
+    def wait(self, proc: Proc, path: str = "/health", timeout_s: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if proc.popen.poll() is not None:
+                raise RuntimeError(f"{proc.name} exited ({proc.popen.returncode}):\n{proc.tail()}")
+            try:
+                if httpx.get(proc.url + path, timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"{proc.name} not ready at {path} after {timeout_s} s:\n{proc.tail()}")
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.popen.poll() is None:
+                try:
+                    os.killpg(proc.popen.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + 15
+        for proc in self.procs:
+            try:
+                proc.popen.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """Sum of a Prometheus sample (matching labels) from `url`/metrics."""
+    total = 0.0
+    for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+        if not line.startswith(name) or line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        if head.split("{")[0] != name:
+            continue
+        if all(f'{k}="{v}"' in head for k, v in labels.items()):
+            total += float(value)
+    return total
