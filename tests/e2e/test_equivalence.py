@@ -136,3 +136,17 @@ def test_bad_input_gets_openai_errors_and_services_keep_serving(fleet, send, sta
     ok = httpx.post(fleet.r.url + "/v1/chat/completions", json=chat_body(CHATS[0], max_tokens=2), timeout=60)
     assert ok.status_code == 200
     assert metric(fleet.p.url, "kimi_pd_kv_held_leases") == 0
+
+
+def test_conditional_disaggregation_skips_prefill_for_short_prompts(fleet, offline):
+    """A router with the default threshold sends short prompts straight to the decode worker."""
+    r2 = fleet.router("r-threshold", "--prefill", fleet.p.url, "--decode", fleet.d.url, "--disagg-threshold", "32")
+    fleet.wait(r2, "/ready")
+    body = {"model": "kimi-k3", "prompt": "Short one", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    short = httpx.post(r2.url + "/v1/completions", json=body, timeout=60)
+    assert short.headers["x-kimi-pd-decision"] == "decode-only"
+    expected = offline.generate("Short one", SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    assert short.json()["choices"][0]["text"] == expected[0].output.text
+    long_body = {**body, "prompt": "word " * 60}
+    assert httpx.post(r2.url + "/v1/completions", json=long_body, timeout=60).headers["x-kimi-pd-decision"] == \
+        "prefill-decode"

@@ -1,0 +1,112 @@
+"""Faults with processes really killed: a decode worker dies mid-stream, a prefill worker dies, the
+store goes away and comes back. Afterwards no prefill state is left held."""
+from __future__ import annotations
+
+import json
+import signal
+import time
+import uuid
+
+import httpx
+import pytest
+
+from shared.store.embedded import EmbeddedValkey
+from tests.e2e.fleet import ADMIN, Fleet, metric
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def chat(url: str, max_tokens: int = 4, **extra) -> httpx.Response:
+    body = {"model": "kimi-k3", "messages": [{"role": "user", "content": "Ping?"}], "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, **extra}
+    return httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+
+
+def eventually(check, timeout_s: float = 20.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def no_prefill_state_held(url: str) -> bool:
+    return metric(url, "kimi_pd_kv_held_leases") == 0 and metric(url, "kimi_pd_worker_held") == 0
+
+
+def test_decode_worker_killed_mid_stream_ends_with_an_sse_error(tmp_path, e2e_model):
+    with Fleet(tmp_path, e2e_model) as f:
+        p, d1, d2 = f.worker("prefill", "p0"), f.worker("decode", "d1"), f.worker("decode", "d2")
+        for proc in (p, d1, d2):
+            f.wait(proc)
+        r = f.router("r", "--prefill", p.url, "--decode", d1.url, "--decode", d2.url, "--disagg-threshold", "0")
+        f.wait(r, "/ready")
+        body = {"model": "kimi-k3", "messages": [{"role": "user", "content": "Tell a long story."}],
+                "max_tokens": 3000, "ignore_eos": True, "temperature": 0, "stream": True}
+        lines, killed = [], None
+        with httpx.stream("POST", r.url + "/v1/chat/completions", json=body, timeout=60) as resp:
+            assert resp.status_code == 200
+            victim = {d1.url: d1, d2.url: d2}[resp.headers["x-kimi-pd-decode-worker"]]
+            for line in resp.iter_lines():
+                lines.append(line)
+                if killed is None and sum(x.startswith("data: {") for x in lines) >= 5:
+                    victim.kill(signal.SIGKILL)
+                    killed = victim
+        assert killed is not None
+        assert "event: error" in lines, lines[-5:]
+        error = json.loads(lines[lines.index("event: error") + 1][6:])["error"]
+        assert error["code"] == "decode_failed" and "mid-stream" in error["message"]
+        assert lines[-1] == "data: [DONE]" or lines[-2] == "data: [DONE]"
+        for _ in range(4):                                   # the next requests go to the surviving decoder
+            again = chat(r.url)
+            assert again.status_code == 200, again.text
+            assert again.headers["x-kimi-pd-decode-worker"] != killed.url
+        eventually(lambda: no_prefill_state_held(p.url), what="no prefill state held")
+
+
+def test_prefill_worker_killed_next_requests_go_elsewhere(tmp_path, e2e_model):
+    with Fleet(tmp_path, e2e_model) as f:
+        p1, p2, d = f.worker("prefill", "p1"), f.worker("prefill", "p2"), f.worker("decode", "d")
+        for proc in (p1, p2, d):
+            f.wait(proc)
+        r = f.router("r", "--prefill", p1.url, "--prefill", p2.url, "--decode", d.url, "--disagg-threshold", "0")
+        f.wait(r, "/ready")
+        assert chat(r.url).status_code == 200
+        p1.kill(signal.SIGKILL)
+        for i in range(6):
+            resp = chat(r.url, max_tokens=3, seed=i)
+            assert resp.status_code == 200, resp.text
+            assert resp.headers["x-kimi-pd-prefill-worker"] == p2.url
+            assert resp.headers["x-kimi-pd-decision"] == "prefill-decode"
+        eventually(lambda: no_prefill_state_held(p2.url), what="no prefill state held")
+
+
+def test_store_stopped_and_restarted_requests_keep_being_served(tmp_path, e2e_model):
+    store = EmbeddedValkey().start()
+    try:
+        with Fleet(tmp_path, e2e_model, store.url, namespace=uuid.uuid4().hex) as f:
+            p, d = f.worker("prefill", "p0"), f.worker("decode", "d0")
+            r = f.router("r", "--disagg-threshold", "0")
+            for proc in (p, d):
+                f.wait(proc)
+            f.wait(r, "/ready")
+            assert chat(r.url).headers["x-kimi-pd-decision"] == "prefill-decode"
+            store.stop()
+            time.sleep(1.0)                                  # several refreshes and heartbeats fail
+            for _ in range(3):
+                resp = chat(r.url)
+                assert resp.status_code == 200 and resp.headers["x-kimi-pd-decision"] == "prefill-decode"
+            assert httpx.get(r.url + "/ready", timeout=5).json()["store"] == "unavailable"
+            store.start()                                    # same port, empty: workers must re-register
+            def recovered():
+                ready = httpx.get(r.url + "/ready", timeout=5).json()
+                listed = httpx.get(r.url + "/admin/workers", headers={"authorization": f"Bearer {ADMIN}"},
+                                   timeout=5).json()["workers"]
+                return ready["store"] == "ok" and {w["worker_id"] for w in listed} == {"p0", "d0"}
+            eventually(recovered, what="store recovery and re-registration")
+            for _ in range(3):
+                assert chat(r.url).status_code == 200
+            eventually(lambda: no_prefill_state_held(p.url), what="no prefill state held")
+    finally:
+        store.stop()
