@@ -5,6 +5,7 @@
   leg_failures_total{leg, reason}                leg: prefill | decode; reason: connect, timeout, http_5xx, ...
   retries_total{leg}                             a connect failure retried on another worker
   prefill_seconds, transfer_seconds              per leg (transfer as reported by the decode worker)
+  decode_queue_seconds                           decode worker: arrival -> first scheduled
   ttft_seconds, tpot_seconds, e2e_seconds        client-visible latencies
   stream_errors_total                            streams ended with an SSE error event
   prefill_releases_total{outcome}                prefill states released by the router (client gone)
@@ -30,6 +31,8 @@ class RouterMetrics:
         self.prefill_seconds = Histogram(p + "prefill_seconds", "Prefill leg", buckets=_BUCKETS, registry=r)
         self.transfer_seconds = Histogram(p + "transfer_seconds", "State transfer (decode side)", buckets=_BUCKETS,
                                           registry=r)
+        self.decode_queue = Histogram(p + "decode_queue_seconds", "Decode worker queue time", buckets=_BUCKETS,
+                                      registry=r)
         self.ttft = Histogram(p + "ttft_seconds", "Time to first token", buckets=_BUCKETS, registry=r)
         self.tpot = Histogram(p + "tpot_seconds", "Time per output chunk after the first", buckets=_BUCKETS, registry=r)
         self.e2e = Histogram(p + "e2e_seconds", "Whole request", buckets=_BUCKETS, registry=r)

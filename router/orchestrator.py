@@ -188,9 +188,11 @@ class Orchestrator:
         return resp
 
     def _observe_transfer(self, resp: httpx.Response) -> None:
-        pulled = resp.headers.get("x-kv-pull-seconds")
-        if pulled:
-            self.metrics.transfer_seconds.observe(float(pulled))
+        for header, histogram in (("x-kv-pull-seconds", self.metrics.transfer_seconds),
+                                  ("x-queue-seconds", self.metrics.decode_queue)):
+            value = resp.headers.get(header)
+            if value:
+                histogram.observe(float(value))
 
     async def _whole(self, trace: Trace, worker: WorkerState, resp: httpx.Response) -> Response:
         try:

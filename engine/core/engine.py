@@ -249,8 +249,9 @@ class LLMEngine:
         finished = req.status in (RequestStatus.FINISHED, RequestStatus.HELD)
         completion = CompletionOutput(0, req.text, list(req.output_token_ids), list(req.output_logprobs),
                                       list(req.output_top_logprobs), req.finish_reason, req.stop_reason)
+        queued = None if req.first_scheduled_time is None else req.first_scheduled_time - req.arrival_time
         return RequestOutput(req.request_id, req.prompt_token_ids, [completion], finished,
-                             req.num_cached_tokens, new_text, new_tokens)
+                             req.num_cached_tokens, new_text, new_tokens, queued)
 
     # ---- checks ---------------------------------------------------------------------------------
     def check_integrity(self) -> None:

@@ -28,6 +28,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     new_text: str = ""                                   # what this step added (streaming)
     new_token_ids: list[int] = field(default_factory=list)
+    queue_seconds: float | None = None                   # arrival -> first scheduled (None: not yet)
 
     @property
     def output(self) -> CompletionOutput:

@@ -152,6 +152,8 @@ def _leg_headers(result: LegResult) -> dict[str, str]:
         headers["x-kv-pull-seconds"] = f"{result.timings['kv_pull_s']:.6f}"
     if result.recomputed:
         headers["x-kv-recomputed"] = "1"
+    if "queue_s" in result.timings:
+        headers["x-queue-seconds"] = f"{result.timings['queue_s']:.6f}"
     return headers
 
 

@@ -57,6 +57,9 @@ async def run_leg(rt: WorkerRuntime, prepared: PreparedPrompt, params: SamplingP
         imported = await _pull(rt, prepared, kv_transfer_params, result)
     async for out in rt.engine.generate(result.request_id, prepared.engine_input(), params, imported=imported):
         result.num_cached_tokens = out.num_cached_tokens
+        if out.queue_seconds is not None and "queue_s" not in result.timings:
+            result.timings["queue_s"] = out.queue_seconds
+            rt.metrics.queue.observe(out.queue_seconds)
         yield out
 
 

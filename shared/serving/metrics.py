@@ -4,6 +4,7 @@ Names (all prefixed `kimi_pd_worker_`):
   requests_total{endpoint, outcome}   finished HTTP requests (outcome: ok, client_error, server_error, aborted)
   prompt_tokens_total, generation_tokens_total, cached_prompt_tokens_total
   ttft_seconds, tpot_seconds           time to first token; time per output token after the first
+  queue_seconds                        arrival -> first scheduled in the engine
   kv_pull_seconds, kv_pull_failures_total{policy}   decode side: loading a prefill state
   running, waiting, held, cache_usage  engine gauges, sampled at scrape time
 """
@@ -26,6 +27,8 @@ class WorkerMetrics:
         self.ttft = Histogram(p + "ttft_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram(p + "tpot_seconds", "Time per output token after the first",
                               buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram(p + "queue_seconds", "Arrival to first scheduled", buckets=_LATENCY_BUCKETS,
+                               registry=r)
         self.kv_pull = Histogram(p + "kv_pull_seconds", "Loading a prefill state", buckets=_LATENCY_BUCKETS, registry=r)
         self.kv_pull_failures = Counter(p + "kv_pull_failures_total", "Prefill states that could not be loaded",
                                         ["policy"], registry=r)

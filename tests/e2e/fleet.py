@@ -63,9 +63,10 @@ class Fleet:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _spawn(self, name: str, argv: list[str], port: int) -> Proc:
+    def _spawn(self, name: str, argv: list[str], port: int, env: dict[str, str] | None = None) -> Proc:
         log = self.tmp / f"{name}.log"
-        popen = subprocess.Popen([sys.executable, "-m", "kimi_pd", *argv], env=self.env, stdout=open(log, "ab"),
+        popen = subprocess.Popen([sys.executable, "-m", "kimi_pd", *argv], env={**self.env, **(env or {})},
+                                 stdout=open(log, "ab"),
                                  stderr=subprocess.STDOUT, start_new_session=True)
         proc = Proc(name, popen, f"http://127.0.0.1:{port}", log)
         self.procs.append(proc)
@@ -80,11 +81,11 @@ class Fleet:
                 *self._store_args(), *extra]
         return self._spawn(name, argv, port)
 
-    def router(self, name: str, *extra: str, port: int | None = None) -> Proc:
+    def router(self, name: str, *extra: str, port: int | None = None, env: dict[str, str] | None = None) -> Proc:
         port = port or free_port()
         argv = ["router", "--model", str(self.model_dir), "--port", str(port), *ROUTER_ARGS, *self._store_args(),
                 *extra]
-        return self._spawn(name, argv, port)
+        return self._spawn(name, argv, port, env)
 
     def wait(self, proc: Proc, path: str = "/health", timeout_s: float = 90.0) -> None:
         deadline = time.monotonic() + timeout_s
