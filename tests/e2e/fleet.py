@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from kimi_pd.up import free_port
 
 SECRET = "e2e-transfer-secret-0123456789abcdef"
 ADMIN = "e2e-admin-token"
@@ -25,10 +26,15 @@ ROUTER_ARGS = ["--health-check-interval", "0.3", "--refresh-interval", "0.2", "-
                "--log-level", "warning"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def eventually(check, timeout_s: float = 20.0, what: str = "condition"):
+    """Poll `check` until it returns something truthy (returned), or fail after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
 
 
 @dataclass

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from shared.store.embedded import EmbeddedValkey
-from tests.e2e.fleet import ADMIN, Fleet, metric
+from tests.e2e.fleet import ADMIN, Fleet, eventually, metric
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -22,13 +22,6 @@ def chat(url: str, max_tokens: int = 4, **extra) -> httpx.Response:
     return httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
 
 
-def eventually(check, timeout_s: float = 20.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def no_prefill_state_held(url: str) -> bool:

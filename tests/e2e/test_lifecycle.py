@@ -9,20 +9,13 @@ import uuid
 import httpx
 import pytest
 
-from tests.e2e.fleet import ADMIN, Fleet, metric
+from tests.e2e.fleet import ADMIN, Fleet, eventually, metric
 
 pytestmark = pytest.mark.timeout(300)
 LONG = {"model": "kimi-k3", "messages": [{"role": "user", "content": "Go on and on."}], "max_tokens": 3000,
         "ignore_eos": True, "temperature": 0}
 
 
-def eventually(check, timeout_s: float = 20.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import uuid
 import httpx
 import pytest
 
-from tests.e2e.fleet import ADMIN, Fleet
+from tests.e2e.fleet import ADMIN, Fleet, eventually
 
 pytestmark = pytest.mark.timeout(300)
 PREFIX = [(7 * i + 3) % 1000 for i in range(120)]
@@ -27,14 +27,6 @@ def workers_view(router_url: str) -> dict[str, dict]:
     return {w["worker_id"]: w for w in resp.json()["workers"]}
 
 
-def eventually(check, timeout_s: float = 20.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture(scope="module")
