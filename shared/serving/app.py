@@ -11,7 +11,7 @@ import hmac
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -171,9 +171,10 @@ async def _first_or_error(outputs: AsyncIterator) -> Any:
 
 
 async def _prepend(first, rest: AsyncIterator) -> AsyncIterator:
-    yield first
-    async for item in rest:
-        yield item
+    async with aclosing(rest):
+        yield first
+        async for item in rest:
+            yield item
 
 
 async def _guarded_stream(rt: WorkerRuntime, endpoint: str, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from contextlib import aclosing
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,18 +50,27 @@ async def run_leg(rt: WorkerRuntime, prepared: PreparedPrompt, params: SamplingP
     """Yield engine outputs for this request; fills `result` (transfer params, cached tokens)."""
     kind = leg_kind(kv_transfer_params)
     if kind == "prefill":
-        async for out in _prefill_leg(rt, prepared, params, result):
-            yield out
+        async with aclosing(_prefill_leg(rt, prepared, params, result)) as outputs:
+            async for out in outputs:
+                yield out
         return
     imported = None
     if kind == "decode":
         imported = await _pull(rt, prepared, kv_transfer_params, result)
-    async for out in rt.engine.generate(result.request_id, prepared.engine_input(), params, imported=imported):
-        result.num_cached_tokens = out.num_cached_tokens
-        if out.queue_seconds is not None and "queue_s" not in result.timings:
-            result.timings["queue_s"] = out.queue_seconds
-            rt.metrics.queue.observe(out.queue_seconds)
-        yield out
+    # aclosing: when our consumer stops early, the engine stream is closed at once, which aborts it
+    stream = rt.engine.generate(result.request_id, prepared.engine_input(), params, imported=imported)
+    async with aclosing(stream) as outputs:
+        async for out in outputs:
+            yield _observe(rt, result, out)
+
+
+def _observe(rt: WorkerRuntime, result: LegResult, out: RequestOutput) -> RequestOutput:
+    """Record cached tokens and queue time from an engine output (once per request for the latter)."""
+    result.num_cached_tokens = out.num_cached_tokens
+    if out.queue_seconds is not None and "queue_s" not in result.timings:
+        result.timings["queue_s"] = out.queue_seconds
+        rt.metrics.queue.observe(out.queue_seconds)
+    return out
 
 
 async def _prefill_leg(rt: WorkerRuntime, prepared: PreparedPrompt, params: SamplingParams,
@@ -69,8 +79,10 @@ async def _prefill_leg(rt: WorkerRuntime, prepared: PreparedPrompt, params: Samp
         raise BadRequest("this worker does not serve prefill legs (role: %s)" % rt.settings.role,
                          param="kv_transfer_params")
     final = None
-    async for out in rt.engine.generate(result.request_id, prepared.engine_input(), params, export_state=True):
-        final = out
+    async with aclosing(rt.engine.generate(result.request_id, prepared.engine_input(), params,
+                                           export_state=True)) as outputs:
+        async for out in outputs:
+            final = out
     start = time.perf_counter()
     params_out = await rt.handoff.publish(result.request_id)
     result.timings["publish_s"] = time.perf_counter() - start

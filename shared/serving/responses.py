@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from engine.core.outputs import RequestOutput
@@ -60,7 +61,7 @@ async def chat_stream(req: ChatCompletionRequest, model: str, prepared: Prepared
 
     yield chunk(DeltaMessage(role="assistant", content=""))
     last = None
-    async for out in outputs:
+    async for out in _closing(outputs):
         last = out
         delta = shaper.feed(out.new_text) if out.new_text else None
         if out.finished:
@@ -84,7 +85,7 @@ async def chat_stream(req: ChatCompletionRequest, model: str, prepared: Prepared
 async def completion_stream(req: CompletionRequest, model: str, outputs: AsyncIterator[RequestOutput],
                             result: LegResult, tokenizer: KimiTokenizer) -> AsyncIterator[bytes]:
     chunk_id, offset, last = random_id("cmpl"), 0, None
-    async for out in outputs:
+    async for out in _closing(outputs):
         last = out
         n = len(out.new_token_ids)
         logprobs = None
@@ -101,6 +102,13 @@ async def completion_stream(req: CompletionRequest, model: str, outputs: AsyncIt
     if req.include_usage:
         yield sse_event(CompletionChunk(id=chunk_id, model=model, choices=[], usage=usage_of(last, result)))
     yield SSE_DONE
+
+
+async def _closing(outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    """Iterate and always close `outputs`, so a stream the client abandons aborts its engine request."""
+    async with aclosing(outputs):
+        async for out in outputs:
+            yield out
 
 
 def _merge(a: DeltaMessage | None, b: DeltaMessage | None) -> DeltaMessage | None:
