@@ -25,6 +25,7 @@ from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 _DONE = object()
+IDLE_POLL_S = 0.05          # how long the engine thread waits for a command when it has nothing to run
 
 
 class AsyncEngine:
@@ -34,6 +35,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
         self._dead: BaseException | None = None
+        self._stalled = False
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
 
@@ -46,8 +48,10 @@ class AsyncEngine:
         self._streams[request_id] = (loop, outputs)
         try:
             await self.call(lambda: self.engine.add_request(request_id, prompt, params, export_state, imported))
-        except BaseException:
+        except BaseException as exc:
             self._streams.pop(request_id, None)
+            if isinstance(exc, asyncio.CancelledError):
+                self.abort_nowait(request_id)       # the add may still run on the engine thread: undo it
             raise
         finished = False
         try:
@@ -104,23 +108,30 @@ class AsyncEngine:
 
     # ---- engine thread --------------------------------------------------------------------------
     def _loop(self) -> None:
-        while not self._stop.is_set():
-            self._run_commands(block=not self.engine.has_unfinished())
-            if self._stop.is_set() or not self.engine.has_unfinished():
-                continue
-            try:
-                outputs = self.engine.step()
-            except BaseException as exc:                       # noqa: BLE001 - the engine must not hang streams
-                log.exception("engine step failed; failing every open request")
-                self._die(exc)
-                return
-            for out in outputs:
-                self._publish(out.request_id, out)
+        try:
+            while not self._stop.is_set():
+                self._iteration()
+        except BaseException as exc:                           # noqa: BLE001 - the engine must not hang streams
+            log.exception("engine thread failed; failing every open request")
+            self._die(exc)
+            return
         self._die(None)
+
+    def _iteration(self) -> None:
+        """Commands, then one step. Blocks (no busy-spin) while nothing can be scheduled."""
+        self._run_commands(block=not self.engine.has_unfinished() or self._stalled)
+        self.engine.expire_leases()
+        if self._stop.is_set() or not self.engine.has_unfinished():
+            return
+        outputs = self.engine.step()
+        # waiting work that cannot be admitted (held states, full cache): wait for a command or a lease
+        self._stalled = not outputs and not self.engine.scheduler.running
+        for out in outputs:
+            self._publish(out.request_id, out)
 
     def _run_commands(self, block: bool) -> None:
         try:
-            fn, future = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+            fn, future = self._commands.get(timeout=IDLE_POLL_S) if block else self._commands.get_nowait()
         except queue.Empty:
             return
         while True:
@@ -131,6 +142,8 @@ class AsyncEngine:
                 return
 
     def _run_one(self, fn: Callable[[], Any], future: concurrent.futures.Future) -> None:
+        if not future.set_running_or_notify_cancel():          # the caller gave up before we got to it
+            return
         try:
             result = fn()
         except BaseException as exc:                           # noqa: BLE001 - delivered to the caller

@@ -21,6 +21,13 @@ import httpx
 READY_TIMEOUT_S = 180.0
 
 
+def redact(url: str) -> str:
+    """A URL without its password (store URLs may carry one)."""
+    from urllib.parse import urlsplit
+    parts = urlsplit(url)
+    return url if not parts.password else url.replace(f":{parts.password}@", ":***@")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -98,7 +105,8 @@ def up(model_dir: str, port: int, num_prefill: int, num_decode: int, redis_url: 
                     env, log_dir)
         url = f"http://127.0.0.1:{port}"
         wait_ready(url, fleet, READY_TIMEOUT_S)
-        print(f"kimi-pd is up: {url}  ({num_prefill} prefill + {num_decode} decode workers, store {redis_url})")
+        print(f"kimi-pd is up: {url}  ({num_prefill} prefill + {num_decode} decode workers, "
+              f"store {redact(redis_url)})")
         print(f"logs: {log_dir}/   stop: Ctrl-C")
         print(f"""curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' """
               """-d '{"model": "kimi-k3", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16}'""",

@@ -123,8 +123,9 @@ async def _serve(request: Request, endpoint: str, req, prepare) -> Response:
     trace = Trace(f"{endpoint}-{req.request_id or request.headers.get('x-request-id') or ''}-{next(_ids)}", endpoint)
     outcome = "error"
     try:
-        response = await (st.orchestrator.handle(trace, req, prepared) if req.stream
-                          else until_disconnect(request, st.orchestrator.handle(trace, req, prepared)))
+        # until the response starts (a stream's first byte, or the whole answer), a client that leaves
+        # cancels both legs; once streaming, closing the relay does the same
+        response = await until_disconnect(request, st.orchestrator.handle(trace, req, prepared))
         outcome = "ok"
         return response
     finally:
@@ -180,14 +181,25 @@ async def _add_worker(request: Request) -> JSONResponse:
     _check_admin(request)
     body = await _body(request)
     url, role = body.get("url"), body.get("role")
-    if not isinstance(url, str) or not url.startswith(("http://", "https://")) or role not in ("prefill", "decode", "both"):
-        raise OpenAIError("give url (http[s]://...) and role (prefill, decode or both)", status=400)
+    if not _valid_worker_url(url) or role not in ("prefill", "decode", "both"):
+        raise OpenAIError("give url (http[s]://host:port) and role (prefill, decode or both)", status=400)
     st = request.app.state
     from shared.hashing import root_hash
     st.registry.add_static(WorkerInfo(worker_id=url, role=role, url=url.rstrip("/"), model_id=st.settings.served_model_name,
                                       block_size=st.settings.block_size, hash_root=root_hash(st.settings.served_model_name),
                                       started_at=time.time()))
     return JSONResponse({"added": url})
+
+
+def _valid_worker_url(url: object) -> bool:
+    if not isinstance(url, str):
+        return False
+    try:
+        parsed = httpx.URL(url)
+        port = parsed.port
+    except (httpx.InvalidURL, ValueError):
+        return False
+    return parsed.scheme in ("http", "https") and bool(parsed.host) and (port is None or 0 < port < 65536)
 
 
 async def _drain_worker(request: Request, worker_id: str) -> JSONResponse:

@@ -8,6 +8,7 @@ from router.settings import RouterSettings
 
 API_KEYS_ENV = "KIMI_PD_API_KEYS"          # comma-separated client keys (optional)
 ADMIN_TOKEN_ENV = "KIMI_PD_ADMIN_TOKEN"
+WORKER_API_KEY_ENV = "KIMI_PD_WORKER_API_KEY"  # the key workers expect (their KIMI_PD_API_KEY), if any
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
@@ -41,7 +42,8 @@ def settings_from_args(args: argparse.Namespace, model_dir: str) -> RouterSettin
                           max_attempts=args.max_attempts, connect_timeout_s=args.connect_timeout,
                           prefill_timeout_s=args.prefill_timeout, idle_timeout_s=args.idle_timeout,
                           health_check_s=args.health_check_interval, refresh_s=args.refresh_interval, api_keys=keys,
-                          admin_token=os.environ.get(ADMIN_TOKEN_ENV) or None)
+                          admin_token=os.environ.get(ADMIN_TOKEN_ENV) or None,
+                          worker_api_key=os.environ.get(WORKER_API_KEY_ENV) or None)
 
 
 def run_router(args: argparse.Namespace, model_dir: str) -> int:

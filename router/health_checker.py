@@ -18,7 +18,7 @@ async def check_once(client: httpx.AsyncClient, registry: WorkerRegistry, timeou
         try:
             resp = await client.get(f"{info.url}/health", timeout=timeout_s)
             ok = resp.status_code == 200
-        except httpx.HTTPError:
+        except Exception:                                  # noqa: BLE001 - any failure is a failed check
             ok = False
         was = registry.health.is_healthy(info.worker_id)
         registry.health.record_check(info.worker_id, ok)
@@ -30,7 +30,10 @@ async def check_once(client: httpx.AsyncClient, registry: WorkerRegistry, timeou
 
 async def run(client: httpx.AsyncClient, registry: WorkerRegistry, interval_s: float, stop: asyncio.Event) -> None:
     while not stop.is_set():
-        await check_once(client, registry, min(interval_s, 2.0))
+        try:
+            await check_once(client, registry, min(interval_s, 2.0))
+        except Exception:                                  # noqa: BLE001 - the checker must outlive any bug
+            log.exception("health check round failed")
         try:
             await asyncio.wait_for(stop.wait(), interval_s)
         except asyncio.TimeoutError:

@@ -4,6 +4,7 @@
   decisions_total{decision}                      placement decisions
   leg_failures_total{leg, reason}                leg: prefill | decode; reason: connect, timeout, http_5xx, ...
   retries_total{leg}                             a connect failure retried on another worker
+  prefill_fallbacks_total{reason}                prefill pool down/failing: decode computed the prompt
   prefill_seconds, transfer_seconds              per leg (transfer as reported by the decode worker)
   decode_queue_seconds                           decode worker: arrival -> first scheduled
   ttft_seconds, tpot_seconds, e2e_seconds        client-visible latencies
@@ -27,6 +28,8 @@ class RouterMetrics:
                                 registry=r)
         self.decisions = Counter(p + "decisions_total", "Placement decisions", ["decision"], registry=r)
         self.leg_failures = Counter(p + "leg_failures_total", "Failed legs", ["leg", "reason"], registry=r)
+        self.prefill_fallbacks = Counter(p + "prefill_fallbacks_total", "Prefill legs that fell back to decode-only",
+                                         ["reason"], registry=r)
         self.retries = Counter(p + "retries_total", "Legs retried on another worker", ["leg"], registry=r)
         self.prefill_seconds = Histogram(p + "prefill_seconds", "Prefill leg", buckets=_BUCKETS, registry=r)
         self.transfer_seconds = Histogram(p + "transfer_seconds", "State transfer (decode side)", buckets=_BUCKETS,

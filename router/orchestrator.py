@@ -26,7 +26,7 @@ from router.placement.pipeline import NoWorkerAvailable, Pipeline, decide_disagg
 from router.placement.types import RoutingContext, WorkerState
 from router.registry import WorkerRegistry
 from router.settings import RouterSettings
-from router.upstream import UpstreamError, classify, error_body, post_json
+from router.upstream import UpstreamError, classify, error_body, parse_object, post_json
 from shared.openai.errors import NoWorkerAvailable as NoWorker503
 from shared.openai.legs import decode_body, prefill_body, wire_body
 from shared.openai.sse import SSE_DONE, SSEParser, sse_error
@@ -81,10 +81,11 @@ class Orchestrator:
         states = self.registry.states()
         ctx = self._context(trace, prepared, states, "decode")
         decode = self._pick(ctx, states, exclude=set())
-        trace.decision = self._decide(ctx, decode, states)
-        self.metrics.decisions.labels(decision=trace.decision).inc()
+        prefill_ctx = self._context(trace, prepared, states, "prefill")
+        trace.decision = self._decide(ctx, prefill_ctx, decode, states)
         if trace.decision == "prefill-decode":
-            await self._prefill_leg(trace, req, prepared, states)
+            await self._prefill_or_fall_back(trace, req, prefill_ctx, states)
+        self.metrics.decisions.labels(decision=trace.decision).inc()
         self._record_sent(ctx, decode)
         return await self._decode_leg(trace, req, decode, ctx, states)
 
@@ -100,9 +101,15 @@ class Orchestrator:
         except NoWorkerAvailable as exc:
             raise NoWorker503(str(exc)) from exc
 
-    def _decide(self, ctx: RoutingContext, decode: WorkerState, states: list[WorkerState]) -> str:
-        has_prefill = any(w.info.role == "prefill" and w.healthy and not w.is_draining for w in states)
-        if not has_prefill:
+    def _decide(self, ctx: RoutingContext, prefill_ctx: RoutingContext, decode: WorkerState,
+                states: list[WorkerState]) -> str:
+        """Decode-only when no prefill worker passes the same filters placement uses, or when little
+        of the prompt is uncached on the chosen decode worker."""
+        try:
+            prefill_ready = [w for w in self.pipeline.candidates(prefill_ctx, states) if w.info.role == "prefill"]
+        except NoWorkerAvailable:
+            prefill_ready = []
+        if not prefill_ready:
             return "decode-only"
         return decide_disaggregation(ctx, decode, self.s.disagg_threshold_tokens)
 
@@ -110,26 +117,40 @@ class Orchestrator:
         self.registry.index.record_sent(worker.worker_id, ctx.hashes_for(worker.info))
 
     # ---- prefill leg --------------------------------------------------------------------------
-    async def _prefill_leg(self, trace: Trace, req, prepared: PreparedPrompt, states: list[WorkerState]) -> None:
-        ctx = self._context(trace, prepared, states, "prefill")
+    async def _prefill_or_fall_back(self, trace: Trace, req, ctx: RoutingContext, states: list[WorkerState]) -> None:
+        """A prefill pool that is down or failing costs latency, not the request: decode computes it."""
+        try:
+            await self._prefill_leg(trace, req, ctx, states)
+        except NoWorker503 as exc:
+            self._fall_back(trace, "no_worker", exc)
+        except UpstreamError as err:
+            if err.status < 500:
+                raise                                    # the client's request is wrong: same on every worker
+            self._fall_back(trace, err.reason, err)
+
+    def _fall_back(self, trace: Trace, reason: str, exc: Exception) -> None:
+        log.warning("prefill leg of %s failed (%s); decode worker computes the prompt: %s", trace.request_id,
+                    reason, exc)
+        self.metrics.prefill_fallbacks.labels(reason=reason).inc()
+        trace.decision, trace.kv_transfer_params = "decode-only", None
+
+    async def _prefill_leg(self, trace: Trace, req, ctx: RoutingContext, states: list[WorkerState]) -> None:
         tried: set[str] = set()
         body = prefill_body(req)
         timeout = httpx.Timeout(self.s.prefill_timeout_s, connect=self.s.connect_timeout_s)
         for attempt in range(self.s.max_attempts):
             worker = self._pick(ctx, states, tried)
             tried.add(worker.worker_id)
-            self.registry.begin(worker.worker_id)
             start = time.perf_counter()
             try:
-                reply = await post_json(self.client, self._url(worker, trace), body, timeout, self._headers(trace))
+                reply = await self._call(worker, lambda w=worker: post_json(
+                    self.client, self._url(w, trace), body, timeout, self._headers(trace), "prefill"))
             except UpstreamError as err:
-                self.registry.end(worker.worker_id, ok=not err.retryable and err.status < 500)
                 self.metrics.leg_failures.labels(leg="prefill", reason=err.reason).inc()
                 if err.retryable and attempt + 1 < self.s.max_attempts:
                     self.metrics.retries.labels(leg="prefill").inc()
                     continue
                 raise
-            self.registry.end(worker.worker_id, ok=True)
             self._record_sent(ctx, worker)
             self.metrics.prefill_seconds.observe(time.perf_counter() - start)
             trace.prefill_worker = worker.worker_id
@@ -140,10 +161,31 @@ class Orchestrator:
                 log.warning("prefill worker %s returned no kv_transfer_params; decode will recompute", worker.worker_id)
             return
 
+    async def _call(self, worker: WorkerState, send):
+        """begin/end around one call; a cancelled call (client gone) records no health outcome."""
+        self.registry.begin(worker.worker_id)
+        outcome: bool | None = None
+        try:
+            result = await send()
+            outcome = True
+            return result
+        except UpstreamError as err:
+            outcome = err.status < 500 and not err.retryable
+            raise
+        finally:
+            self.registry.end(worker.worker_id, outcome)
+
     # ---- decode leg ---------------------------------------------------------------------------
+    def _decode_body(self, trace: Trace, req) -> dict:
+        if trace.kv_transfer_params:
+            return decode_body(req, trace.kv_transfer_params)
+        body = wire_body(req)
+        body.pop("kv_transfer_params", None)            # clients never steer transfers (SSRF, lease tampering)
+        return body
+
     async def _decode_leg(self, trace: Trace, req, decode: WorkerState, ctx: RoutingContext,
                           states: list[WorkerState]) -> Response:
-        body = decode_body(req, trace.kv_transfer_params) if trace.kv_transfer_params else wire_body(req)
+        body = self._decode_body(trace, req)
         tried: set[str] = set()
         worker = decode
         for attempt in range(self.s.max_attempts):
@@ -155,8 +197,11 @@ class Orchestrator:
                 self.metrics.leg_failures.labels(leg="decode", reason=err.reason).inc()
                 if not (err.retryable and attempt + 1 < self.s.max_attempts):
                     raise
+                try:
+                    worker = self._pick(ctx, states, tried)
+                except NoWorker503:
+                    raise err from None                  # nobody else: report the real failure
                 self.metrics.retries.labels(leg="decode").inc()
-                worker = self._pick(ctx, states, tried)
         trace.decode_worker = worker.worker_id
         if req.stream:
             return StreamingResponse(self._relay(trace, worker, resp), media_type="text/event-stream",
@@ -164,26 +209,32 @@ class Orchestrator:
         return await self._whole(trace, worker, resp)
 
     async def _open(self, worker: WorkerState, trace: Trace, body: dict, stream: bool) -> httpx.Response:
-        """Send the decode leg; returns an open streaming response with a 200 status."""
-        timeout = httpx.Timeout(self.s.idle_timeout_s, connect=self.s.connect_timeout_s)
-        self.registry.begin(worker.worker_id)
+        """Send the decode leg; returns an open response with a 2xx status (its `begin` still open).
+
+        A stream's reads are bounded by the idle timeout; a whole answer arrives only when generation is
+        done, so its read is bounded by the decode timeout instead.
+        """
+        read = self.s.idle_timeout_s if stream else self.s.decode_timeout_s
+        timeout = httpx.Timeout(read, connect=self.s.connect_timeout_s)
         request = self.client.build_request("POST", self._url(worker, trace), json=body, timeout=timeout,
                                             headers=self._headers(trace))
+        self.registry.begin(worker.worker_id)
         try:
             resp = await self.client.send(request, stream=True)
         except httpx.HTTPError as exc:
-            err = classify(exc, worker.info.url)
             self.registry.end(worker.worker_id, ok=False)
-            raise err from exc
-        trace.decode_connected = True
+            raise classify(exc, "decode") from exc
+        except BaseException:
+            self.registry.end(worker.worker_id, ok=None)
+            raise
         if resp.status_code >= 400:
             content = await resp.aread()
             await resp.aclose()
             self.registry.end(worker.worker_id, ok=resp.status_code < 500)
-            parsed = error_body(content)
-            raise UpstreamError(f"http_{resp.status_code // 100}xx", (parsed or {}).get("error", {}).get(
-                "message", content[:200].decode(errors="replace")), resp.status_code, parsed,
-                retryable=resp.status_code == 503 and not trace.kv_transfer_params)
+            raise UpstreamError(f"http_{resp.status_code // 100}xx", f"the decode worker answered {resp.status_code}",
+                                resp.status_code, error_body(content),
+                                retryable=resp.status_code == 503 and not trace.kv_transfer_params)
+        trace.decode_connected = True                   # from here on the decode worker owns the prefill lease
         self._observe_transfer(resp)
         return resp
 
@@ -195,15 +246,20 @@ class Orchestrator:
                 histogram.observe(float(value))
 
     async def _whole(self, trace: Trace, worker: WorkerState, resp: httpx.Response) -> Response:
+        outcome: bool | None = None
         try:
-            content = await asyncio.wait_for(resp.aread(), self.s.decode_timeout_s)
-        except (httpx.HTTPError, asyncio.TimeoutError) as exc:
-            self.registry.end(worker.worker_id, ok=False)
-            raise classify(exc if isinstance(exc, httpx.HTTPError) else httpx.ReadTimeout("decode"), worker.info.url)
+            content = await resp.aread()
+            body = parse_object(content, "decode")
+            outcome = True
+        except httpx.HTTPError as exc:
+            outcome = False
+            raise classify(exc, "decode") from exc
+        except UpstreamError:
+            outcome = False
+            raise
         finally:
             await resp.aclose()
-        self.registry.end(worker.worker_id, ok=True)
-        body = json.loads(content)
+            self.registry.end(worker.worker_id, outcome)
         if trace.cached_tokens is not None and isinstance(body.get("usage"), dict):
             body["usage"]["prompt_tokens_details"] = {"cached_tokens": trace.cached_tokens}
         body.pop("kv_transfer_params", None)
@@ -213,8 +269,12 @@ class Orchestrator:
         return JSONResponse(body, headers=trace_headers(trace))
 
     async def _relay(self, trace: Trace, worker: WorkerState, resp: httpx.Response) -> AsyncIterator[bytes]:
-        """Pass chunks through as they arrive; a cut or silent upstream becomes an SSE error event."""
-        parser, saw_done, ok, first_at, last_at, chunks = SSEParser(), False, False, None, None, 0
+        """Pass chunks through as they arrive; a cut or silent upstream becomes an SSE error event.
+
+        Health outcome: success only with [DONE]; an upstream failure is a failure; a client that
+        leaves early is neither (it says nothing about the worker).
+        """
+        parser, saw_done, outcome, first_at, last_at = SSEParser(), False, None, None, None
         try:
             iterator = resp.aiter_raw().__aiter__()
             while True:
@@ -226,27 +286,27 @@ class Orchestrator:
                 first_at = first_at or now
                 if last_at is not None:
                     self.metrics.tpot.observe(now - last_at)
-                last_at, chunks = now, chunks + 1
+                last_at = now
                 events = parser.feed(chunk)
                 saw_done = saw_done or any(e.is_done for e in events)
                 if any(e.is_error for e in events):
                     self.metrics.stream_errors.inc()
                 yield chunk
-            ok = saw_done
             if not saw_done:
                 raise UpstreamError("truncated", "the decode worker ended the stream early", 502)
+            outcome = True
         except (httpx.HTTPError, asyncio.TimeoutError, UpstreamError) as exc:
-            err = exc if isinstance(exc, UpstreamError) else classify(
-                exc if isinstance(exc, httpx.HTTPError) else httpx.ReadTimeout("idle"), worker.info.url)
-            log.warning("decode stream %s failed mid-stream: %s", trace.request_id, err.message)
-            self.metrics.leg_failures.labels(leg="decode", reason=err.reason).inc()
+            outcome = False
+            reason = exc.reason if isinstance(exc, UpstreamError) else (
+                "timeout" if isinstance(exc, (asyncio.TimeoutError, httpx.TimeoutException)) else "transport")
+            log.warning("decode stream %s failed mid-stream (%s): %s", trace.request_id, reason, exc)
+            self.metrics.leg_failures.labels(leg="decode", reason=reason).inc()
             self.metrics.stream_errors.inc()
-            yield sse_error(502, f"the decode worker failed mid-stream: {err.reason}", "upstream_error",
-                            "decode_failed")
+            yield sse_error(502, f"the decode worker failed mid-stream: {reason}", "upstream_error", "decode_failed")
             yield SSE_DONE
         finally:
             await resp.aclose()                       # client gone or done: D sees the disconnect and aborts
-            self.registry.end(worker.worker_id, ok=ok)
+            self.registry.end(worker.worker_id, outcome)
             if first_at is not None:
                 self.metrics.ttft.observe(first_at - trace.start)
             self.metrics.e2e.observe(time.perf_counter() - trace.start)
@@ -261,10 +321,15 @@ class Orchestrator:
         if info is None or not self.admin_token:
             return
         try:
-            await self.client.post(f"{info.url}/internal/kv/release", json={"request_id": ktp.get("remote_request_id")},
-                                   headers={ADMIN_HEADER: f"Bearer {self.admin_token}"}, timeout=self.s.connect_timeout_s)
-            self.metrics.prefill_releases.labels(outcome="released").inc()
-        except httpx.HTTPError as exc:
+            resp = await self.client.post(f"{info.url}/internal/kv/release",
+                                          json={"request_id": ktp.get("remote_request_id")},
+                                          headers={ADMIN_HEADER: f"Bearer {self.admin_token}"},
+                                          timeout=self.s.connect_timeout_s)
+            released = resp.status_code == 200 and resp.json().get("released") is True
+            self.metrics.prefill_releases.labels(outcome="released" if released else "not_held").inc()
+            if resp.status_code != 200:
+                log.warning("prefill worker refused to release %s: %s", trace.request_id, resp.status_code)
+        except (httpx.HTTPError, ValueError) as exc:
             self.metrics.prefill_releases.labels(outcome="failed").inc()
             log.warning("could not release prefill state of %s: %s", trace.request_id, exc)
 
@@ -272,6 +337,8 @@ class Orchestrator:
         path = "/v1/chat/completions" if trace.endpoint == "chat" else "/v1/completions"
         return worker.info.url + path
 
-    @staticmethod
-    def _headers(trace: Trace) -> dict[str, str]:
-        return {"x-request-id": trace.request_id}
+    def _headers(self, trace: Trace) -> dict[str, str]:
+        headers = {"x-request-id": trace.request_id}
+        if self.s.worker_api_key:
+            headers["authorization"] = f"Bearer {self.s.worker_api_key}"
+        return headers

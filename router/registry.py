@@ -83,9 +83,11 @@ class WorkerRegistry:
     def begin(self, worker_id: str) -> None:
         self.inflight[worker_id] = self.inflight.get(worker_id, 0) + 1
 
-    def end(self, worker_id: str, ok: bool) -> None:
+    def end(self, worker_id: str, ok: bool | None) -> None:
+        """Close a `begin`. ok=None (the client left, we cancelled) records no health outcome."""
         self.inflight[worker_id] = max(0, self.inflight.get(worker_id, 0) - 1)
-        self.health.record_outcome(worker_id, ok)
+        if ok is not None:
+            self.health.record_outcome(worker_id, ok)
 
     # ---- refresh from the store -----------------------------------------------------------------
     async def refresh(self) -> None:
@@ -93,26 +95,34 @@ class WorkerRegistry:
             return
         try:
             records = await self.store.workers()
+            gone = set(self.discovered) - {r.info.worker_id for r in records} - set(self.static)
             self.discovered = {r.info.worker_id: r.info for r in records}
             self.loads.update({r.info.worker_id: r.load for r in records})
-            for wid in list(self._event_seq):
-                if wid not in self.discovered:
-                    self._forget(wid)
+            for wid in gone:
+                self._forget(wid)
             for wid in self.discovered:
                 await self._sync_events(wid)
             if not self.store_ok:
                 log.info("state store reachable again; registry rebuilt (%d workers)", len(self.discovered))
             self.store_ok, self.last_refresh = True, time.time()
-        except StoreError as exc:
+        except Exception as exc:                             # noqa: BLE001 - keep routing on the last known state
             if self.store_ok:
                 log.warning("state store unavailable, routing on the last known state: %s", exc)
             self.store_ok = False
 
     def _forget(self, worker_id: str) -> None:
+        """Drop everything known about a worker that left (so worker churn does not grow memory)."""
+        self._forget_events(worker_id)
+        self.loads.pop(worker_id, None)
+        self.inflight.pop(worker_id, None)
+        self.drained.discard(worker_id)
+        self.health.forget(worker_id)
+        self.index.approximate.drop_worker(worker_id)
+
+    def _forget_events(self, worker_id: str) -> None:
         self._event_seq.pop(worker_id, None)
         self.index.exact.drop_worker(worker_id)
         self.index.exact_workers.discard(worker_id)
-        self.loads.pop(worker_id, None)
 
     async def _sync_events(self, worker_id: str) -> None:
         seq = self._event_seq.get(worker_id)
@@ -126,7 +136,7 @@ class WorkerRegistry:
         batches = await self.store.read_kv_events(worker_id, after=seq)
         for number, batch in batches:
             if number != seq + 1:                    # gap: the stream was trimmed or restarted
-                self._forget(worker_id)
+                self._forget_events(worker_id)
                 return
             self.index.exact.apply(worker_id, batch)
             seq = number

@@ -26,6 +26,7 @@ class RouterSettings:
     max_attempts: int = 3                         # connect failures retried on a different worker
     approximate_index_blocks: int = 65536
     api_keys: tuple[str, ...] = field(default=(), repr=False)
+    worker_api_key: str | None = field(default=None, repr=False)   # sent to workers that require a key
     admin_token: str | None = field(default=None, repr=False)
     scorer_weights: tuple[tuple[str, float], ...] = (("prefix", 1.0), ("load", 1.0), ("kv_usage", 0.5))
 

@@ -6,11 +6,13 @@ worker that accepted the request and then failed is never retried with the same 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
+log = logging.getLogger(__name__)
 
 class UpstreamError(Exception):
     def __init__(self, reason: str, message: str, status: int = 502, body: dict | None = None,
@@ -19,12 +21,14 @@ class UpstreamError(Exception):
         self.reason, self.message, self.status, self.body, self.retryable = reason, message, status, body, retryable
 
 
-def classify(exc: Exception, where: str) -> UpstreamError:
+def classify(exc: Exception, leg: str) -> UpstreamError:
+    """Client-facing messages name the leg, never internal addresses (those go to the log)."""
+    log.warning("%s worker call failed: %s: %s", leg, type(exc).__name__, exc)
     if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
-        return UpstreamError("connect", f"{where}: cannot connect ({type(exc).__name__})", 503, retryable=True)
+        return UpstreamError("connect", f"the {leg} worker could not be reached", 503, retryable=True)
     if isinstance(exc, httpx.TimeoutException):
-        return UpstreamError("timeout", f"{where}: timed out ({type(exc).__name__})", 504)
-    return UpstreamError("transport", f"{where}: {type(exc).__name__}: {exc}", 502)
+        return UpstreamError("timeout", f"the {leg} worker timed out", 504)
+    return UpstreamError("transport", f"the {leg} worker connection failed", 502)
 
 
 def error_body(resp_content: bytes) -> dict | None:
@@ -43,18 +47,25 @@ class JsonReply:
 
 
 async def post_json(client: httpx.AsyncClient, url: str, body: dict, timeout: httpx.Timeout,
-                    headers: dict[str, str]) -> JsonReply:
+                    headers: dict[str, str], leg: str) -> JsonReply:
     """POST and parse; non-2xx replies come back as UpstreamError carrying the worker's error body."""
     try:
         resp = await client.post(url, json=body, timeout=timeout, headers=headers)
     except httpx.HTTPError as exc:
-        raise classify(exc, url) from exc
+        raise classify(exc, leg) from exc
     if resp.status_code >= 400:
         parsed = error_body(resp.content)
-        message = parsed["error"].get("message", "") if parsed else resp.text[:200]
-        raise UpstreamError(f"http_{resp.status_code // 100}xx", f"{url}: {resp.status_code} {message}",
+        raise UpstreamError(f"http_{resp.status_code // 100}xx", f"the {leg} worker answered {resp.status_code}",
                             resp.status_code, parsed, retryable=resp.status_code in (502, 503))
+    return JsonReply(resp.status_code, parse_object(resp.content, leg), resp.headers)
+
+
+def parse_object(content: bytes, leg: str) -> dict[str, Any]:
+    """A worker's 2xx JSON body; anything else is the worker's fault (502), never the client's."""
     try:
-        return JsonReply(resp.status_code, resp.json(), resp.headers)
-    except json.JSONDecodeError as exc:
-        raise UpstreamError("bad_json", f"{url}: reply is not JSON", 502) from exc
+        body = json.loads(content)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        body = None
+    if not isinstance(body, dict):
+        raise UpstreamError("bad_reply", f"the {leg} worker sent a malformed reply", 502)
+    return body

@@ -58,6 +58,10 @@ def create_app(runtime: WorkerRuntime) -> FastAPI:
 
 async def _error_handler(request: Request, exc: Exception) -> JSONResponse:
     status, body = error_from_exception(exc)
+    runtime = getattr(request.app.state, "runtime", None)
+    if runtime is not None and request.url.path.startswith("/v1/"):
+        outcome = "aborted" if status == 499 else ("client_error" if status < 500 else "server_error")
+        runtime.metrics.requests.labels(endpoint=request.url.path.rsplit("/", 1)[-1], outcome=outcome).inc()
     return JSONResponse(body.model_dump(mode="json"), status_code=status)
 
 
@@ -136,12 +140,12 @@ async def _serve(request: Request, rt: WorkerRuntime, endpoint: str, req, params
     outputs = run_leg(rt, prepared, params, req.kv_transfer_params, result)
     streaming = req.stream and leg_kind(req.kv_transfer_params) != "prefill"
     if streaming:
-        first = await _first_or_error(outputs)           # errors before the first token are plain 4xx/5xx
+        # errors before the first token are plain 4xx/5xx; a client gone by then cancels the request
+        first = await until_disconnect(request, _first_or_error(outputs))
         return StreamingResponse(_guarded_stream(rt, endpoint, stream_fn(_prepend(first, outputs), result)),
                                  media_type="text/event-stream", headers=_leg_headers(result))
     final = await _until_done_or_disconnect(request, outputs)
     rt.metrics.requests.labels(endpoint=endpoint, outcome="ok").inc()
-    _count_tokens(rt, final, result)
     return JSONResponse(whole_fn(final, result).model_dump(mode="json", exclude_none=True),
                         headers=_leg_headers(result))
 
@@ -155,12 +159,6 @@ def _leg_headers(result: LegResult) -> dict[str, str]:
     if "queue_s" in result.timings:
         headers["x-queue-seconds"] = f"{result.timings['queue_s']:.6f}"
     return headers
-
-
-def _count_tokens(rt: WorkerRuntime, out, result: LegResult) -> None:
-    rt.metrics.prompt_tokens.inc(len(out.prompt_token_ids))
-    rt.metrics.generation_tokens.inc(len(out.output.token_ids))
-    rt.metrics.cached_tokens.inc(result.num_cached_tokens)
 
 
 async def _first_or_error(outputs: AsyncIterator) -> Any:

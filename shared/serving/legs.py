@@ -33,7 +33,7 @@ class LegResult:
     kv_transfer_params: dict[str, Any] | None = None
     num_cached_tokens: int = 0
     recomputed: bool = False
-    timings: dict[str, float] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=lambda: {"start": time.perf_counter()})
 
 
 def leg_kind(kv_transfer_params: dict[str, Any] | None) -> str:
@@ -65,8 +65,20 @@ async def run_leg(rt: WorkerRuntime, prepared: PreparedPrompt, params: SamplingP
 
 
 def _observe(rt: WorkerRuntime, result: LegResult, out: RequestOutput) -> RequestOutput:
-    """Record cached tokens and queue time from an engine output (once per request for the latter)."""
+    """Per output: cached tokens, queue time (once), TTFT / TPOT, and token counts when it finishes."""
     result.num_cached_tokens = out.num_cached_tokens
+    now = time.perf_counter()
+    last = result.timings.get("last_token_at")
+    if out.new_token_ids:
+        if last is None:
+            rt.metrics.ttft.observe(now - result.timings["start"])
+        else:
+            rt.metrics.tpot.observe((now - last) / len(out.new_token_ids))
+        result.timings["last_token_at"] = now
+    if out.finished:
+        rt.metrics.prompt_tokens.inc(len(out.prompt_token_ids))
+        rt.metrics.generation_tokens.inc(len(out.output.token_ids))
+        rt.metrics.cached_tokens.inc(out.num_cached_tokens)
     if out.queue_seconds is not None and "queue_s" not in result.timings:
         result.timings["queue_s"] = out.queue_seconds
         rt.metrics.queue.observe(out.queue_seconds)
@@ -82,7 +94,7 @@ async def _prefill_leg(rt: WorkerRuntime, prepared: PreparedPrompt, params: Samp
     async with aclosing(rt.engine.generate(result.request_id, prepared.engine_input(), params,
                                            export_state=True)) as outputs:
         async for out in outputs:
-            final = out
+            final = _observe(rt, result, out)
     start = time.perf_counter()
     params_out = await rt.handoff.publish(result.request_id)
     result.timings["publish_s"] = time.perf_counter() - start

@@ -54,7 +54,7 @@ class WorkerPresence:
                 if self._outage:
                     log.info("state store reachable again")
                 self._outage = False
-            except StoreError as exc:
+            except Exception as exc:                       # noqa: BLE001 - presence must outlive store faults
                 if not self._outage:
                     log.warning("state store unavailable, serving on: %s", exc)
                 # events drained during the outage are lost: re-register and re-snapshot once it is back

@@ -20,6 +20,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared.kv_events import KVEventBatch, decode_batch, encode_batch
@@ -29,6 +30,7 @@ from shared.store.base import (
     DEFAULT_RETAIN_S,
     KEY_PREFIX,
     PRUNE_GRACE_S,
+    StoreError,
     StoreUnavailable,
     WorkerRecord,
     check_read,
@@ -226,6 +228,10 @@ class RedisStore:
                 log.warning("state store %s unreachable (%s: %s)", self._where, op, type(exc).__name__)
             self._reachable = False
             raise StoreUnavailable(f"{op}: state store {self._where} unreachable: {exc!r}") from exc
+        except RedisError as exc:            # OOM, READONLY after a failover, MISCONF...: the store is unusable now
+            raise StoreError(f"{op}: state store {self._where} refused: {type(exc).__name__}") from exc
+        except (ValueError, KeyError, TypeError) as exc:     # a malformed record written by someone else
+            raise StoreError(f"{op}: malformed data in the state store: {type(exc).__name__}") from exc
         if not self._reachable:
             log.info("state store %s reachable again", self._where)
             self._reachable = True

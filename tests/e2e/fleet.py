@@ -87,6 +87,17 @@ class Fleet:
                 *self._store_args(), *extra]
         return self._spawn(name, argv, port)
 
+    def stub(self, role: str, name: str, *extra: str) -> Proc:
+        """A model-free OpenAI stub worker (benchmarks/stub_worker.py) with deterministic timings."""
+        port = free_port()
+        log = self.tmp / f"{name}.log"
+        popen = subprocess.Popen([sys.executable, "-m", "benchmarks.stub_worker", "--port", str(port), "--role", role,
+                                  *extra], env=self.env, stdout=open(log, "ab"), stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+        proc = Proc(name, popen, f"http://127.0.0.1:{port}", log)
+        self.procs.append(proc)
+        return proc
+
     def router(self, name: str, *extra: str, port: int | None = None, env: dict[str, str] | None = None) -> Proc:
         port = port or free_port()
         argv = ["router", "--model", str(self.model_dir), "--port", str(port), *ROUTER_ARGS, *self._store_args(),

@@ -107,3 +107,48 @@ def test_engine_failure_ends_streams_with_engine_dead(async_engine):
 
     assert asyncio.run(main()).output.token_ids
     assert async_engine.is_dead
+
+
+def test_caller_cancelled_while_its_command_is_queued_leaves_the_engine_alive(async_engine):
+    """A client that leaves while its add_request waits behind a long step must not kill the engine."""
+    import time
+
+    async def main():
+        slow = asyncio.ensure_future(async_engine.call(lambda: time.sleep(0.4)))
+        await asyncio.sleep(0.05)
+        stream = async_engine.generate("cancelled", prompt_ids(6, 9), GREEDY)
+        first = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0.05)
+        first.cancel()
+        await asyncio.gather(slow, first, return_exceptions=True)
+        await asyncio.sleep(0.5)
+        outs = await asyncio.wait_for(collect(async_engine, "after", prompt_ids(5, 10)), 20)
+        return outs, await async_engine.call(lambda: dict(async_engine.engine.requests))
+
+    outs, live = asyncio.run(main())
+    assert outs[-1].finished and not async_engine.is_dead
+    assert live == {}                                    # the cancelled add was undone, nothing orphaned
+    assert_clean(_Wrapped(async_engine.engine))
+
+
+def test_engine_thread_does_not_spin_while_nothing_can_be_admitted(tiny_dir):
+    import resource
+    import time
+    eng = AsyncEngine(EngineConfig(model=str(tiny_dir), **{**SETTINGS, "max_num_seqs": 1}))
+    try:
+        async def main():
+            held = [o async for o in eng.generate("held", prompt_ids(5, 11), GREEDY, export_state=True)]
+            stream = eng.generate("blocked", prompt_ids(5, 12), GREEDY)
+            task = asyncio.ensure_future(stream.__anext__())
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_utime
+            await asyncio.sleep(1.0)
+            spent = resource.getrusage(resource.RUSAGE_SELF).ru_utime - before
+            await eng.release_export("held")
+            first = await asyncio.wait_for(task, 20)          # admitted once the slot is free
+            await stream.aclose()
+            return held, spent, first
+        held, spent, first = asyncio.run(main())
+        assert held[-1].finished and first.output.token_ids
+        assert spent < 0.5, f"engine thread burned {spent:.2f} CPU s in 1 s while stalled"
+    finally:
+        eng.shutdown()
