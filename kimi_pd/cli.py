@@ -67,12 +67,13 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kimi-pd", description="Disaggregated prefill/decode serving for Kimi-K3.")
+    parser = argparse.ArgumentParser(prog="kimi-pd", description="Disaggregated prefill/decode serving for Kimi-K3.",
+                                     allow_abbrev=False)
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    ckpt = sub.add_parser("checkpoint", help="generated checkpoints").add_subparsers(dest="action", required=True)
-    create = ckpt.add_parser("create", help="write a generated Kimi-K3 checkpoint (HF layout)")
+    ckpt = sub.add_parser("checkpoint", help="generated checkpoints", allow_abbrev=False).add_subparsers(dest="action", required=True)
+    create = ckpt.add_parser("create", help="write a generated Kimi-K3 checkpoint (HF layout)", allow_abbrev=False)
     create.add_argument("--preset", choices=("tiny", "small"), default="tiny")
     create.add_argument("--quant", choices=("w4a8",), default=None)
     create.add_argument("--seed", type=int, default=0)
@@ -80,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--quiet", action="store_true", help="no progress bar")
     create.set_defaults(func=_checkpoint_create)
 
-    gen = sub.add_parser("generate", help="offline generation from one prompt")
+    gen = sub.add_parser("generate", help="offline generation from one prompt", allow_abbrev=False)
     gen.add_argument("--model", help=f"checkpoint directory (default: {DEFAULT_TINY_DIR}, created if absent)")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--image", action="append", default=[], help="image file (repeatable)")
@@ -93,11 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
 
     from router.cli import add_router_args
-    router = sub.add_parser("router", help="the OpenAI-compatible gateway in front of the P/D fleet")
+    router = sub.add_parser("router", help="the OpenAI-compatible gateway in front of the P/D fleet",
+                            allow_abbrev=False)
     add_router_args(router)
     router.set_defaults(func=_router)
 
-    upp = sub.add_parser("up", help="router + prefill + decode workers on loopback, embedded defaults")
+    upp = sub.add_parser("up", help="router + prefill + decode workers on loopback, embedded defaults",
+                         allow_abbrev=False)
     upp.add_argument("--model", help=f"checkpoint directory (default: {DEFAULT_TINY_DIR}, created if absent)")
     upp.add_argument("--port", type=int, default=8000)
     upp.add_argument("--prefill-workers", type=int, default=1)
@@ -110,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     for role, help_text in (("prefill", "a prefill worker (computes prompts, hands state to decode workers)"),
                             ("decode", "a decode worker (pulls prefill state, generates, streams)"),
                             ("worker", "a colocated worker (prefill and decode in one engine)")):
-        worker = sub.add_parser(role, help=help_text)
+        worker = sub.add_parser(role, help=help_text, allow_abbrev=False)
         add_worker_args(worker)
         worker.set_defaults(func=_worker("both" if role == "worker" else role))
     return parser

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# kimi-pd router in front of the vLLM-Ascend prefill and decode ranks started by prefill.sh and
+# decode.sh, as static workers: no state store and no kimi-pd workers involved. The router speaks
+# vLLM's P/D protocol: the prefill leg carries kv_transfer_params {do_remote_decode: true}, and the
+# decode leg carries the kv_transfer_params the prefill rank answered with (remote_host, remote_port,
+# remote_engine_id, remote_block_ids, ...), which MooncakeConnectorV1 on the decode rank uses to pull.
+# Needs no NPU: runs from deploy/docker/Dockerfile (CPU) or Dockerfile.ascend.
+# UNVERIFIED against real vLLM-Ascend ranks. See deploy/ascend/README.md.
+#
+#   PREFILL_URLS="http://10.0.0.11:8100 http://10.0.0.12:8100" \
+#   DECODE_URLS="http://10.0.1.11:8200 http://10.0.1.12:8200" \
+#   ROUTER_MODEL_DIR=/models/Kimi-K3-w4a8 bash deploy/ascend/router.sh
+set -euo pipefail
+
+: "${PREFILL_URLS:?set PREFILL_URLS to the prefill ranks API URLs, space-separated (one per prefill.sh run)}"
+: "${DECODE_URLS:?set DECODE_URLS to the decode ranks API URLs, space-separated (one per decode.sh run)}"
+# The router reads config.json and the tokenizer from here (not the weights), to hash prompt prefixes
+# the way the engines do. The Kimi-K3 checkpoint directory itself is the simplest choice.
+: "${ROUTER_MODEL_DIR:?set ROUTER_MODEL_DIR to a directory with the Kimi-K3 config.json and tokenizer files}"
+# The admin token guards the router's /admin endpoints (export it; never put it on the command line).
+: "${KIMI_PD_ADMIN_TOKEN:?export KIMI_PD_ADMIN_TOKEN (guards the /admin endpoints of the router)}"
+
+args=(
+    router
+    --model "$ROUTER_MODEL_DIR"
+    --host "${ROUTER_HOST:-0.0.0.0}"
+    --port "${ROUTER_PORT:-8000}"
+    --served-model-name "${SERVED_MODEL_NAME:-kimi-k3}"   # the ranks' --served-model-name
+    # The engines' KV block size, for the router's prefix index of static workers. vLLM logs the block
+    # size it chose at start-up (hybrid KDA models may align it to the state size): copy it here. A
+    # mismatch only makes prefix-aware placement less accurate.
+    --block-size "${ROUTER_BLOCK_SIZE:-128}"
+    # Prompts of up to ~128k tokens: the prefill leg of a long prompt can take minutes on the
+    # eager-mode prefill ranks (placeholder; measure).
+    --prefill-timeout "${ROUTER_PREFILL_TIMEOUT:-600}"
+    --idle-timeout "${ROUTER_IDLE_TIMEOUT:-300}"
+    # Decode-only (no prefill leg) when fewer prompt tokens than this are uncached on the chosen
+    # decode rank; 0 sends every request through a prefill rank.
+    --disagg-threshold "${ROUTER_DISAGG_THRESHOLD:-32}"
+)
+for url in $PREFILL_URLS; do args+=(--prefill "$url"); done
+for url in $DECODE_URLS; do args+=(--decode "$url"); done
+
+if [[ "${DRY_RUN:-0}" == 1 ]]; then
+    printf '%s\0' kimi-pd "${args[@]}"
+    exit 0
+fi
+exec kimi-pd "${args[@]}"
