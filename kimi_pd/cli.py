@@ -18,6 +18,12 @@ def _checkpoint_create(args: argparse.Namespace) -> int:
     return 0
 
 
+def _checkpoint_quantize(args: argparse.Namespace) -> int:
+    from engine.checkpoint.quantize import quantize_checkpoint
+    print(quantize_checkpoint(args.src, args.out, progress=not args.quiet))
+    return 0
+
+
 def _ensure_model(path: str | None) -> Path:
     """`--model` or, by default, the tiny generated checkpoint (created on first use)."""
     if path:
@@ -80,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--out", required=True)
     create.add_argument("--quiet", action="store_true", help="no progress bar")
     create.set_defaults(func=_checkpoint_create)
+    quant = ckpt.add_parser("quantize", help="bf16/fp32 checkpoint -> ModelSlim W4A8 checkpoint", allow_abbrev=False)
+    quant.add_argument("--src", required=True)
+    quant.add_argument("--out", required=True)
+    quant.add_argument("--quiet", action="store_true", help="no progress bar")
+    quant.set_defaults(func=_checkpoint_quantize)
 
     gen = sub.add_parser("generate", help="offline generation from one prompt", allow_abbrev=False)
     gen.add_argument("--model", help=f"checkpoint directory (default: {DEFAULT_TINY_DIR}, created if absent)")

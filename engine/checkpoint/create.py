@@ -85,7 +85,8 @@ def create_checkpoint(preset: str, out: str | Path, seed: int = 0, quant: str | 
         from engine.model.quant import quantize_state_dict
         tensors, description = quantize_state_dict(tensors)
         (out / QUANT_DESCRIPTION_FILE).write_text(json.dumps(description.to_dict(), indent=2, sort_keys=True))
-        config_dict["quantization_config"] = {"quant_method": "ascend", "format": "modelslim-w4a8-dynamic"}
+        from engine.checkpoint.quantize import QUANTIZATION_CONFIG
+        config_dict["quantization_config"] = QUANTIZATION_CONFIG
     (out / CONFIG_FILE).write_text(json.dumps(config_dict, indent=2))
     write_safetensors(out, tensors, SHARD_BYTES.get(preset, 1 << 30), progress)
     (out / GENERATION_CONFIG_FILE).write_text(json.dumps(generation_config(config), indent=2))

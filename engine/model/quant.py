@@ -501,4 +501,9 @@ def quantize_state_dict(state_dict: Mapping[str, torch.Tensor]) -> tuple[dict[st
                 raise ValueError(f"tensor name collision while quantizing: {key!r}")
             out[key] = value
             types[key] = qtype
-    return out, QuantDescription(tensor_types=types, model_quant_type=_model_quant_type(types.values()))
+    return out, describe(types)
+
+
+def describe(tensor_types: Mapping[str, str]) -> QuantDescription:
+    """The description of a checkpoint whose tensors have these types (global keys derived from them)."""
+    return QuantDescription(tensor_types=dict(tensor_types), model_quant_type=_model_quant_type(tensor_types.values()))

@@ -187,3 +187,16 @@ def test_w4a8_checkpoint_loads_and_tracks_its_dequantized_reference(tmp_path):
     runner = SequenceRunner(quantized, 64)
     steps = torch.cat([runner.feed(ids[i:i + 1]) for i in range(ids.numel())])
     assert ((steps - q).abs().max() / q.abs().max()).item() < 1e-5
+
+
+def test_quantize_command_equals_quantized_create(tiny_dir, tmp_path):
+    """The standalone bf16 -> W4A8 transform gives the same tensors as `create --quant w4a8`."""
+    from engine.checkpoint.quantize import quantize_checkpoint
+    transformed = quantize_checkpoint(tiny_dir, tmp_path / "q", progress=False)
+    created = create_checkpoint("tiny", tmp_path / "c", seed=0, quant="w4a8", progress=False)
+    a, b = load_checkpoint(transformed).state_dict(), load_checkpoint(created).state_dict()
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((transformed / QUANT_DESCRIPTION_FILE).read_text()) == \
+        json.loads((created / QUANT_DESCRIPTION_FILE).read_text())
+    with pytest.raises(CheckpointError, match="already quantized"):
+        quantize_checkpoint(transformed, tmp_path / "again", progress=False)
