@@ -36,21 +36,18 @@ def _ensure_model(path: str | None) -> Path:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    import torch
-
-    from engine.generate import generate, load_for_generation, prepare_prompt
+    from engine.generate import generate_one
     from engine.model.image_processing import load_image
 
-    model, tokenizer = load_for_generation(_ensure_model(args.model), getattr(torch, args.dtype))
     images = [load_image(path) for path in args.image]
-    prompt = prepare_prompt(model, tokenizer, args.prompt, images, thinking=args.thinking)
-    result = generate(model, tokenizer, prompt, args.max_tokens, args.temperature, args.seed)
+    result = generate_one(_ensure_model(args.model), args.prompt, images, args.max_tokens, args.temperature,
+                          args.seed, args.dtype, args.thinking)
+    out = result.output
     if args.json:
-        print(json.dumps({"prompt_token_ids": result.prompt_token_ids, "token_ids": result.token_ids,
-                          "logprobs": result.logprobs, "text": result.text,
-                          "finish_reason": result.finish_reason}))
+        print(json.dumps({"prompt_token_ids": result.prompt_token_ids, "token_ids": out.token_ids,
+                          "logprobs": out.logprobs, "text": out.text, "finish_reason": out.finish_reason}))
     else:
-        print(result.text)
+        print(out.text)
     return 0
 
 
