@@ -5,6 +5,8 @@ import argparse
 import json
 import re
 
+import uvicorn
+
 from engine.core.engine import EngineConfig
 from shared.serving.settings import API_KEY_ENV, TRANSFER_SECRET_ENV, WorkerSettings, secret_from_env
 
@@ -75,13 +77,25 @@ def settings_from_args(args: argparse.Namespace, role: str, model_dir: str) -> W
 
 
 def run_worker(args: argparse.Namespace, role: str, model_dir: str) -> int:
-    import uvicorn
-
     from shared.serving.app import create_app
     from shared.serving.runtime import WorkerRuntime
 
     settings = settings_from_args(args, role, model_dir)
-    app = create_app(WorkerRuntime.build(settings))
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level, access_log=False,
-                timeout_graceful_shutdown=30)
+    runtime = WorkerRuntime.build(settings)
+    config = uvicorn.Config(create_app(runtime), host=settings.host, port=settings.port, log_level=args.log_level,
+                            access_log=False, timeout_graceful_shutdown=30)
+    DrainingServer(config, runtime).run()
     return 0
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, but SIGTERM/SIGINT first deregisters the worker (routers stop sending), then drains."""
+
+    def __init__(self, config: uvicorn.Config, runtime) -> None:
+        super().__init__(config)
+        self.runtime = runtime
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self.should_exit:
+            self.runtime.begin_drain()
+        super().handle_exit(sig, frame)

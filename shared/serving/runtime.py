@@ -2,6 +2,7 @@
 its presence in the state store. Started and stopped once, in the app's lifespan."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -57,6 +58,7 @@ class WorkerRuntime:
                               lease_s=s.kv_lease_s)
 
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         s = self.settings
         if s.role in ("prefill", "decode") or s.transfer_secret:
             xfer_metrics = get_metrics(self.metrics.registry)
@@ -80,6 +82,15 @@ class WorkerRuntime:
                           transfer_host=s.transfer_host, transfer_port=self.sender.port if self.sender else 0,
                           transfer_engine_id=s.worker_id, block_size=eng.config.block_size,
                           capacity_tokens=eng.capacity_tokens, hash_root=eng.hash_root, started_at=time.time())
+
+    def begin_drain(self) -> None:
+        """First step of a shutdown (called from the signal handler): report draining and deregister now,
+        so routers stop sending new work while requests in flight finish."""
+        self.draining = True
+        loop = getattr(self, "_loop", None)
+        if self.presence is not None and loop is not None:
+            self.presence.draining = True
+            loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.presence.stop()))
 
     async def stop(self) -> None:
         """Deregister first (routers stop sending), then stop transfers and the engine."""
