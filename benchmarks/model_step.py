@@ -16,11 +16,11 @@ from pathlib import Path
 import torch
 
 from engine.checkpoint.init import init_weights
+from engine.config import torch_dtype
 from engine.model.kimi_k3 import KimiK3ForConditionalGeneration
 from engine.model.sequence_runner import SequenceRunner
 from engine.presets import preset_config
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def build(preset: str, dtype: torch.dtype) -> KimiK3ForConditionalGeneration:
@@ -52,7 +52,7 @@ def time_decode(model, ids: torch.Tensor, steps: int) -> float:
 
 
 def bench(preset: str, dtype_name: str, prompt_tokens: int, decode_steps: int, repeats: int) -> dict:
-    model = build(preset, DTYPES[dtype_name])
+    model = build(preset, torch_dtype(dtype_name))
     params = sum(p.numel() for p in model.parameters())
     ids = torch.randint(0, 1024, (prompt_tokens,), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
@@ -66,7 +66,7 @@ def bench(preset: str, dtype_name: str, prompt_tokens: int, decode_steps: int, r
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--presets", nargs="+", default=["tiny", "small"])
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--decode-steps", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)

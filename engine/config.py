@@ -15,6 +15,18 @@ from pathlib import Path
 from typing import Any
 
 
+# torch dtypes by their config / CLI names (`torch_dtype`, `--dtype`); fp64 is for oracle runs only.
+TORCH_DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
+
+
+def torch_dtype(name: str):
+    """The torch dtype named `name` (ValueError for anything else)."""
+    import torch
+    if name not in TORCH_DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(TORCH_DTYPE_NAMES)}")
+    return getattr(torch, name)
+
+
 class ConfigError(ValueError):
     """A config.json that cannot describe a Kimi-K3 model."""
 

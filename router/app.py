@@ -9,7 +9,6 @@ import asyncio
 import hmac
 import itertools
 import logging
-import time
 from contextlib import asynccontextmanager
 
 import httpx
@@ -30,11 +29,10 @@ from shared.openai.errors import AuthenticationFailed, ModelNotFound, OpenAIErro
 from shared.openai.convert import to_sampling_params
 from shared.openai.requests import ChatCompletionRequest, CompletionRequest
 from shared.openai.responses import ModelCard, ModelList
-from shared.serving.app import _body, install_error_handlers
+from shared.serving.app import install_error_handlers, read_json_body
 from shared.serving.disconnect import until_disconnect
 from shared.serving.prompts import prepare_chat, prepare_completion
 from shared.store.factory import make_store
-from shared.workers import WorkerInfo
 
 log = logging.getLogger(__name__)
 _ids = itertools.count()
@@ -134,14 +132,14 @@ async def _serve(request: Request, endpoint: str, req, prepare) -> Response:
 
 async def _chat(request: Request) -> Response:
     _check_client(request)
-    req = ChatCompletionRequest.model_validate(await _body(request))
+    req = ChatCompletionRequest.model_validate(await read_json_body(request))
     st = request.app.state
     return await _serve(request, "chat", req, lambda: prepare_chat(req, st.tokenizer, st.model_config))
 
 
 async def _completions(request: Request) -> Response:
     _check_client(request)
-    req = CompletionRequest.model_validate(await _body(request))
+    req = CompletionRequest.model_validate(await read_json_body(request))
     return await _serve(request, "completions", req, lambda: prepare_completion(req, request.app.state.tokenizer))
 
 
@@ -179,15 +177,11 @@ async def _list_workers(request: Request) -> JSONResponse:
 async def _add_worker(request: Request) -> JSONResponse:
     """Add a static worker: {"url": ..., "role": "prefill"|"decode"|"both"}."""
     _check_admin(request)
-    body = await _body(request)
+    body = await read_json_body(request)
     url, role = body.get("url"), body.get("role")
     if not _valid_worker_url(url) or role not in ("prefill", "decode", "both"):
         raise OpenAIError("give url (http[s]://host:port) and role (prefill, decode or both)", status=400)
-    st = request.app.state
-    from shared.hashing import root_hash
-    st.registry.add_static(WorkerInfo(worker_id=url, role=role, url=url.rstrip("/"), model_id=st.settings.served_model_name,
-                                      block_size=st.settings.block_size, hash_root=root_hash(st.settings.served_model_name),
-                                      started_at=time.time()))
+    request.app.state.registry.add_static(url, role)
     return JSONResponse({"added": url})
 
 

@@ -10,7 +10,6 @@ aborts both legs (the D connection is closed; a prefill state no D ever received
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator

@@ -18,7 +18,7 @@ from router.placement.prefix_index import ApproximatePrefixIndex, PrefixIndex
 from router.placement.types import WorkerState
 from router.settings import RouterSettings
 from shared.hashing import root_hash
-from shared.store.base import StateStore, StoreError
+from shared.store.base import StateStore
 from shared.workers import LoadReport, WorkerInfo
 
 log = logging.getLogger(__name__)
@@ -56,14 +56,15 @@ class WorkerRegistry:
         self.last_refresh = 0.0
 
     @staticmethod
-    def _static_workers(s: RouterSettings) -> dict[str, WorkerInfo]:
-        root = root_hash(s.served_model_name)
-        out = {}
-        for role, urls in (("prefill", s.static_prefill), ("decode", s.static_decode), ("both", s.static_both)):
-            for url in urls:
-                out[url] = WorkerInfo(worker_id=url, role=role, url=url.rstrip("/"), model_id=s.served_model_name,
-                                      block_size=s.block_size, hash_root=root)
-        return out
+    def static_info(s: RouterSettings, url: str, role: str) -> WorkerInfo:
+        """A worker given by URL (command line or admin API): no events, the router's own hash chain."""
+        return WorkerInfo(worker_id=url, role=role, url=url.rstrip("/"), model_id=s.served_model_name,
+                          block_size=s.block_size, hash_root=root_hash(s.served_model_name), started_at=time.time())
+
+    @classmethod
+    def _static_workers(cls, s: RouterSettings) -> dict[str, WorkerInfo]:
+        pools = (("prefill", s.static_prefill), ("decode", s.static_decode), ("both", s.static_both))
+        return {url: cls.static_info(s, url, role) for role, urls in pools for url in urls}
 
     # ---- views --------------------------------------------------------------------------------
     def all_infos(self) -> dict[str, WorkerInfo]:
@@ -77,8 +78,8 @@ class WorkerRegistry:
             out.append(self.health.annotate(state))
         return out
 
-    def add_static(self, info: WorkerInfo) -> None:
-        self.static[info.worker_id] = info
+    def add_static(self, url: str, role: str) -> None:
+        self.static[url] = self.static_info(self.settings, url, role)
 
     def begin(self, worker_id: str) -> None:
         self.inflight[worker_id] = self.inflight.get(worker_id, 0) + 1

@@ -12,13 +12,12 @@ from tqdm import tqdm
 from engine.checkpoint.init import init_weights
 from engine.checkpoint.layout import (CONFIG_FILE, GENERATION_CONFIG_FILE, INDEX_FILE, QUANT_DESCRIPTION_FILE,
                                       keeps_fp32, shard_name)
-from engine.config import ModelConfig
+from engine.config import ModelConfig, torch_dtype
 from engine.model.kimi_k3 import KimiK3ForConditionalGeneration
 from engine.presets import PRESETS
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SHARD_BYTES = {"tiny": 1 << 20, "small": 96 << 20}
 
 
@@ -26,7 +25,7 @@ def generated_state_dict(config: ModelConfig, seed: int) -> dict[str, torch.Tens
     """Deterministic weights for `config`, cast to its `torch_dtype` (fp32-only params stay fp32)."""
     model = KimiK3ForConditionalGeneration(config)
     init_weights(model, seed)
-    dtype = _DTYPES[config.text_config.torch_dtype]
+    dtype = torch_dtype(config.text_config.torch_dtype)
     return {name: (t if keeps_fp32(name) else t.to(dtype)).contiguous()
             for name, t in model.state_dict().items()}
 

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.checkpoint.loader import load_checkpoint
-from engine.core.cache_manager import CacheConfig, HybridCacheManager, budget_cache
+from engine.config import TORCH_DTYPE_NAMES, torch_dtype
+from engine.core.cache_manager import HybridCacheManager, budget_cache
 from engine.core.inputs import EngineInput, encode_images, validate_tokens
 from engine.core.model_runner import ModelRunner
 from engine.core.outputs import CompletionOutput, RequestOutput
@@ -33,7 +34,6 @@ from engine.tokenizer.tokenizer import KimiTokenizer
 from shared.hashing import block_hashes, root_hash
 
 log = logging.getLogger(__name__)
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class EngineConfig:
         checks = {"max_num_seqs": self.max_num_seqs >= 1, "max_num_batched_tokens": self.max_num_batched_tokens >= 1,
                   "block_size": self.block_size >= 1, "kda_chunk_size": self.kda_chunk_size >= 1,
                   "snapshot_interval_blocks": self.snapshot_interval_blocks >= 1,
-                  "dtype": self.dtype in _DTYPES, "export_lease_s": self.export_lease_s > 0}
+                  "dtype": self.dtype in TORCH_DTYPE_NAMES, "export_lease_s": self.export_lease_s > 0}
         bad = [k for k, ok in checks.items() if not ok]
         if bad:
             raise ValueError(f"invalid engine settings: {', '.join(f'{k}={getattr(self, k)!r}' for k in bad)}")
@@ -69,13 +69,13 @@ class LLMEngine:
         config.validate()
         self.config = config
         options = ModelOptions(kda=KDAOptions(chunk_size=config.kda_chunk_size))
-        self.model = load_checkpoint(config.model, _DTYPES[config.dtype], config.device, options)
+        self.model = load_checkpoint(config.model, torch_dtype(config.dtype), config.device, options)
         self.tokenizer = KimiTokenizer.from_dir(config.model)
         text = self.model.config.text_config
         self.cache_config = budget_cache(text, config.cache_memory_bytes, config.block_size, config.max_num_seqs,
                                          config.num_snapshot_slots if config.num_snapshot_slots is not None
                                          else 2 * config.max_num_seqs,
-                                         torch.finfo(_DTYPES[config.dtype]).bits // 8,
+                                         torch.finfo(torch_dtype(config.dtype)).bits // 8,
                                          config.enable_prefix_caching, config.snapshot_interval_blocks)
         self.max_model_len = min(config.max_model_len or text.max_position_embeddings, text.max_position_embeddings)
         self.cache = HybridCacheManager(self.cache_config)

@@ -10,7 +10,7 @@ import asyncio
 import hmac
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
@@ -88,11 +88,10 @@ def _check_api_key(request: Request) -> None:
         raise AuthenticationFailed("Incorrect API key provided.", code="invalid_api_key")
 
 
-async def _body(request: Request) -> Any:
+async def read_json_body(request: Request) -> Any:
+    """The request's JSON body; malformed JSON or non-UTF-8 bytes raise JSONDecodeError (-> 400)."""
     try:
         return json.loads(await request.body())
-    except json.JSONDecodeError as exc:
-        raise exc
     except UnicodeDecodeError as exc:
         raise json.JSONDecodeError("not UTF-8", "", 0) from exc
 
@@ -113,7 +112,7 @@ async def _models(request: Request) -> JSONResponse:
 async def _chat(request: Request) -> Response:
     _check_api_key(request)
     rt = _rt(request)
-    req = ChatCompletionRequest.model_validate(await _body(request))
+    req = ChatCompletionRequest.model_validate(await read_json_body(request))
     model = _check_model(rt, req.model)
     params = to_sampling_params(req, vocab_size=rt.model_config.text_config.vocab_size)
     prepared = await asyncio.to_thread(prepare_chat, req, rt.tokenizer, rt.model_config)
@@ -125,7 +124,7 @@ async def _chat(request: Request) -> Response:
 async def _completions(request: Request) -> Response:
     _check_api_key(request)
     rt = _rt(request)
-    req = CompletionRequest.model_validate(await _body(request))
+    req = CompletionRequest.model_validate(await read_json_body(request))
     model = _check_model(rt, req.model)
     params = to_sampling_params(req, vocab_size=rt.model_config.text_config.vocab_size)
     prepared = prepare_completion(req, rt.tokenizer)
@@ -233,7 +232,7 @@ async def _release(request: Request) -> JSONResponse:
     """Router -> prefill worker: free a published state no decode worker will pull (client gone)."""
     _check_admin(request)
     rt = _rt(request)
-    request_id = (await _body(request)).get("request_id")
+    request_id = (await read_json_body(request)).get("request_id")
     freed = bool(rt.sender and isinstance(request_id, str) and rt.sender.abort(request_id))
     return JSONResponse({"released": freed})
 
