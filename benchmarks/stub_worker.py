@@ -4,7 +4,7 @@ Run: `python -m benchmarks.stub_worker --port P --role prefill|decode|both [--to
 
 Serves `/health`, `/v1/models`, `/v1/chat/completions` and `/v1/completions` (streamed or not) with
 canned content of N short words, one word per token, and `/stats` (legs served, by kind). Like a
-real worker (shared/serving/legs.py) it reads `kv_transfer_params`:
+real worker (worker/legs.py) it reads `kv_transfer_params`:
 
 - `do_remote_decode` (prefill leg, roles prefill/both): one token, never streamed, plus top-level
   `kv_transfer_params` with `do_remote_prefill` and the `remote_*` fields a decode worker needs;

@@ -21,8 +21,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from engine.sampling_params import SamplingParams
-from engine.tokenizer.tokenizer import KimiTokenizer
+from shared.sampling_params import SamplingParams
+from shared.prompt.tokenizer import KimiTokenizer
 
 StopKind = Literal["stop_string", "stop_token", "eos"]
 

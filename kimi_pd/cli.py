@@ -37,7 +37,7 @@ def _ensure_model(path: str | None) -> Path:
 
 def _generate(args: argparse.Namespace) -> int:
     from engine.generate import generate_one
-    from engine.model.image_processing import load_image
+    from shared.prompt.images import load_image
 
     images = [load_image(path) for path in args.image]
     result = generate_one(_ensure_model(args.model), args.prompt, images, args.max_tokens, args.temperature,
@@ -51,10 +51,11 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _worker(role: str):
+def _worker(command: str):
     def run(args: argparse.Namespace) -> int:
-        from shared.serving.cli import run_worker
-        return run_worker(args, role, str(_ensure_model(args.model)))
+        from kimi_pd.roles import COMMANDS
+        from worker.cli import run_worker
+        return run_worker(args, COMMANDS[command], str(_ensure_model(args.model)))
     return run
 
 
@@ -117,13 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
     upp.add_argument("--log-dir", default="logs")
     upp.set_defaults(func=_up)
 
-    from shared.serving.cli import add_worker_args
+    from worker.cli import add_worker_args
     for role, help_text in (("prefill", "a prefill worker (computes prompts, hands state to decode workers)"),
                             ("decode", "a decode worker (pulls prefill state, generates, streams)"),
                             ("worker", "a colocated worker (prefill and decode in one engine)")):
         worker = sub.add_parser(role, help=help_text, allow_abbrev=False)
         add_worker_args(worker)
-        worker.set_defaults(func=_worker("both" if role == "worker" else role))
+        worker.set_defaults(func=_worker(role))
     return parser
 
 

@@ -16,8 +16,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from engine.config import ModelConfig
-from engine.tokenizer.tokenizer import KimiTokenizer
 from router import health_checker
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator, Trace
@@ -29,9 +27,10 @@ from shared.openai.errors import AuthenticationFailed, ModelNotFound, OpenAIErro
 from shared.openai.convert import to_sampling_params
 from shared.openai.requests import ChatCompletionRequest, CompletionRequest
 from shared.openai.responses import ModelCard, ModelList
-from shared.serving.app import install_error_handlers, read_json_body
-from shared.serving.disconnect import until_disconnect
-from shared.serving.prompts import prepare_chat, prepare_completion
+from shared.http import bearer_token, install_error_handlers, read_json_body, until_disconnect
+from shared.model_config import ModelConfig
+from shared.openai.prompts import prepare_chat, prepare_completion
+from shared.prompt.tokenizer import KimiTokenizer
 from shared.store.factory import make_store
 
 log = logging.getLogger(__name__)
@@ -51,7 +50,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
         pipeline = build_pipeline(scorers=dict(settings.scorer_weights))
         app.state.settings, app.state.registry, app.state.metrics = settings, registry, metrics
         app.state.tokenizer = KimiTokenizer.from_dir(settings.model)
-        app.state.model_config = ModelConfig.from_file(settings.model)
+        app.state.vision_config = ModelConfig.from_file(settings.model).vision_config
         app.state.orchestrator = Orchestrator(settings, registry, client, pipeline, metrics, settings.admin_token)
         await registry.refresh()
         await health_checker.check_once(client, registry, settings.connect_timeout_s)
@@ -86,19 +85,15 @@ async def _upstream_error(request: Request, exc: UpstreamError) -> JSONResponse:
     return JSONResponse(body.model_dump(mode="json"), status_code=exc.status)
 
 
-def _bearer(request: Request) -> str:
-    return request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-
-
 def _check_client(request: Request) -> None:
     keys = request.app.state.settings.api_keys
-    if keys and not any(hmac.compare_digest(_bearer(request).encode(), k.encode()) for k in keys):
+    if keys and not any(hmac.compare_digest(bearer_token(request).encode(), k.encode()) for k in keys):
         raise AuthenticationFailed("Incorrect API key provided.", code="invalid_api_key")
 
 
 def _check_admin(request: Request) -> None:
     token = request.app.state.settings.admin_token
-    if not token or not hmac.compare_digest(_bearer(request).encode(), token.encode()):
+    if not token or not hmac.compare_digest(bearer_token(request).encode(), token.encode()):
         raise AuthenticationFailed("admin endpoints need the admin token", code="invalid_admin_token")
 
 
@@ -134,7 +129,7 @@ async def _chat(request: Request) -> Response:
     _check_client(request)
     req = ChatCompletionRequest.model_validate(await read_json_body(request))
     st = request.app.state
-    return await _serve(request, "chat", req, lambda: prepare_chat(req, st.tokenizer, st.model_config))
+    return await _serve(request, "chat", req, lambda: prepare_chat(req, st.tokenizer, st.vision_config))
 
 
 async def _completions(request: Request) -> Response:

@@ -22,8 +22,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from engine.errors import EngineDead, InvalidRequest
-from engine.tokenizer.chat import ChatTemplateError
+from shared.errors import EngineDead, InvalidRequest
+from shared.prompt.chat import ChatTemplateError
 from shared.openai.base import OpenAIModel, error_location
 
 try:  # FastAPI wraps body validation errors in its own class, with a leading "body" location

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from engine.tokenizer.chat import ChatTemplateError, RenderedPrompt, render_chat
-from engine.tokenizer.tokenizer import KimiTokenizer
+from shared.prompt.chat import ChatTemplateError, RenderedPrompt, render_chat
+from shared.prompt.tokenizer import KimiTokenizer
 
 TOK = KimiTokenizer.generated()
 

@@ -5,8 +5,8 @@ import random
 import pytest
 
 from engine.detokenizer import DetokenizerStep, IncrementalDetokenizer, StopReason
-from engine.sampling_params import SamplingParams
-from engine.tokenizer.tokenizer import KimiTokenizer
+from shared.sampling_params import SamplingParams
+from shared.prompt.tokenizer import KimiTokenizer
 
 TOK = KimiTokenizer.generated()
 EOS = TOK.eos_id

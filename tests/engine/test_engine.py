@@ -11,7 +11,7 @@ from engine import LLM, SamplingParams
 from engine.checkpoint.create import create_checkpoint
 from engine.core.engine import EngineConfig, LLMEngine
 from engine.core.inputs import EngineInput, ImageItem
-from engine.errors import InvalidRequest, InvalidTokenIds, PromptTooLong, RequestTooLarge
+from shared.errors import InvalidRequest, InvalidTokenIds, PromptTooLong, RequestTooLarge
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 SETTINGS = dict(block_size=4, kda_chunk_size=8, max_num_seqs=8, max_num_batched_tokens=512,

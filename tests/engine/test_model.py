@@ -94,7 +94,8 @@ def test_kda_snapshots_equal_state_at_that_point():
 
 def _image_prompt(model):
     """A prompt whose middle is one image's pad run; returns (ids, embeds [n, D], positions [n])."""
-    from engine.model.image_processing import num_image_tokens, preprocess_image
+    from engine.model.image_processing import preprocess_image
+    from shared.prompt.images import num_image_tokens
     vcfg = model.config.vision_config
     pixels = (torch.arange(60 * 90 * 3) % 251).to(torch.uint8).view(60, 90, 3)
     n = num_image_tokens(vcfg, 60, 90)

@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
-from engine.tokenizer.chat import render_chat
-from engine.tokenizer.parsers import ReasoningSplit, parse_tool_calls, split_reasoning
-from engine.tokenizer.tokenizer import KimiTokenizer
+from shared.prompt.chat import render_chat
+from shared.prompt.parsers import ReasoningSplit, parse_tool_calls, split_reasoning
+from shared.prompt.tokenizer import KimiTokenizer
 
 OPEN, CLOSE, SEP, EOM = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
 END = f"{CLOSE}message{SEP}{EOM}"

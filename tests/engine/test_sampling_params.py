@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from engine.errors import (
+from shared.errors import (
     EngineDead,
     EngineError,
     InvalidRequest,
@@ -13,7 +13,7 @@ from engine.errors import (
     PromptTooLong,
     RequestTooLarge,
 )
-from engine.sampling_params import MAX_STOP_STRINGS, SamplingParams
+from shared.sampling_params import MAX_STOP_STRINGS, SamplingParams
 
 VOCAB = 1280
 

@@ -7,15 +7,15 @@ from pathlib import Path
 import pytest
 
 from engine.presets import GENERATED_BPE_RANKS
-from engine.tokenizer.bpe_train import (
+from shared.prompt.bpe_train import (
     DEFAULT_CORPUS,
     compile_pattern,
     dump_tiktoken_model,
     parse_tiktoken_model,
     train_bpe,
 )
-from engine.tokenizer.special_tokens import NAMED_SPECIAL_OFFSETS, NUM_SPECIAL_TOKENS
-from engine.tokenizer.tokenizer import GENERATED_DIR, KimiTokenizer
+from shared.prompt.special_tokens import NAMED_SPECIAL_OFFSETS, NUM_SPECIAL_TOKENS
+from shared.prompt.tokenizer import GENERATED_DIR, KimiTokenizer
 
 TOK = KimiTokenizer.generated()
 

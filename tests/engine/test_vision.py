@@ -11,13 +11,9 @@ import pytest
 import torch
 from PIL import Image
 
-from engine.config import ConfigError, VisionConfig
-from engine.model.image_processing import (
-    load_image,
-    num_image_tokens,
-    preprocess_image,
-    resized_size,
-)
+from shared.model_config import ConfigError, VisionConfig
+from engine.model.image_processing import preprocess_image
+from shared.prompt.images import load_image, num_image_tokens, resized_size
 from engine.model.vision import (
     MMProjector,
     MoonViT,

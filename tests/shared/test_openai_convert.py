@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from engine.errors import InvalidRequest, InvalidSamplingParams
-from engine.tokenizer.chat import render_chat
-from engine.tokenizer.tokenizer import KimiTokenizer
+from shared.errors import InvalidRequest, InvalidSamplingParams
+from shared.prompt.chat import render_chat
+from shared.prompt.tokenizer import KimiTokenizer
 from shared.openai.convert import (
     chat_logprobs,
     chat_messages,

@@ -7,8 +7,8 @@ import logging
 import pytest
 from fastapi.exceptions import RequestValidationError
 
-from engine.errors import EngineDead, InvalidSamplingParams, InvalidTokenIds, PromptTooLong, RequestTooLarge
-from engine.tokenizer.chat import ChatTemplateError
+from shared.errors import EngineDead, InvalidSamplingParams, InvalidTokenIds, PromptTooLong, RequestTooLarge
+from shared.prompt.chat import ChatTemplateError
 from shared.openai.errors import (
     INTERNAL_ERROR_MESSAGE,
     AuthenticationFailed,

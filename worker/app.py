@@ -8,30 +8,26 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ValidationError
 
-from engine.errors import EngineError
-from shared.openai.errors import AuthenticationFailed, ModelNotFound, OpenAIError, error_from_exception
+from shared.http import bearer_token, install_error_handlers, read_json_body, until_disconnect
+from shared.kv_transfer_params import KVTransferParams
 from shared.openai.convert import to_sampling_params
+from shared.openai.errors import AuthenticationFailed, ModelNotFound, OpenAIError, error_from_exception
+from shared.openai.prompts import prepare_chat, prepare_completion
 from shared.openai.requests import ChatCompletionRequest, CompletionRequest
 from shared.openai.responses import ModelCard, ModelList
 from shared.openai.sse import SSE_DONE, sse_error
-from shared.serving import responses
-from shared.serving.disconnect import until_disconnect
-from shared.serving.legs import LegResult, leg_kind, new_request_id, run_leg
-from shared.serving.prompts import prepare_chat, prepare_completion
-from shared.serving.runtime import WorkerRuntime
-from shared.serving.settings import ADMIN_TOKEN_ENV, secret_from_env
+from worker import responses
+from worker.legs import LegResult, new_request_id, run_leg
+from worker.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +39,9 @@ def create_app(runtime: WorkerRuntime) -> FastAPI:
         yield
         await runtime.stop()
 
-    app = FastAPI(title=f"kimi-pd {runtime.settings.role} worker", lifespan=lifespan)
+    app = FastAPI(title=f"kimi-pd {runtime.role.name} worker", lifespan=lifespan)
     app.state.runtime = runtime
-    install_error_handlers(app)
+    install_error_handlers(app, _count_error)
     app.add_api_route("/v1/models", _models, methods=["GET"])
     app.add_api_route("/v1/chat/completions", _chat, methods=["POST"])
     app.add_api_route("/v1/completions", _completions, methods=["POST"])
@@ -56,23 +52,10 @@ def create_app(runtime: WorkerRuntime) -> FastAPI:
     return app
 
 
-async def _error_handler(request: Request, exc: Exception) -> JSONResponse:
-    status, body = error_from_exception(exc)
-    runtime = getattr(request.app.state, "runtime", None)
-    if runtime is not None and request.url.path.startswith("/v1/"):
+def _count_error(request: Request, status: int) -> None:
+    if request.url.path.startswith("/v1/"):
         outcome = "aborted" if status == 499 else ("client_error" if status < 500 else "server_error")
-        runtime.metrics.requests.labels(endpoint=request.url.path.rsplit("/", 1)[-1], outcome=outcome).inc()
-    return JSONResponse(body.model_dump(mode="json"), status_code=status)
-
-
-# Expected failures are handled as responses; anything else still gets the OpenAI 500 body (and a log).
-HANDLED_ERRORS = (RequestValidationError, ValidationError, json.JSONDecodeError, OpenAIError, EngineError,
-                  ValueError, TimeoutError, Exception)
-
-
-def install_error_handlers(app: FastAPI) -> None:
-    for cls in HANDLED_ERRORS:
-        app.add_exception_handler(cls, _error_handler)
+        _rt(request).metrics.requests.labels(endpoint=request.url.path.rsplit("/", 1)[-1], outcome=outcome).inc()
 
 
 def _rt(request: Request) -> WorkerRuntime:
@@ -83,17 +66,8 @@ def _check_api_key(request: Request) -> None:
     key = _rt(request).settings.api_key
     if key is None:
         return
-    given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-    if not hmac.compare_digest(given.encode(), key.encode()):
+    if not hmac.compare_digest(bearer_token(request).encode(), key.encode()):
         raise AuthenticationFailed("Incorrect API key provided.", code="invalid_api_key")
-
-
-async def read_json_body(request: Request) -> Any:
-    """The request's JSON body; malformed JSON or non-UTF-8 bytes raise JSONDecodeError (-> 400)."""
-    try:
-        return json.loads(await request.body())
-    except UnicodeDecodeError as exc:
-        raise json.JSONDecodeError("not UTF-8", "", 0) from exc
 
 
 def _check_model(rt: WorkerRuntime, model: str | None) -> str:
@@ -115,7 +89,7 @@ async def _chat(request: Request) -> Response:
     req = ChatCompletionRequest.model_validate(await read_json_body(request))
     model = _check_model(rt, req.model)
     params = to_sampling_params(req, vocab_size=rt.model_config.text_config.vocab_size)
-    prepared = await asyncio.to_thread(prepare_chat, req, rt.tokenizer, rt.model_config)
+    prepared = await asyncio.to_thread(prepare_chat, req, rt.tokenizer, rt.model_config.vision_config)
     return await _serve(request, rt, "chat", req, params, prepared,
                         lambda outs, result: responses.chat_stream(req, model, prepared, outs, result, rt.tokenizer),
                         lambda out, result: responses.chat_completion(req, model, prepared, out, result, rt.tokenizer))
@@ -136,8 +110,9 @@ async def _completions(request: Request) -> Response:
 async def _serve(request: Request, rt: WorkerRuntime, endpoint: str, req, params, prepared,
                  stream_fn: Callable, whole_fn: Callable) -> Response:
     result = LegResult(new_request_id(endpoint, req.request_id or request.headers.get("x-request-id")))
-    outputs = run_leg(rt, prepared, params, req.kv_transfer_params, result)
-    streaming = req.stream and leg_kind(req.kv_transfer_params) != "prefill"
+    ktp = KVTransferParams.parse(req.kv_transfer_params)
+    outputs = run_leg(rt, prepared, params, ktp, result)
+    streaming = req.stream and (ktp is None or ktp.leg != "prefill")
     if streaming:
         # errors before the first token are plain 4xx/5xx; a client gone by then cancels the request
         first = await until_disconnect(request, _first_or_error(outputs))
@@ -212,7 +187,7 @@ async def _health(request: Request) -> JSONResponse:
     stats = rt.engine.stats()
     status = 503 if stats["dead"] else 200
     return JSONResponse({"status": "dead" if stats["dead"] else ("draining" if rt.draining else "ok"),
-                         "role": rt.settings.role, "worker_id": rt.settings.worker_id, **stats}, status_code=status)
+                         "role": rt.role.name, "worker_id": rt.settings.worker_id, **stats}, status_code=status)
 
 
 async def _metrics(request: Request) -> Response:
@@ -222,9 +197,8 @@ async def _metrics(request: Request) -> Response:
 
 
 def _check_admin(request: Request) -> None:
-    token = secret_from_env(ADMIN_TOKEN_ENV)
-    given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-    if not token or not hmac.compare_digest(given.encode(), token.encode()):
+    token = _rt(request).settings.admin_token
+    if not token or not hmac.compare_digest(bearer_token(request).encode(), token.encode()):
         raise AuthenticationFailed("admin and internal endpoints need the admin token", code="invalid_admin_token")
 
 
@@ -233,7 +207,7 @@ async def _release(request: Request) -> JSONResponse:
     _check_admin(request)
     rt = _rt(request)
     request_id = (await read_json_body(request)).get("request_id")
-    freed = bool(rt.sender and isinstance(request_id, str) and rt.sender.abort(request_id))
+    freed = isinstance(request_id, str) and rt.release(request_id)
     return JSONResponse({"released": freed})
 
 

@@ -8,7 +8,7 @@ Ranks 0..255 are the single bytes (rank == byte value); every later rank is one 
 order. Ties between equally frequent pairs go to the pair whose byte strings sort first, so the same
 corpus always gives the same file.
 
-    python -m engine.tokenizer.bpe_train --out engine/tokenizer/data/tiktoken.model --ranks 1024
+    python -m shared.prompt.bpe_train --out shared/prompt/data/tiktoken.model --ranks 1024
 """
 from __future__ import annotations
 

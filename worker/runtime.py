@@ -1,24 +1,26 @@
-"""Everything a worker process runs besides HTTP: the async engine, its transfer endpoint(s) and
-its presence in the state store. Started and stopped once, in the app's lifespan."""
+"""Everything a worker process runs besides HTTP: the async engine, its role's legs (and their
+transfer endpoints) and its presence in the state store. Started and stopped once, in the app's lifespan."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from decode_worker.pull import StatePuller
 from engine.async_engine import AsyncEngine
 from engine.core.engine import LLMEngine
-from kv_transfer.interface import KVReceiver, KVSender, TransferConfig, make_receiver, make_sender
+from kv_transfer.interface import TransferConfig
 from kv_transfer.metrics import get_metrics
 from kv_transfer.payload import ModelIdentity
-from prefill_worker.handoff import PrefillHandoff
-from shared.serving.metrics import WorkerMetrics
-from shared.serving.presence import WorkerPresence
-from shared.serving.settings import WorkerSettings
+from shared.kv_transfer_params import LegKind
+from shared.model_config import ModelConfig
+from shared.prompt.tokenizer import KimiTokenizer
 from shared.store.factory import make_store
 from shared.workers import WorkerInfo
+from worker.metrics import WorkerMetrics
+from worker.presence import WorkerPresence
+from worker.role import Leg, Role
+from worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
@@ -26,27 +28,26 @@ log = logging.getLogger(__name__)
 @dataclass
 class WorkerRuntime:
     settings: WorkerSettings
+    role: Role
     engine: AsyncEngine
     metrics: WorkerMetrics
-    sender: KVSender | None = None
-    receiver: KVReceiver | None = None
-    handoff: PrefillHandoff | None = None
-    puller: StatePuller | None = None
+    legs: dict[LegKind, Leg] = field(default_factory=dict)
     presence: WorkerPresence | None = None
     draining: bool = False
 
     @classmethod
-    def build(cls, settings: WorkerSettings) -> "WorkerRuntime":
+    def build(cls, settings: WorkerSettings, role: Role) -> WorkerRuntime:
+        role.validate(settings.transfer_secret)
         settings.validate()
         engine = AsyncEngine(engine=LLMEngine(settings.engine))
-        return cls(settings, engine, WorkerMetrics())
+        return cls(settings, role, engine, WorkerMetrics())
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> KimiTokenizer:
         return self.engine.engine.tokenizer
 
     @property
-    def model_config(self):
+    def model_config(self) -> ModelConfig:
         return self.engine.engine.model.config
 
     def transfer_config(self) -> TransferConfig:
@@ -60,28 +61,29 @@ class WorkerRuntime:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         s = self.settings
-        if s.role in ("prefill", "decode") or s.transfer_secret:
-            xfer_metrics = get_metrics(self.metrics.registry)
-            if s.role in ("prefill", "both"):
-                self.sender = make_sender(self.transfer_config(), xfer_metrics)
-                await self.sender.start()
-                self.handoff = PrefillHandoff(self.engine, self.sender, s.kv_lease_s)
-            if s.role in ("decode", "both"):
-                self.receiver = make_receiver(self.transfer_config(), xfer_metrics)
-                await self.receiver.start()
-                self.puller = StatePuller(self.receiver, s.kv_load_failure_policy)
+        if self.role.serves_transfers(s.transfer_secret):
+            config, xfer_metrics = self.transfer_config(), get_metrics(self.metrics.registry)
+            for make_leg in self.role.legs:
+                leg = make_leg(self, config, xfer_metrics)
+                await leg.start()
+                self.legs[leg.kind] = leg
         if s.store_url:
             store = make_store(s.store_url, s.namespace)
             self.presence = WorkerPresence(store, self.worker_info(), self.engine, s.heartbeat_s, s.registration_ttl_s)
             self.presence.start()
-        log.info("worker %s (%s) serving %s at %s", s.worker_id, s.role, s.served_model_name, s.url)
+        log.info("worker %s (%s) serving %s at %s", s.worker_id, self.role.name, s.served_model_name, s.url)
 
     def worker_info(self) -> WorkerInfo:
         s, eng = self.settings, self.engine.engine
-        return WorkerInfo(worker_id=s.worker_id, role=s.role, url=s.url, model_id=s.served_model_name,
-                          transfer_host=s.transfer_host, transfer_port=self.sender.port if self.sender else 0,
+        port = next((leg.transfer_port for leg in self.legs.values() if leg.transfer_port), 0)
+        return WorkerInfo(worker_id=s.worker_id, role=self.role.name, url=s.url, model_id=s.served_model_name,
+                          transfer_host=s.transfer_host, transfer_port=port,
                           transfer_engine_id=s.worker_id, block_size=eng.config.block_size,
                           capacity_tokens=eng.capacity_tokens, hash_root=eng.hash_root, started_at=time.time())
+
+    def release(self, request_id: str) -> bool:
+        """Free a published state no decode worker will pull (the router's client went away)."""
+        return any(leg.release(request_id) for leg in self.legs.values())
 
     def begin_drain(self) -> None:
         """First step of a shutdown (called from the signal handler): report draining and deregister now,
@@ -93,11 +95,9 @@ class WorkerRuntime:
             loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.presence.stop()))
 
     async def stop(self) -> None:
-        """Deregister first (routers stop sending), then stop transfers and the engine."""
+        """Deregister first (routers stop sending), then stop the legs' transfers and the engine."""
         if self.presence:
             await self.presence.stop()
-        if self.sender:
-            await self.sender.stop()
-        if self.receiver:
-            await self.receiver.stop()
+        for leg in self.legs.values():
+            await leg.stop()
         self.engine.shutdown()

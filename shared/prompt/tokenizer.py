@@ -18,8 +18,8 @@ from typing import Any
 
 import tiktoken
 
-from engine.tokenizer.bpe_train import PAT_STR, dump_tiktoken_model, parse_tiktoken_model
-from engine.tokenizer.special_tokens import NAMED_SPECIAL_OFFSETS, NUM_SPECIAL_TOKENS, special_token_table
+from shared.prompt.bpe_train import PAT_STR, dump_tiktoken_model, parse_tiktoken_model
+from shared.prompt.special_tokens import NAMED_SPECIAL_OFFSETS, NUM_SPECIAL_TOKENS, special_token_table
 
 GENERATED_DIR = Path(__file__).parent / "data"
 TIKTOKEN_FILE = "tiktoken.model"
@@ -91,7 +91,7 @@ class KimiTokenizer:
 
     @classmethod
     def generated(cls) -> KimiTokenizer:
-        """The small tokenizer shipped in `engine/tokenizer/data` (trained by `bpe_train`)."""
+        """The small tokenizer shipped in `shared/prompt/data` (trained by `bpe_train`)."""
         return _generated()
 
     def save(self, path: str | Path) -> None:

@@ -64,7 +64,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.tokenizer.tokenizer import KimiTokenizer
+from shared.prompt.tokenizer import KimiTokenizer
 
 THINKING_EFFORTS = ("low", "high", "max")
 DEFAULT_THINKING_EFFORT = "max"

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from engine.errors import InvalidSamplingParams
+from shared.errors import InvalidSamplingParams
 
 # Below this temperature a request is greedy (vLLM's _SAMPLING_EPS).
 GREEDY_TEMPERATURE = 1e-5

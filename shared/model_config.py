@@ -1,4 +1,4 @@
-"""Kimi-K3 configuration: the real `config.json` keys as frozen dataclasses, parsed once.
+"""Kimi-K3 configuration (torch-free: the router reads it too): the real `config.json` keys as frozen dataclasses, parsed once.
 
 `ModelConfig.from_dict` validates required keys, types and cross-field consistency and raises
 `ConfigError` naming the offending key. Keys we do not model (HF bookkeeping such as `auto_map`,
@@ -13,18 +13,6 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-
-# torch dtypes by their config / CLI names (`torch_dtype`, `--dtype`); fp64 is for oracle runs only.
-TORCH_DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
-
-
-def torch_dtype(name: str):
-    """The torch dtype named `name` (ValueError for anything else)."""
-    import torch
-    if name not in TORCH_DTYPE_NAMES:
-        raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(TORCH_DTYPE_NAMES)}")
-    return getattr(torch, name)
 
 
 class ConfigError(ValueError):

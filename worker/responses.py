@@ -6,19 +6,24 @@ from contextlib import aclosing
 from typing import Any
 
 from engine.core.outputs import RequestOutput
-from engine.tokenizer.tokenizer import KimiTokenizer
+from shared.prompt.tokenizer import KimiTokenizer
 from shared.openai.convert import ChatDeltaShaper, chat_logprobs, completion_logprobs, shape_chat_message
 from shared.openai.requests import ChatCompletionRequest, CompletionRequest
 from shared.openai.responses import (ChatCompletion, ChatCompletionChoice, ChatCompletionChunk,
                                      ChatCompletionChunkChoice, ChatCompletionMessage, Completion, CompletionChoice,
                                      CompletionChunk, DeltaMessage, Usage, random_id)
 from shared.openai.sse import SSE_DONE, sse_event
-from shared.serving.legs import LegResult
-from shared.serving.prompts import PreparedPrompt
+from worker.legs import LegResult
+from shared.prompt.prepare import PreparedPrompt
 
 
 def _token_text(tokenizer: KimiTokenizer):
     return lambda token_id: tokenizer.decode([token_id])
+
+
+def _wire(result: LegResult) -> dict[str, Any] | None:
+    """The prefill leg's answer in its JSON form (the response body is the HTTP edge)."""
+    return result.kv_transfer_params.to_dict() if result.kv_transfer_params is not None else None
 
 
 def usage_of(out: RequestOutput, result: LegResult) -> Usage:
@@ -36,7 +41,7 @@ def chat_completion(req: ChatCompletionRequest, model: str, prepared: PreparedPr
     choice = ChatCompletionChoice(message=message, logprobs=logprobs,
                                   finish_reason=shaped.finish_reason or o.finish_reason, stop_reason=o.stop_reason)
     return ChatCompletion(model=model, choices=[choice], usage=usage_of(out, result),
-                          kv_transfer_params=result.kv_transfer_params)
+                          kv_transfer_params=_wire(result))
 
 
 def completion(req: CompletionRequest, model: str, out: RequestOutput, result: LegResult,
@@ -46,7 +51,7 @@ def completion(req: CompletionRequest, model: str, out: RequestOutput, result: L
                 if req.logprobs is not None else None)
     choice = CompletionChoice(text=o.text, logprobs=logprobs, finish_reason=o.finish_reason, stop_reason=o.stop_reason)
     return Completion(model=model, choices=[choice], usage=usage_of(out, result),
-                      kv_transfer_params=result.kv_transfer_params)
+                      kv_transfer_params=_wire(result))
 
 
 async def chat_stream(req: ChatCompletionRequest, model: str, prepared: PreparedPrompt,

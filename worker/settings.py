@@ -1,4 +1,5 @@
 """Worker settings: one frozen dataclass, parsed once at the process edge (CLI flags + environment).
+The role is not a setting: it is the `Role` the service is started with (`worker.role`).
 
 Secrets (transfer HMAC key, API keys) come from the environment or files, never from argv-visible
 defaults, and are excluded from `repr` so they cannot reach logs.
@@ -12,7 +13,6 @@ from typing import Literal
 
 from engine.core.engine import EngineConfig
 
-Role = Literal["prefill", "decode", "both"]
 TRANSFER_SECRET_ENV = "KIMI_PD_TRANSFER_SECRET"
 ADMIN_TOKEN_ENV = "KIMI_PD_ADMIN_TOKEN"
 API_KEY_ENV = "KIMI_PD_API_KEY"
@@ -27,7 +27,6 @@ def secret_from_env(name: str, required: bool = False) -> str | None:
 
 @dataclass(frozen=True)
 class WorkerSettings:
-    role: Role
     engine: EngineConfig
     host: str = "127.0.0.1"
     port: int = 8100
@@ -46,17 +45,13 @@ class WorkerSettings:
     heartbeat_s: float = 1.0
     registration_ttl_s: float = 5.0
     api_key: str | None = field(default=None, repr=False)
-    request_timeout_s: float = 600.0
+    admin_token: str | None = field(default=None, repr=False)
 
     @property
     def url(self) -> str:
         return self.advertise_url or f"http://{self.host}:{self.port}"
 
     def validate(self) -> None:
-        if self.role not in ("prefill", "decode", "both"):
-            raise ValueError(f"role must be prefill, decode or both, got {self.role!r}")
-        if self.role in ("prefill", "decode") and len(self.transfer_secret) < 16:
-            raise ValueError(f"a {self.role} worker needs a transfer secret of at least 16 bytes ({TRANSFER_SECRET_ENV})")
         if self.kv_load_failure_policy not in ("recompute", "fail"):
             raise ValueError("kv_load_failure_policy must be recompute or fail")
         self.engine.validate()
