@@ -14,7 +14,8 @@ from shared.kv_transfer_params import KVTransferParams
 from shared.openai.errors import ServiceUnavailable
 from shared.prompt.prepare import PreparedPrompt
 from shared.sampling_params import SamplingParams
-from worker.legs import LegResult, generate
+from worker.legs import generate
+from worker.role import LegResult
 from worker.runtime import WorkerRuntime
 
 
@@ -23,6 +24,7 @@ class DecodeLeg:
     transfer_port = 0
 
     def __init__(self, rt: WorkerRuntime, config: TransferConfig, metrics: TransferMetrics) -> None:
+        self.rt = rt
         self.receiver: KVReceiver = make_receiver(config, metrics)
         self.puller = StatePuller(self.receiver, rt.settings.kv_load_failure_policy)
 
@@ -35,23 +37,22 @@ class DecodeLeg:
     def release(self, request_id: str) -> bool:
         return False                                   # a decode worker holds nothing for others
 
-    async def run(self, rt: WorkerRuntime, prepared: PreparedPrompt, params: SamplingParams, ktp: KVTransferParams,
+    async def run(self, prepared: PreparedPrompt, params: SamplingParams, ktp: KVTransferParams,
                   result: LegResult) -> AsyncIterator[RequestOutput]:
-        imported = await self._pull(rt, prepared, ktp, result)
-        async with aclosing(generate(rt, prepared, params, result, imported=imported)) as outputs:
+        imported = await self._pull(prepared, ktp, result)
+        async with aclosing(generate(self.rt, prepared, params, result, imported=imported)) as outputs:
             async for out in outputs:
                 yield out
 
-    async def _pull(self, rt: WorkerRuntime, prepared: PreparedPrompt, ktp: KVTransferParams,
-                    result: LegResult) -> ExportedState | None:
+    async def _pull(self, prepared: PreparedPrompt, ktp: KVTransferParams, result: LegResult) -> ExportedState | None:
         try:
             pulled = await self.puller.pull(ktp, prepared.token_ids)
         except KVLoadFailed as exc:
-            rt.metrics.kv_pull_failures.labels(policy="fail").inc()
+            self.rt.metrics.kv_pull_failures.labels(policy="fail").inc()
             raise ServiceUnavailable(str(exc), code="kv_load_failed") from exc
-        rt.metrics.kv_pull.observe(pulled.seconds)
+        self.rt.metrics.kv_pull.observe(pulled.seconds)
         result.timings["kv_pull_s"] = pulled.seconds
         if pulled.state is None:
-            rt.metrics.kv_pull_failures.labels(policy="recompute").inc()
+            self.rt.metrics.kv_pull_failures.labels(policy="recompute").inc()
             result.recomputed = True
         return pulled.state

@@ -13,7 +13,8 @@ from prefill_worker.handoff import PrefillHandoff
 from shared.kv_transfer_params import KVTransferParams
 from shared.prompt.prepare import PreparedPrompt
 from shared.sampling_params import SamplingParams
-from worker.legs import LegResult, generate
+from worker.legs import generate
+from worker.role import LegResult
 from worker.runtime import WorkerRuntime
 
 
@@ -21,6 +22,7 @@ class PrefillLeg:
     kind = "prefill"
 
     def __init__(self, rt: WorkerRuntime, config: TransferConfig, metrics: TransferMetrics) -> None:
+        self.rt = rt
         self.sender: KVSender = make_sender(config, metrics)
         self.handoff = PrefillHandoff(rt.engine, self.sender, config.lease_s)
 
@@ -37,10 +39,10 @@ class PrefillLeg:
     def release(self, request_id: str) -> bool:
         return self.sender.abort(request_id)
 
-    async def run(self, rt: WorkerRuntime, prepared: PreparedPrompt, params: SamplingParams, ktp: KVTransferParams,
+    async def run(self, prepared: PreparedPrompt, params: SamplingParams, ktp: KVTransferParams,
                   result: LegResult) -> AsyncIterator[RequestOutput]:
         final = None
-        async with aclosing(generate(rt, prepared, params, result, export_state=True)) as outputs:
+        async with aclosing(generate(self.rt, prepared, params, result, export_state=True)) as outputs:
             async for out in outputs:
                 final = out
         start = time.perf_counter()

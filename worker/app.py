@@ -26,7 +26,8 @@ from shared.openai.requests import ChatCompletionRequest, CompletionRequest
 from shared.openai.responses import ModelCard, ModelList
 from shared.openai.sse import SSE_DONE, sse_error
 from worker import responses
-from worker.legs import LegResult, new_request_id, run_leg
+from worker.legs import new_request_id, run_leg
+from worker.role import LegResult
 from worker.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)

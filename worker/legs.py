@@ -9,7 +9,6 @@ import itertools
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass, field
 
 from engine.core.inputs import EngineInput
 from engine.core.outputs import RequestOutput
@@ -18,20 +17,10 @@ from shared.kv_transfer_params import KVTransferParams
 from shared.openai.errors import BadRequest
 from shared.prompt.prepare import PreparedPrompt
 from shared.sampling_params import SamplingParams
+from worker.role import LegResult
 from worker.runtime import WorkerRuntime
 
 _ids = itertools.count()
-
-
-@dataclass
-class LegResult:
-    """What the HTTP layer needs besides the outputs."""
-
-    request_id: str
-    kv_transfer_params: KVTransferParams | None = None
-    num_cached_tokens: int = 0
-    recomputed: bool = False
-    timings: dict[str, float] = field(default_factory=lambda: {"start": time.perf_counter()})
 
 
 def engine_input(prepared: PreparedPrompt) -> EngineInput:
@@ -49,7 +38,7 @@ async def run_leg(rt: WorkerRuntime, prepared: PreparedPrompt, params: SamplingP
         if leg is None:
             raise BadRequest(f"this worker does not serve {kind} legs (role: {rt.role.name})",
                              param="kv_transfer_params")
-        stream = leg.run(rt, prepared, params, ktp, result)
+        stream = leg.run(prepared, params, ktp, result)
     async with aclosing(stream) as outputs:
         async for out in outputs:
             yield out

@@ -13,7 +13,7 @@ from shared.openai.responses import (ChatCompletion, ChatCompletionChoice, ChatC
                                      ChatCompletionChunkChoice, ChatCompletionMessage, Completion, CompletionChoice,
                                      CompletionChunk, DeltaMessage, Usage, random_id)
 from shared.openai.sse import SSE_DONE, sse_event
-from worker.legs import LegResult
+from worker.role import LegResult
 from shared.prompt.prepare import PreparedPrompt
 
 

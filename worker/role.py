@@ -7,20 +7,26 @@ and `decode_worker/`; `kimi_pd/roles.py` names them all.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from engine.core.outputs import RequestOutput
-from kv_transfer.interface import TransferConfig
-from kv_transfer.metrics import TransferMetrics
 from shared.kv_transfer_params import KVTransferParams, LegKind
 from shared.prompt.prepare import PreparedPrompt
 from shared.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from worker.legs import LegResult
-    from worker.runtime import WorkerRuntime
+
+@dataclass
+class LegResult:
+    """What the HTTP layer needs besides the outputs."""
+
+    request_id: str
+    kv_transfer_params: KVTransferParams | None = None
+    num_cached_tokens: int = 0
+    recomputed: bool = False
+    timings: dict[str, float] = field(default_factory=lambda: {"start": time.perf_counter()})
 
 
 class Leg(Protocol):
@@ -32,7 +38,7 @@ class Leg(Protocol):
 
     async def stop(self) -> None: ...
 
-    def run(self, rt: WorkerRuntime, prepared: PreparedPrompt, params: SamplingParams, ktp: KVTransferParams,
+    def run(self, prepared: PreparedPrompt, params: SamplingParams, ktp: KVTransferParams,
             result: LegResult) -> AsyncIterator[RequestOutput]:
         """Engine outputs for this request; fills `result` (transfer params out, pull timings)."""
         ...
@@ -47,7 +53,8 @@ class Leg(Protocol):
         ...
 
 
-LegFactory = Callable[["WorkerRuntime", TransferConfig, TransferMetrics], Leg]
+# (worker runtime, kv_transfer TransferConfig, TransferMetrics) -> the leg, built when the worker starts
+LegFactory = Callable[..., Leg]
 
 
 @dataclass(frozen=True)
