@@ -23,7 +23,7 @@ from router.placement.pipeline import build_pipeline
 from router.registry import WorkerRegistry
 from router.settings import RouterSettings
 from router.upstream import UpstreamError
-from shared.openai.errors import AuthenticationFailed, ModelNotFound, OpenAIError, error_response
+from shared.openai.errors import Unauthorized, ModelNotFound, OpenAIError, error_response
 from shared.openai.convert import to_sampling_params
 from shared.openai.requests import ChatCompletionRequest, CompletionRequest
 from shared.openai.responses import ModelCard, ModelList
@@ -88,13 +88,13 @@ async def _upstream_error(request: Request, exc: UpstreamError) -> JSONResponse:
 def _check_client(request: Request) -> None:
     keys = request.app.state.settings.api_keys
     if keys and not any(hmac.compare_digest(bearer_token(request).encode(), k.encode()) for k in keys):
-        raise AuthenticationFailed("Incorrect API key provided.", code="invalid_api_key")
+        raise Unauthorized("Incorrect API key provided.", code="invalid_api_key")
 
 
 def _check_admin(request: Request) -> None:
     token = request.app.state.settings.admin_token
     if not token or not hmac.compare_digest(bearer_token(request).encode(), token.encode()):
-        raise AuthenticationFailed("admin endpoints need the admin token", code="invalid_admin_token")
+        raise Unauthorized("admin endpoints need the admin token", code="invalid_admin_token")
 
 
 def _check_model(request: Request, model: str | None) -> None:

@@ -25,7 +25,6 @@ from router.placement.types import RoutingContext, WorkerState
 from router.registry import WorkerRegistry
 from router.settings import RouterSettings
 from router.upstream import UpstreamError, classify, error_body, parse_object, post_json
-from shared.openai.errors import NoWorkerAvailable as NoWorker503
 from shared.kv_transfer_params import KVTransferParams
 from shared.openai.legs import decode_body, prefill_body, wire_body
 from shared.openai.sse import SSE_DONE, SSEParser, sse_error
@@ -95,10 +94,7 @@ class Orchestrator:
 
     def _pick(self, ctx: RoutingContext, states: list[WorkerState], exclude: set[str]) -> WorkerState:
         candidates = [w for w in states if w.worker_id not in exclude]
-        try:
-            return self.pipeline.pick(ctx, candidates).worker
-        except NoWorkerAvailable as exc:
-            raise NoWorker503(str(exc)) from exc
+        return self.pipeline.pick(ctx, candidates).worker         # NoWorkerAvailable is the client's 503
 
     def _decide(self, ctx: RoutingContext, prefill_ctx: RoutingContext, decode: WorkerState,
                 states: list[WorkerState]) -> str:
@@ -120,7 +116,7 @@ class Orchestrator:
         """A prefill pool that is down or failing costs latency, not the request: decode computes it."""
         try:
             await self._prefill_leg(trace, req, ctx, states)
-        except NoWorker503 as exc:
+        except NoWorkerAvailable as exc:
             self._fall_back(trace, "no_worker", exc)
         except UpstreamError as err:
             if err.status < 500:
@@ -199,7 +195,7 @@ class Orchestrator:
                     raise
                 try:
                     worker = self._pick(ctx, states, tried)
-                except NoWorker503:
+                except NoWorkerAvailable:
                     raise err from None                  # nobody else: report the real failure
                 self.metrics.retries.labels(leg="decode").inc()
         trace.decode_worker = worker.worker_id

@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from shared.http import bearer_token, install_error_handlers, read_json_body, until_disconnect
 from shared.kv_transfer_params import KVTransferParams
 from shared.openai.convert import to_sampling_params
-from shared.openai.errors import AuthenticationFailed, ModelNotFound, OpenAIError, error_from_exception
+from shared.openai.errors import Unauthorized, ModelNotFound, OpenAIError, error_from_exception
 from shared.openai.prompts import prepare_chat, prepare_completion
 from shared.openai.requests import ChatCompletionRequest, CompletionRequest
 from shared.openai.responses import ModelCard, ModelList
@@ -68,7 +68,7 @@ def _check_api_key(request: Request) -> None:
     if key is None:
         return
     if not hmac.compare_digest(bearer_token(request).encode(), key.encode()):
-        raise AuthenticationFailed("Incorrect API key provided.", code="invalid_api_key")
+        raise Unauthorized("Incorrect API key provided.", code="invalid_api_key")
 
 
 def _check_model(rt: WorkerRuntime, model: str | None) -> str:
@@ -200,7 +200,7 @@ async def _metrics(request: Request) -> Response:
 def _check_admin(request: Request) -> None:
     token = _rt(request).settings.admin_token
     if not token or not hmac.compare_digest(bearer_token(request).encode(), token.encode()):
-        raise AuthenticationFailed("admin and internal endpoints need the admin token", code="invalid_admin_token")
+        raise Unauthorized("admin and internal endpoints need the admin token", code="invalid_admin_token")
 
 
 async def _release(request: Request) -> JSONResponse:

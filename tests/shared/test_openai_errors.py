@@ -11,14 +11,11 @@ from shared.errors import EngineDead, InvalidSamplingParams, InvalidTokenIds, Pr
 from shared.prompt.chat import ChatTemplateError
 from shared.openai.errors import (
     INTERNAL_ERROR_MESSAGE,
-    AuthenticationFailed,
     BadRequest,
     ErrorResponse,
     ModelNotFound,
-    NoWorkerAvailable,
     OpenAIError,
-    Overloaded,
-    UpstreamTimeout,
+    Unauthorized,
     error_from_exception,
     error_response,
 )
@@ -31,11 +28,8 @@ def mapped(exc: BaseException) -> tuple[int, str, str | None, str | int | None]:
 
 @pytest.mark.parametrize("exc, expected", [
     (BadRequest("bad", param="stop"), (400, "invalid_request_error", "stop", "invalid_request")),
-    (AuthenticationFailed("Incorrect API key provided."), (401, "invalid_request_error", None, "invalid_api_key")),
+    (Unauthorized("Incorrect API key provided."), (401, "invalid_request_error", None, "invalid_api_key")),
     (ModelNotFound("gpt-4"), (404, "invalid_request_error", "model", "model_not_found")),
-    (Overloaded("too many requests in flight"), (503, "service_unavailable", None, "overloaded")),
-    (NoWorkerAvailable("no decode worker is ready"), (503, "service_unavailable", None, "no_worker_available")),
-    (UpstreamTimeout("the decode worker did not answer in 30 s"), (504, "timeout", None, "timeout")),
     (OpenAIError("teapot", status=418, type="teapot_error", code="short"), (418, "teapot_error", None, "short")),
     (InvalidSamplingParams("top_p must be in (0, 1], got 2", param="top_p"),
      (400, "invalid_request_error", "top_p", "invalid_sampling_params")),
