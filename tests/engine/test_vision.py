@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import io
 
 import numpy as np
 import pytest
@@ -13,7 +12,7 @@ from PIL import Image
 
 from shared.model_config import ConfigError, VisionConfig
 from engine.model.image_processing import preprocess_image
-from shared.prompt.images import load_image, num_image_tokens, resized_size
+from shared.prompt.images import num_image_tokens, resized_size
 from engine.model.vision import (
     MMProjector,
     MoonViT,
@@ -98,17 +97,6 @@ def test_output_length_equals_num_image_tokens(cfg, model, height: int, width: i
     out = _encode(model, [pixels])[0]
     assert out.shape == (num_image_tokens(cfg, height, width), cfg.text_hidden_size)
     assert torch.isfinite(out).all()
-
-
-def test_resize_keeps_aspect_and_caps_pixels(cfg: VisionConfig) -> None:
-    assert resized_size(cfg, 1, 1) == (28, 28)          # upscaled to one merged token
-    assert resized_size(cfg, 224, 224) == (224, 224)    # already valid: untouched
-    assert resized_size(cfg, 448, 448) == (224, 224)    # over the cap: halved
-    for height, width in [(448, 224), (3000, 4000), (1080, 1920), (700, 333)]:
-        h, w = resized_size(cfg, height, width)
-        assert h * w <= cfg.max_image_pixels and h * w > cfg.max_image_pixels / 2
-        assert abs((h / w) / (height / width) - 1) < 0.2, (height, width, h, w)  # 28-px cells
-    assert num_image_tokens(cfg, 1, 5000) == cfg.max_image_pixels // (28 * 28)
 
 
 def test_preprocess_same_for_pil_numpy_and_torch(cfg: VisionConfig) -> None:
@@ -290,42 +278,3 @@ def test_preprocess_errors(cfg: VisionConfig) -> None:
     with pytest.raises(ValueError, match="positive ints"):
         num_image_tokens(cfg, 10.5, 10)
     assert num_image_tokens(cfg, np.int64(300), np.int32(97)) == num_image_tokens(cfg, 300, 97)
-
-
-# ---- load_image ----------------------------------------------------------------------------------
-
-def _png(array: np.ndarray) -> bytes:
-    buffer = io.BytesIO()
-    Image.fromarray(array).save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
-def test_load_image_decodes_bytes_and_paths(tmp_path) -> None:
-    array = _pixels(20, 30, seed=8)
-    data = _png(array)
-    assert np.array_equal(np.asarray(load_image(data)), array)
-    path = tmp_path / "x.png"
-    path.write_bytes(data)
-    image = load_image(path)
-    assert image.mode == "RGB" and np.array_equal(np.asarray(image), array)
-    assert load_image(_png(array[:, :, 0])).mode == "RGB"   # grayscale file -> RGB
-
-
-def test_load_image_errors(tmp_path) -> None:
-    data = _png(_pixels(20, 30, seed=9))
-    with pytest.raises(ValueError, match="could not decode"):
-        load_image(b"definitely not an image")
-    with pytest.raises(ValueError, match="could not decode"):
-        load_image(data[: len(data) // 2])                  # truncated PNG
-    with pytest.raises(ValueError, match="empty"):
-        load_image(b"")
-    with pytest.raises(ValueError, match="byte limit"):
-        load_image(data, max_bytes=100)
-    big = tmp_path / "big.png"
-    big.write_bytes(data)
-    with pytest.raises(ValueError, match="byte limit"):
-        load_image(big, max_bytes=100)
-    with pytest.raises(ValueError, match="pixels, over"):
-        load_image(data, max_pixels=20 * 30 - 1)
-    with pytest.raises(TypeError, match="path or bytes"):
-        load_image(12345)
