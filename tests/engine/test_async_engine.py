@@ -10,7 +10,7 @@ from engine.checkpoint.create import create_checkpoint
 from engine.core.engine import EngineConfig, LLMEngine
 from shared.errors import EngineDead, InvalidRequest
 from shared.sampling_params import SamplingParams
-from tests.engine.test_engine import SETTINGS, assert_clean, make_llm, prompt_ids
+from tests.engine.core.helpers import SETTINGS, assert_clean, make_llm, prompt_ids
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 

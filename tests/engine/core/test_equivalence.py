@@ -1,51 +1,12 @@
-"""Engine runtime equivalences on the tiny preset (greedy, token-exact) and cache integrity after each."""
+"""Engine runtime equivalences on the tiny preset (greedy, token-exact) and cache integrity after each:
+batched == alone, chunked == whole, prefix hit == miss, preempted == not, export/import == one engine."""
 from __future__ import annotations
 
-from pathlib import Path
-
-import numpy as np
 import pytest
-from PIL import Image
 
-from engine import LLM, SamplingParams
-from engine.checkpoint.create import create_checkpoint
-from engine.core.engine import EngineConfig, LLMEngine
-from engine.core.inputs import EngineInput, ImageItem
-from shared.errors import InvalidRequest, InvalidTokenIds, PromptTooLong, RequestTooLarge
-
-GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-SETTINGS = dict(block_size=4, kda_chunk_size=8, max_num_seqs=8, max_num_batched_tokens=512,
-                cache_memory_bytes=4 << 20, snapshot_interval_blocks=2)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    return create_checkpoint("tiny", tmp_path_factory.mktemp("engine") / "tiny", seed=0, progress=False)
-
-
-def make_llm(tiny_dir, **overrides) -> LLM:
-    return LLM(str(tiny_dir), **{**SETTINGS, **overrides})
-
-
-def prompt_ids(n: int, seed: int) -> list[int]:
-    return np.random.default_rng(seed).integers(0, 1024, n).tolist()
-
-
-def image_input(llm: LLM, seed: int = 0) -> EngineInput:
-    pixels = np.random.default_rng(seed).integers(0, 255, (50, 70, 3), dtype=np.uint8)
-    return llm.render([{"role": "user", "content": [{"type": "image", "image": Image.fromarray(pixels)},
-                                                    {"type": "text", "text": "what is this?"}]}], thinking=False)
-
-
-def tokens(outputs) -> list[list[int]]:
-    return [o.output.token_ids for o in outputs]
-
-
-def assert_clean(llm: LLM) -> None:
-    llm.engine.check_integrity()
-    assert not llm.engine.requests and not llm.engine.held
-    assert llm.engine.cache.pool.num_free == llm.engine.cache.pool.usable_blocks
-    assert llm.engine.cache.slots.num_free_working == llm.engine.cache_config.num_working_slots
+from engine.core.inputs import EngineInput
+from shared.sampling_params import SamplingParams
+from tests.engine.core.helpers import GREEDY, assert_clean, image_input, make_llm, prompt_ids, tokens
 
 
 def test_batched_equals_each_alone_including_an_image(tiny_dir):
@@ -180,34 +141,6 @@ def test_export_then_import_into_another_engine_equals_one_engine(tiny_dir):
         assert_clean(decode)
 
 
-def test_held_state_lease_expires_and_abort_releases(tiny_dir):
-    llm = make_llm(tiny_dir, export_lease_s=30.0)
-    llm.engine.add_request("a", prompt_ids(10, 50), GREEDY, export_state=True)
-    llm.engine.add_request("b", prompt_ids(12, 51), GREEDY, export_state=True)
-    while llm.engine.has_unfinished():
-        llm.engine.step()
-    assert set(llm.engine.held) == {"a", "b"}
-    llm.engine.check_integrity()
-    assert llm.engine.expire_leases(now=0.0) == []
-    llm.engine.abort("a")
-    import time
-    assert llm.engine.expire_leases(now=time.monotonic() + 31) == ["b"]
-    assert_clean(llm)
-
-
-def test_imported_state_from_a_different_identity_is_refused(tiny_dir):
-    a, b = make_llm(tiny_dir), make_llm(tiny_dir, dtype="bfloat16")
-    a.engine.add_request("p", prompt_ids(9, 60), GREEDY, export_state=True)
-    while a.engine.has_unfinished():
-        a.engine.step()
-    state = a.engine.export_state("p")
-    a.engine.release_export("p")
-    with pytest.raises(ValueError, match="dtype 'float32' does not match this engine's 'bfloat16'"):
-        b.engine.add_request("d", state.prompt_token_ids, GREEDY, imported=state)
-    assert_clean(a)
-    assert_clean(b)
-
-
 def test_seeded_sampling_reproducible_independent_of_batch_and_differs_across_seeds(tiny_dir):
     llm = make_llm(tiny_dir)
     p = prompt_ids(8, 70)
@@ -257,28 +190,6 @@ def test_top_logprobs_reported(tiny_dir):
         assert [x[1] for x in top] == sorted((x[1] for x in top), reverse=True)
 
 
-@pytest.mark.parametrize("prompt, params, error", [
-    ([1] * 5000, GREEDY, PromptTooLong),
-    ([1, 2, 99999], GREEDY, InvalidTokenIds),
-    ([], GREEDY, InvalidRequest),
-    ([1, 2, 3], SamplingParams(temperature=-1.0), InvalidRequest),
-    ([1, 2, 3], SamplingParams(max_tokens=5000), InvalidRequest),
-])
-def test_bad_requests_raise_typed_errors_and_leave_nothing(tiny_dir, prompt, params, error):
-    llm = make_llm(tiny_dir)
-    with pytest.raises(error):
-        llm.engine.add_request(None, prompt, params)
-    assert_clean(llm)
-    assert tokens(llm.generate([prompt_ids(5, 1)], GREEDY))          # still serving
-
-
-def test_request_that_can_never_fit_is_refused(tiny_dir):
-    llm = make_llm(tiny_dir, max_num_seqs=1, num_snapshot_slots=0, cache_memory_bytes=12800 + 6 * 768)
-    with pytest.raises(RequestTooLarge, match="the cache holds at most 20 tokens"):
-        llm.engine.add_request(None, prompt_ids(10, 1), SamplingParams(max_tokens=20))
-    assert_clean(llm)
-
-
 def test_abort_mid_generation_frees_and_others_continue(tiny_dir):
     llm = make_llm(tiny_dir)
     keep, drop = prompt_ids(11, 100), prompt_ids(15, 101)
@@ -295,58 +206,6 @@ def test_abort_mid_generation_frees_and_others_continue(tiny_dir):
         final = [o for o in llm.engine.step() if o.finished] or final
     assert final[0].output.token_ids == expected
     assert_clean(llm)
-
-
-def test_capacity_is_reported_from_the_memory_budget(tiny_dir):
-    llm = make_llm(tiny_dir, max_num_seqs=2, num_snapshot_slots=2, cache_memory_bytes=4 * 12800 + 50 * 768)
-    assert llm.engine.capacity_tokens == 49 * 4
-
-
-def test_kv_events_replay_to_the_pool_contents(tiny_dir):
-    """Stored/removed events, replayed in order, give exactly the hashes the pool holds."""
-    from shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-    llm = make_llm(tiny_dir, max_num_seqs=2, num_snapshot_slots=2, cache_memory_bytes=4 * 12800 + 20 * 768)
-    held: set[int] = set()
-
-    def replay():
-        for event in llm.engine.cache.drain_events():
-            if isinstance(event, BlockStored):
-                assert event.block_size == 4 and len(event.token_ids) == 4 * len(event.block_hashes)
-                held.update(event.block_hashes)
-            elif isinstance(event, BlockRemoved):
-                held.difference_update(event.block_hashes)
-            elif isinstance(event, AllBlocksCleared):
-                held.clear()
-
-    for seed in range(6):                                   # enough to force evictions
-        llm.generate([prompt_ids(23, 200 + seed)], GREEDY)
-        replay()
-        assert held == set(llm.engine.cache.pool.hash_to_block)
-    assert llm.engine.cache.reset_prefix_cache()
-    replay()
-    assert held == set() == set(llm.engine.cache.pool.hash_to_block)
-
-
-def test_only_resumable_prefixes_are_published(tiny_dir):
-    """Pages past the last KDA snapshot, and imported prompts, are never announced as cached."""
-    llm = make_llm(tiny_dir, snapshot_interval_blocks=100)          # snapshots only at prompt ends
-    p = prompt_ids(23, 300)                                          # ends: blocks 5 (20 tokens)
-    llm.generate([p], GREEDY)
-    published = set(llm.engine.cache.pool.hash_to_block)
-    from shared.hashing import block_hashes
-    chain = block_hashes(p, 4, llm.engine.hash_root)
-    assert published == set(chain[:5])
-    llm.engine.add_request("p", prompt_ids(30, 301), GREEDY, export_state=True)
-    while llm.engine.has_unfinished():
-        llm.engine.step()
-    state = llm.engine.export_state("p")
-    llm.engine.release_export("p")
-    other = make_llm(tiny_dir)
-    other.engine.add_request("d", state.prompt_token_ids, GREEDY, imported=state)
-    while other.engine.has_unfinished():
-        other.engine.step()
-    assert not other.engine.cache.pool.hash_to_block and not other.engine.cache.drain_events()
-    assert_clean(other)
 
 
 def test_imported_request_streams_its_first_token(tiny_dir):
