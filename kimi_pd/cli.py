@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     upp.add_argument("--log-dir", default="logs")
     upp.set_defaults(func=_up)
 
-    from worker.cli import add_worker_args
+    from worker.flags import add_worker_args
     for role, help_text in (("prefill", "a prefill worker (computes prompts, hands state to decode workers)"),
                             ("decode", "a decode worker (pulls prefill state, generates, streams)"),
                             ("worker", "a colocated worker (prefill and decode in one engine)")):

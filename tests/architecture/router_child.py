@@ -1,4 +1,4 @@
-"""Run in a fresh interpreter by test_router_torch_free: a router over two stub workers (P and D, in
+"""Run in a fresh interpreter by test_router_torch_free: the `kimi-pd` parser, then a router over two stub workers (P and D, in
 this process, on free loopback ports) serves one P/D chat request and one decode-only completion, then
 reports which heavy modules got imported."""
 from __future__ import annotations
@@ -33,6 +33,8 @@ def serve_stub(role: str) -> tuple[str, uvicorn.Server]:
 
 
 def main(model_dir: str) -> None:
+    from kimi_pd.cli import build_parser                  # what `kimi-pd router` runs before the app
+    build_parser().parse_args(["router", "--model", model_dir, "--worker", "http://127.0.0.1:1"])
     (p_url, p), (d_url, d) = serve_stub("prefill"), serve_stub("decode")
     settings = RouterSettings(model=model_dir, static_prefill=(p_url,), static_decode=(d_url,),
                               disagg_threshold_tokens=1)
@@ -49,8 +51,9 @@ def main(model_dir: str) -> None:
             report["stream"] = [stream.status_code, stream.text.rstrip().endswith("data: [DONE]")]
     finally:
         p.should_exit = d.should_exit = True
-    report["heavy"] = sorted({m.split(".")[0] for m in sys.modules} & {"torch", "engine", "worker", "kv_transfer",
-                                                                        "prefill_worker", "decode_worker"})
+    heavy = {"torch", "engine", "kv_transfer", "prefill_worker", "decode_worker"}
+    report["heavy"] = sorted(m for m in sys.modules if m.split(".")[0] in heavy
+                             or (m.startswith("worker.") and m != "worker.flags"))   # flags: the parser only
     print(json.dumps(report))
 
 
