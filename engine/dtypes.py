@@ -1,7 +1,8 @@
-"""torch dtypes by their config / CLI names (`torch_dtype`, `--dtype`)."""
+"""torch dtypes by their config / CLI names (`torch_dtype`, `--dtype`); fp64 is for oracle runs only.
+
+Here, not in `shared.model_config`: only the engine ever turns a name into a torch dtype."""
 from __future__ import annotations
 
-# torch dtypes by their config / CLI names (`torch_dtype`, `--dtype`); fp64 is for oracle runs only.
 TORCH_DTYPE_NAMES = ("float32", "bfloat16", "float16", "float64")
 
 

@@ -1,4 +1,5 @@
-"""Typed engine errors, mapped once by the services to OpenAI-style responses.
+"""Typed request errors, raised by the engine and the prompt path, mapped once by the services
+(`shared.openai.errors`) to OpenAI-style responses.
 
 `InvalidRequest` and its subclasses are the client's fault (HTTP 400): each message says what is
 wrong and what is allowed, and `param` names the offending request field when there is one.

@@ -25,7 +25,7 @@ from engine.core.outputs import CompletionOutput, RequestOutput
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.core.state_export import ExportedState, StateIdentity
-from engine.detokenizer import IncrementalDetokenizer
+from shared.prompt.detokenizer import IncrementalDetokenizer
 from shared.errors import InvalidRequest, RequestTooLarge
 from engine.model.kda import KDAOptions
 from engine.model.kimi_k3 import ModelOptions

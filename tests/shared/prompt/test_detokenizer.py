@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from engine.detokenizer import DetokenizerStep, IncrementalDetokenizer, StopReason
+from shared.prompt.detokenizer import DetokenizerStep, IncrementalDetokenizer, StopReason
 from shared.sampling_params import SamplingParams
 from shared.prompt.tokenizer import KimiTokenizer
 
