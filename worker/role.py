@@ -16,6 +16,7 @@ from engine.core.outputs import RequestOutput
 from shared.kv_transfer_params import KVTransferParams, LegKind
 from shared.prompt.prepare import PreparedPrompt
 from shared.sampling_params import SamplingParams
+from worker.settings import TRANSFER_SECRET_ENV
 
 
 @dataclass
@@ -65,7 +66,6 @@ class Role:
 
     def validate(self, transfer_secret: bytes) -> None:
         if self.transfer_required and len(transfer_secret) < 16:
-            from worker.settings import TRANSFER_SECRET_ENV
             raise ValueError(f"a {self.name} worker needs a transfer secret of at least 16 bytes ({TRANSFER_SECRET_ENV})")
 
     def serves_transfers(self, transfer_secret: bytes) -> bool:
