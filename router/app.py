@@ -9,6 +9,7 @@ import asyncio
 import hmac
 import itertools
 import logging
+import secrets
 from contextlib import asynccontextmanager
 
 import httpx
@@ -23,6 +24,7 @@ from router.placement.pipeline import build_pipeline
 from router.registry import WorkerRegistry
 from router.settings import RouterSettings
 from router.upstream import UpstreamError
+from shared.openai.ids import header_request_id
 from shared.openai.errors import Unauthorized, ModelNotFound, OpenAIError, error_response
 from shared.openai.convert import to_sampling_params
 from shared.openai.requests import ChatCompletionRequest, CompletionRequest
@@ -35,6 +37,7 @@ from shared.store.factory import make_store
 
 log = logging.getLogger(__name__)
 _ids = itertools.count()
+_INSTANCE = secrets.token_hex(4)               # router replicas never mint the same internal id
 
 
 def create_app(settings: RouterSettings) -> FastAPI:
@@ -113,7 +116,10 @@ async def _serve(request: Request, endpoint: str, req, prepare) -> Response:
     _check_model(request, req.model)
     to_sampling_params(req)                      # reject bad parameters here, before any worker is busy
     prepared = await asyncio.to_thread(prepare)
-    trace = Trace(f"{endpoint}-{req.request_id or request.headers.get('x-request-id') or ''}-{next(_ids)}", endpoint)
+    client_id = req.request_id or header_request_id(request.headers.get("x-request-id"))
+    trace = Trace(f"{endpoint}-{_INSTANCE}-{next(_ids)}", endpoint, client_request_id=client_id)
+    if client_id:
+        log.debug("request %s is the client's %s", trace.request_id, client_id)
     outcome = "error"
     try:
         # until the response starts (a stream's first byte, or the whole answer), a client that leaves

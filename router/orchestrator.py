@@ -46,8 +46,9 @@ def trace_headers(trace: "Trace") -> dict[str, str]:
 
 @dataclass
 class Trace:
-    request_id: str
+    request_id: str                                  # the router's own id: what workers see (never the client's)
     endpoint: str
+    client_request_id: str | None = None             # the client's validated id, for logs only
     decision: str = "none"
     start: float = field(default_factory=time.perf_counter)
     prefill_worker: str | None = None
@@ -166,7 +167,7 @@ class Orchestrator:
             outcome = True
             return result
         except UpstreamError as err:
-            outcome = err.status < 500 and not err.retryable
+            outcome = err.health_outcome
             raise
         finally:
             self.registry.end(worker.worker_id, outcome)
@@ -218,8 +219,9 @@ class Orchestrator:
         try:
             resp = await self.client.send(request, stream=True)
         except httpx.HTTPError as exc:
-            self.registry.end(worker.worker_id, ok=False)
-            raise classify(exc, "decode") from exc
+            err = classify(exc, "decode")
+            self.registry.end(worker.worker_id, ok=err.health_outcome)
+            raise err from exc
         except BaseException:
             self.registry.end(worker.worker_id, ok=None)
             raise
@@ -248,8 +250,9 @@ class Orchestrator:
             body = parse_object(content, "decode")
             outcome = True
         except httpx.HTTPError as exc:
-            outcome = False
-            raise classify(exc, "decode") from exc
+            err = classify(exc, "decode")
+            outcome = err.health_outcome
+            raise err from exc
         except UpstreamError:
             outcome = False
             raise

@@ -15,15 +15,30 @@ import httpx
 log = logging.getLogger(__name__)
 
 class UpstreamError(Exception):
+    """A failed call to a worker. `worker_fault` says whether it is evidence against the worker's
+    health (the circuit breaker counts it); a request that could not even be sent is not."""
+
     def __init__(self, reason: str, message: str, status: int = 502, body: dict | None = None,
-                 retryable: bool = False) -> None:
+                 retryable: bool = False, worker_fault: bool | None = None) -> None:
         super().__init__(message)
         self.reason, self.message, self.status, self.body, self.retryable = reason, message, status, body, retryable
+        self.worker_fault = status >= 500 or retryable if worker_fault is None else worker_fault
+
+    @property
+    def health_outcome(self) -> bool | None:
+        """What the breaker records: False for the worker's fault, True for a 4xx it answered (it is
+        alive; the client was wrong), None when the call says nothing about the worker."""
+        if self.worker_fault:
+            return False
+        return True if self.status < 500 else None
 
 
 def classify(exc: Exception, leg: str) -> UpstreamError:
     """Client-facing messages name the leg, never internal addresses (those go to the log)."""
     log.warning("%s worker call failed: %s: %s", leg, type(exc).__name__, exc)
+    if isinstance(exc, (httpx.LocalProtocolError, httpx.UnsupportedProtocol, httpx.InvalidURL)):
+        # the request could not be built or sent: the router's problem, never the worker's
+        return UpstreamError("request", f"the {leg} request could not be sent", 500, worker_fault=False)
     if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
         return UpstreamError("connect", f"the {leg} worker could not be reached", 503, retryable=True)
     if isinstance(exc, httpx.TimeoutException):

@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from shared.http import bearer_token, install_error_handlers, read_json_body, until_disconnect
 from shared.kv_transfer_params import KVTransferParams
 from shared.openai.convert import to_sampling_params
+from shared.openai.ids import header_request_id
 from shared.openai.errors import Unauthorized, ModelNotFound, OpenAIError, error_from_exception
 from shared.openai.prompts import prepare_chat, prepare_completion
 from shared.openai.requests import ChatCompletionRequest, CompletionRequest
@@ -110,7 +111,7 @@ async def _completions(request: Request) -> Response:
 
 async def _serve(request: Request, rt: WorkerRuntime, endpoint: str, req, params, prepared,
                  stream_fn: Callable, whole_fn: Callable) -> Response:
-    result = LegResult(new_request_id(endpoint, req.request_id or request.headers.get("x-request-id")))
+    result = LegResult(new_request_id(endpoint, req.request_id or header_request_id(request.headers.get("x-request-id"))))
     ktp = KVTransferParams.parse(req.kv_transfer_params)
     outputs = run_leg(rt, prepared, params, ktp, result)
     streaming = req.stream and (ktp is None or ktp.leg != "prefill")

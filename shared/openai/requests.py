@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 
 from shared.openai.base import Bool, Float, Int, OpenAIModel, RequestModel, by_kind, invalid
+from shared.openai.ids import MAX_REQUEST_ID_CHARS, is_safe_request_id
 from shared.openai.messages import ChatMessage, Tool, ToolChoice
 
 Stop = by_kind("a string or a list of strings", str=str, list=list[str])
@@ -46,6 +47,13 @@ class SamplingRequest(RequestModel):
     include_stop_str_in_output: Bool = False
     kv_transfer_params: dict[str, Any] | None = None    # P/D protocol; forwarded untouched
     request_id: str | None = None
+
+    @field_validator("request_id")
+    @classmethod
+    def _safe_request_id(cls, value: str | None) -> str | None:
+        if value is not None and not is_safe_request_id(value):
+            raise invalid(f"must be 1..{MAX_REQUEST_ID_CHARS} printable ASCII characters without spaces or quotes")
+        return value
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> SamplingRequest:

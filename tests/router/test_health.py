@@ -124,3 +124,14 @@ def test_checks_and_outcomes_are_separate_signals():
     for _ in range(5):
         t.record_check("w", ok=False)
     assert t.circuit("w") is CLOSED and not t.is_healthy("w")
+
+
+def test_requests_that_cannot_be_sent_say_nothing_about_the_worker():
+    """A request the router could not even build (e.g. an illegal header) is not a worker failure."""
+    import httpx
+
+    from router.upstream import classify
+    local = classify(httpx.LocalProtocolError("illegal header value"), "decode")
+    assert local.health_outcome is None and local.status == 500
+    assert classify(httpx.ConnectError("refused"), "decode").health_outcome is False
+    assert classify(httpx.ReadTimeout("slow"), "decode").health_outcome is False
