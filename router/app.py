@@ -29,7 +29,7 @@ from shared.openai.errors import Unauthorized, ModelNotFound, OpenAIError, error
 from shared.openai.convert import to_sampling_params
 from shared.openai.requests import ChatCompletionRequest, CompletionRequest
 from shared.openai.responses import ModelCard, ModelList
-from shared.http import bearer_token, install_error_handlers, read_json_body, until_disconnect
+from shared.http import bearer_token, install_error_handlers, read_json_body, read_json_object, until_disconnect
 from shared.model_config import ModelConfig
 from shared.openai.prompts import prepare_chat, prepare_completion
 from shared.prompt.tokenizer import KimiTokenizer
@@ -68,7 +68,8 @@ def create_app(settings: RouterSettings) -> FastAPI:
         if store is not None:
             await store.close()
 
-    app = FastAPI(title="kimi-pd router", lifespan=lifespan)
+    # no /docs, /redoc, /openapi.json: the API is OpenAI's, and a gateway should not describe itself
+    app = FastAPI(title="kimi-pd router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     app.add_exception_handler(UpstreamError, _upstream_error)
     for path, fn, methods in (("/v1/models", _models, ["GET"]), ("/v1/chat/completions", _chat, ["POST"]),
@@ -131,16 +132,20 @@ async def _serve(request: Request, endpoint: str, req, prepare) -> Response:
         st.metrics.requests.labels(endpoint=endpoint, decision=trace.decision, outcome=outcome).inc()
 
 
+async def _json(request: Request):
+    return await read_json_body(request, request.app.state.settings.max_request_bytes)
+
+
 async def _chat(request: Request) -> Response:
     _check_client(request)
-    req = ChatCompletionRequest.model_validate(await read_json_body(request))
+    req = ChatCompletionRequest.model_validate(await _json(request))
     st = request.app.state
     return await _serve(request, "chat", req, lambda: prepare_chat(req, st.tokenizer, st.vision_config))
 
 
 async def _completions(request: Request) -> Response:
     _check_client(request)
-    req = CompletionRequest.model_validate(await read_json_body(request))
+    req = CompletionRequest.model_validate(await _json(request))
     return await _serve(request, "completions", req, lambda: prepare_completion(req, request.app.state.tokenizer))
 
 
@@ -178,7 +183,7 @@ async def _list_workers(request: Request) -> JSONResponse:
 async def _add_worker(request: Request) -> JSONResponse:
     """Add a static worker: {"url": ..., "role": "prefill"|"decode"|"both"}."""
     _check_admin(request)
-    body = await read_json_body(request)
+    body = await read_json_object(request, request.app.state.settings.max_request_bytes)
     url, role = body.get("url"), body.get("role")
     if not _valid_worker_url(url) or role not in ("prefill", "decode", "both"):
         raise OpenAIError("give url (http[s]://host:port) and role (prefill, decode or both)", status=400)

@@ -24,6 +24,7 @@ class RouterSettings:
     decode_timeout_s: float = 600.0               # whole decode leg
     idle_timeout_s: float = 60.0                  # longest gap between two streamed chunks
     max_attempts: int = 3                         # connect failures retried on a different worker
+    max_request_bytes: int = 4 << 20              # larger bodies get a 413 before any parsing or tokenising
     approximate_index_blocks: int = 65536
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     worker_api_key: str | None = field(default=None, repr=False)   # sent to workers that require a key

@@ -6,19 +6,28 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException
 
 from shared.errors import EngineError
-from shared.openai.errors import OpenAIError, error_from_exception
+from shared.openai.errors import BadRequest, OpenAIError, error_from_exception
 
 T = TypeVar("T")
 POLL_S = 0.25
 # Expected failures are handled as responses; anything else still gets the OpenAI 500 body (and a log).
+# HTTPException: Starlette's own 404/405 (unknown path, wrong method) get the OpenAI body too.
 HANDLED_ERRORS = (RequestValidationError, ValidationError, json.JSONDecodeError, OpenAIError, EngineError,
-                  ValueError, TimeoutError, Exception)
+                  HTTPException, ValueError, TimeoutError, Exception)
+MAX_JSON_DEPTH = 64               # no OpenAI request nests deeper; deeper ones could exhaust recursion later
+
+
+class BodyTooLarge(OpenAIError):
+    status = 413
+    code = "request_too_large"
 
 
 class ClientDisconnected(OpenAIError):
@@ -26,12 +35,55 @@ class ClientDisconnected(OpenAIError):
     code = "client_disconnected"
 
 
-async def read_json_body(request: Request) -> Any:
-    """The request's JSON body; malformed JSON or non-UTF-8 bytes raise JSONDecodeError (-> 400)."""
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The raw body, refused with a 413 as soon as it exceeds `max_bytes` (declared or streamed), so
+    an oversized upload is never buffered whole."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise BodyTooLarge(f"the request body is larger than {max_bytes} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise BodyTooLarge(f"the request body is larger than {max_bytes} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_json(body: bytes) -> Any:
+    """Strict JSON: UTF-8 only, no lone surrogates, no NaN/Infinity, numbers that fit a double, at most
+    MAX_JSON_DEPTH levels. Anything else is the client's 400, never a server error later on."""
     try:
-        return json.loads(await request.body())
-    except UnicodeDecodeError as exc:
-        raise json.JSONDecodeError("not UTF-8", "", 0) from exc
+        value = orjson.loads(body)
+    except (orjson.JSONDecodeError, RecursionError) as exc:
+        raise json.JSONDecodeError(str(exc) if isinstance(exc, orjson.JSONDecodeError) else "nested too deeply",
+                                   "", 0) from None
+    if _too_deep(value):
+        raise BadRequest(f"The request body nests more than {MAX_JSON_DEPTH} levels deep")
+    return value
+
+
+def _too_deep(value: Any) -> bool:
+    level = [value]
+    for _ in range(MAX_JSON_DEPTH + 1):
+        level = [child for item in level if isinstance(item, (dict, list))
+                 for child in (item.values() if isinstance(item, dict) else item)]
+        if not level:
+            return False
+    return True
+
+
+async def read_json_body(request: Request, max_bytes: int) -> Any:
+    """The request's JSON body (see `parse_json`); larger than `max_bytes`: 413."""
+    return parse_json(await read_body(request, max_bytes))
+
+
+async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
+    """A body that must be a JSON object (admin and internal endpoints)."""
+    body = await read_json_body(request, max_bytes)
+    if not isinstance(body, dict):
+        raise BadRequest("The request body must be a JSON object")
+    return body
 
 
 def bearer_token(request: Request) -> str:

@@ -17,7 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from shared.http import bearer_token, install_error_handlers, read_json_body, until_disconnect
+from shared.http import bearer_token, install_error_handlers, read_json_body, read_json_object, until_disconnect
 from shared.kv_transfer_params import KVTransferParams
 from shared.openai.convert import to_sampling_params
 from shared.openai.ids import header_request_id
@@ -41,7 +41,8 @@ def create_app(runtime: WorkerRuntime) -> FastAPI:
         yield
         await runtime.stop()
 
-    app = FastAPI(title=f"kimi-pd {runtime.role.name} worker", lifespan=lifespan)
+    app = FastAPI(title=f"kimi-pd {runtime.role.name} worker", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
     app.state.runtime = runtime
     install_error_handlers(app, _count_error)
     app.add_api_route("/v1/models", _models, methods=["GET"])
@@ -88,7 +89,7 @@ async def _models(request: Request) -> JSONResponse:
 async def _chat(request: Request) -> Response:
     _check_api_key(request)
     rt = _rt(request)
-    req = ChatCompletionRequest.model_validate(await read_json_body(request))
+    req = ChatCompletionRequest.model_validate(await read_json_body(request, rt.settings.max_request_bytes))
     model = _check_model(rt, req.model)
     params = to_sampling_params(req, vocab_size=rt.model_config.text_config.vocab_size)
     prepared = await asyncio.to_thread(prepare_chat, req, rt.tokenizer, rt.model_config.vision_config)
@@ -100,7 +101,7 @@ async def _chat(request: Request) -> Response:
 async def _completions(request: Request) -> Response:
     _check_api_key(request)
     rt = _rt(request)
-    req = CompletionRequest.model_validate(await read_json_body(request))
+    req = CompletionRequest.model_validate(await read_json_body(request, rt.settings.max_request_bytes))
     model = _check_model(rt, req.model)
     params = to_sampling_params(req, vocab_size=rt.model_config.text_config.vocab_size)
     prepared = prepare_completion(req, rt.tokenizer)
@@ -208,7 +209,7 @@ async def _release(request: Request) -> JSONResponse:
     """Router -> prefill worker: free a published state no decode worker will pull (client gone)."""
     _check_admin(request)
     rt = _rt(request)
-    request_id = (await read_json_body(request)).get("request_id")
+    request_id = (await read_json_object(request, _rt(request).settings.max_request_bytes)).get("request_id")
     freed = isinstance(request_id, str) and rt.release(request_id)
     return JSONResponse({"released": freed})
 

@@ -30,6 +30,7 @@ def settings_from_args(args: argparse.Namespace, model_dir: str) -> WorkerSettin
                           transfer_secret=secret.encode(), kv_lease_s=args.kv_lease_s,
                           kv_load_failure_policy=args.kv_load_failure_policy, store_url=args.redis_url,
                           namespace=args.namespace, heartbeat_s=args.heartbeat_s,
+                          max_request_bytes=args.max_request_bytes,
                           api_key=secret_from_env(API_KEY_ENV),
                           admin_token=secret_from_env(ADMIN_TOKEN_ENV) or None, **extra)
 

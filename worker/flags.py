@@ -46,4 +46,6 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default=None, help="state store (registration, load, KV events)")
     p.add_argument("--namespace", default="default")
     p.add_argument("--heartbeat-s", type=float, default=1.0)
+    p.add_argument("--max-request-bytes", type=parse_bytes, default="16MiB",
+                   help="largest request body; larger ones get a 413 before being parsed")
     p.add_argument("--log-level", default="info")

@@ -44,6 +44,7 @@ class WorkerSettings:
     namespace: str = "default"
     heartbeat_s: float = 1.0
     registration_ttl_s: float = 5.0
+    max_request_bytes: int = 16 << 20             # above the router's limit: what it forwards always fits
     api_key: str | None = field(default=None, repr=False)
     admin_token: str | None = field(default=None, repr=False)
 

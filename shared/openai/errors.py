@@ -10,6 +10,7 @@
 | ModelNotFound                                   | 404    | invalid_request_error | model_not_found            |
 | router NoWorkerAvailable (placement found none) | 503    | service_unavailable   | no_worker_available        |
 | EngineDead (detail only in the log)             | 503    | service_unavailable   | engine_dead                |
+| Starlette HTTPException (unknown path, method)  | 404/405| invalid_request_error | not_found / method_not_allowed |
 | TimeoutError                                    | 504    | timeout               | timeout                    |
 | anything else (details only in the log)         | 500    | server_error          | internal_error             |
 """
@@ -27,8 +28,9 @@ from shared.openai.base import OpenAIModel, error_location
 
 try:  # FastAPI wraps body validation errors in its own class, with a leading "body" location
     from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 except ImportError:  # pragma: no cover - fastapi is optional for library users
-    RequestValidationError = None
+    RequestValidationError = StarletteHTTPException = None
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +39,10 @@ _DEFAULTS: dict[int, tuple[str, str]] = {
     400: ("invalid_request_error", "invalid_request"),
     401: ("invalid_request_error", "invalid_api_key"),
     404: ("invalid_request_error", "not_found"),
+    405: ("invalid_request_error", "method_not_allowed"),
+    413: ("invalid_request_error", "request_too_large"),
+    422: ("invalid_request_error", "invalid_request"),
+    429: ("rate_limit_error", "rate_limit_exceeded"),
     500: ("server_error", "internal_error"),
     503: ("service_unavailable", "service_unavailable"),
     504: ("timeout", "timeout"),
@@ -107,6 +113,9 @@ def error_from_exception(exc: BaseException) -> tuple[int, ErrorResponse]:
     """The HTTP status and OpenAI error body for `exc`; unexpected errors are logged here."""
     if isinstance(exc, OpenAIError):
         return exc.status, exc.response()
+    if StarletteHTTPException is not None and isinstance(exc, StarletteHTTPException) and exc.status_code < 500:
+        message = {404: "Not found", 405: "Method not allowed"}.get(exc.status_code, str(exc.detail))
+        return exc.status_code, error_response(exc.status_code, message)
     if isinstance(exc, ValidationError) or (RequestValidationError and isinstance(exc, RequestValidationError)):
         message, param = validation_message(exc.errors())
         return 400, error_response(400, message, param=param)
