@@ -61,3 +61,69 @@ class Processes:
             except subprocess.TimeoutExpired:
                 child.signal_group(signal.SIGKILL)
                 child.popen.wait(5)
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Restart delays: `first_s`, doubling up to `max_s`; a child that ran `reset_after_s` without
+    dying starts again from `first_s` (a crash loop backs off, a rare crash restarts at once)."""
+
+    first_s: float = 0.5
+    max_s: float = 30.0
+    reset_after_s: float = 60.0
+
+    def delay(self, restarts_in_a_row: int) -> float:
+        return min(self.max_s, self.first_s * 2 ** max(0, restarts_in_a_row - 1))
+
+
+@dataclass
+class _Supervised:
+    name: str
+    cmd: list[str]
+    env: dict[str, str]
+    log: Path
+    child: Child
+    started_at: float
+    restarts_in_a_row: int = 0
+    restarts: int = 0
+    restart_at: float | None = None
+
+
+class Supervisor:
+    """Keeps every child of `kimi-pd up` running: a child that exits is started again (same command,
+    so the same port and worker id) after a backoff, and each exit and restart is reported through
+    `report` (stderr in `kimi-pd up`); the others keep serving meanwhile."""
+
+    def __init__(self, processes: Processes, backoff: Backoff = Backoff(), report=print,
+                 clock=time.monotonic) -> None:
+        self.processes, self.backoff, self.report, self._clock = processes, backoff, report, clock
+        self._children: dict[str, _Supervised] = {}
+
+    def spawn(self, name: str, cmd: list[str], env: dict[str, str], log: Path) -> Child:
+        child = self.processes.spawn(name, cmd, env, log)
+        self._children[name] = _Supervised(name, cmd, env, log, child, self._clock())
+        return child
+
+    def restarts(self, name: str) -> int:
+        return self._children[name].restarts
+
+    def poll(self) -> None:
+        """One supervision round: notice exits, schedule restarts, start those that are due."""
+        now = self._clock()
+        for s in self._children.values():
+            code = s.child.popen.poll()
+            if code is None or s.restart_at is not None and now < s.restart_at:
+                continue
+            if s.restart_at is None:                               # just noticed the exit
+                ran = now - s.started_at
+                s.restarts_in_a_row = 1 if ran >= self.backoff.reset_after_s else s.restarts_in_a_row + 1
+                delay = self.backoff.delay(s.restarts_in_a_row)
+                s.restart_at = now + delay
+                self.report(f"kimi-pd: {s.name} exited (code {code}) after {ran:.1f} s; "
+                            f"restarting in {delay:.1f} s (log: {s.log})")
+                continue
+            self.processes.children.remove(s.child)
+            s.child = self.processes.spawn(s.name, s.cmd, s.env, s.log)
+            s.started_at, s.restart_at = now, None
+            s.restarts += 1
+            self.report(f"kimi-pd: restarted {s.name} (pid {s.child.popen.pid}, restart {s.restarts})")

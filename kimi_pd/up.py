@@ -2,7 +2,9 @@
 
 Starts (unless given) an embedded Valkey store on loopback, then N prefill workers, M decode workers
 and the router as child processes sharing generated secrets, waits until the router is ready, prints
-the URL and a curl line, and on Ctrl-C / SIGTERM (or if any child dies) stops everything it started.
+the URL and a curl line, then supervises: a child that dies is restarted with backoff (and logged)
+while the rest keep serving, and an embedded store that dies is restarted (empty; workers register
+again with their next heartbeat). Ctrl-C / SIGTERM stops everything it started.
 """
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from pathlib import Path
 
 import httpx
 
-from kimi_pd.processes import Processes, free_port
+from shared.store.embedded import EmbeddedValkey, EmbeddedValkeyError
+from kimi_pd.processes import Processes, Supervisor, free_port
 
 READY_TIMEOUT_S = 180.0
 KIMI_PD = [sys.executable, "-m", "kimi_pd"]
@@ -45,6 +48,7 @@ def wait_ready(url: str, fleet: Processes, timeout_s: float) -> None:
 def up(model_dir: str, port: int, num_prefill: int, num_decode: int, redis_url: str | None, log_dir: Path,
        extra_worker_args: list[str]) -> int:
     fleet, store = Processes(), None
+    supervisor = Supervisor(fleet, report=lambda line: print(line, file=sys.stderr, flush=True))
     stopping = {"flag": False}
 
     def on_signal(signum, frame):
@@ -55,7 +59,6 @@ def up(model_dir: str, port: int, num_prefill: int, num_decode: int, redis_url: 
     log_dir.mkdir(parents=True, exist_ok=True)
     try:
         if redis_url is None:
-            from shared.store.embedded import EmbeddedValkey
             store = EmbeddedValkey()
             store.start()
             redis_url = store.url
@@ -65,9 +68,9 @@ def up(model_dir: str, port: int, num_prefill: int, num_decode: int, redis_url: 
         for role, count in (("prefill", num_prefill), ("decode", num_decode)):
             for i in range(count):
                 name = f"{role}-{i}"
-                fleet.spawn(name, [*KIMI_PD, role, *common, "--port", str(free_port()), "--worker-id", name],
+                supervisor.spawn(name, [*KIMI_PD, role, *common, "--port", str(free_port()), "--worker-id", name],
                             env, log_dir / f"{name}.log")
-        fleet.spawn("router", [*KIMI_PD, "router", "--model", model_dir, "--redis-url", redis_url, "--port", str(port)],
+        supervisor.spawn("router", [*KIMI_PD, "router", "--model", model_dir, "--redis-url", redis_url, "--port", str(port)],
                     env, log_dir / "router.log")
         url = f"http://127.0.0.1:{port}"
         wait_ready(url, fleet, READY_TIMEOUT_S)
@@ -78,10 +81,15 @@ def up(model_dir: str, port: int, num_prefill: int, num_decode: int, redis_url: 
               """-d '{"model": "kimi-k3", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16}'""",
               flush=True)
         while not stopping["flag"]:
-            if fleet.dead():
-                print(f"kimi-pd: stopping, a process exited: {', '.join(fleet.dead())}", file=sys.stderr)
-                return 1
-            time.sleep(0.5)
+            supervisor.poll()
+            if store is not None and not store.running:
+                print("kimi-pd: the embedded store exited; restarting it (empty, workers register again)",
+                      file=sys.stderr, flush=True)
+                try:
+                    store.restart()
+                except EmbeddedValkeyError as exc:             # e.g. its port still taken: next round
+                    print(f"kimi-pd: store restart failed, retrying: {exc}", file=sys.stderr, flush=True)
+            time.sleep(0.2)
         return 0
     finally:
         fleet.stop()
