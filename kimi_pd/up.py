@@ -59,18 +59,19 @@ def up(model_dir: str, port: int, num_prefill: int, num_decode: int, redis_url: 
     log_dir.mkdir(parents=True, exist_ok=True)
     try:
         if redis_url is None:
-            store = EmbeddedValkey()
+            store = EmbeddedValkey(password=secrets.token_hex(24))   # nobody else on the host can register
             store.start()
             redis_url = store.url
         env = {**os.environ, "KIMI_PD_TRANSFER_SECRET": os.environ.get("KIMI_PD_TRANSFER_SECRET") or secrets.token_hex(24),
-               "KIMI_PD_ADMIN_TOKEN": os.environ.get("KIMI_PD_ADMIN_TOKEN") or secrets.token_hex(16)}
-        common = ["--model", model_dir, "--redis-url", redis_url, *extra_worker_args]
+               "KIMI_PD_ADMIN_TOKEN": os.environ.get("KIMI_PD_ADMIN_TOKEN") or secrets.token_hex(16),
+               "KIMI_PD_REDIS_URL": redis_url}             # through the environment: no password in `ps`
+        common = ["--model", model_dir, *extra_worker_args]
         for role, count in (("prefill", num_prefill), ("decode", num_decode)):
             for i in range(count):
                 name = f"{role}-{i}"
                 supervisor.spawn(name, [*KIMI_PD, role, *common, "--port", str(free_port()), "--worker-id", name],
                             env, log_dir / f"{name}.log")
-        supervisor.spawn("router", [*KIMI_PD, "router", "--model", model_dir, "--redis-url", redis_url, "--port", str(port)],
+        supervisor.spawn("router", [*KIMI_PD, "router", "--model", model_dir, "--port", str(port)],
                     env, log_dir / "router.log")
         url = f"http://127.0.0.1:{port}"
         wait_ready(url, fleet, READY_TIMEOUT_S)

@@ -338,6 +338,7 @@ class Orchestrator:
 
     def _headers(self, trace: Trace) -> dict[str, str]:
         headers = {"x-request-id": trace.request_id}
-        if self.s.worker_api_key:
-            headers["authorization"] = f"Bearer {self.s.worker_api_key}"
+        token = self.s.worker_api_key or (self.admin_token if self.s.api_keys else None)
+        if token:                       # with client keys on, workers only serve authenticated callers
+            headers["authorization"] = f"Bearer {token}"
         return headers

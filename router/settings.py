@@ -34,5 +34,8 @@ class RouterSettings:
     def validate(self) -> None:
         if not (self.static_prefill or self.static_decode or self.static_both or self.store_url):
             raise ValueError("give workers (--prefill/--decode/--worker URLs) or a state store (--redis-url)")
+        if self.api_keys and not (self.admin_token or self.worker_api_key):
+            raise ValueError("client API keys are on, so calls to workers must be authenticated too: set "
+                             "KIMI_PD_ADMIN_TOKEN (or KIMI_PD_WORKER_API_KEY)")
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")

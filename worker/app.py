@@ -66,10 +66,13 @@ def _rt(request: Request) -> WorkerRuntime:
 
 
 def _check_api_key(request: Request) -> None:
-    key = _rt(request).settings.api_key
-    if key is None:
+    """The worker's API key, or the internal token routers send; needed when either is configured."""
+    s = _rt(request).settings
+    if s.api_key is None and not s.internal_auth:
         return
-    if not hmac.compare_digest(bearer_token(request).encode(), key.encode()):
+    given = bearer_token(request).encode()
+    accepted = [k for k in (s.api_key, s.admin_token if s.internal_auth else None) if k]
+    if not any(hmac.compare_digest(given, k.encode()) for k in accepted):
         raise Unauthorized("Incorrect API key provided.", code="invalid_api_key")
 
 

@@ -9,7 +9,8 @@ import uvicorn
 from engine.core.engine import EngineConfig
 from worker.flags import add_worker_args
 from worker.role import Role
-from worker.settings import ADMIN_TOKEN_ENV, API_KEY_ENV, TRANSFER_SECRET_ENV, WorkerSettings, secret_from_env
+from worker.settings import (ADMIN_TOKEN_ENV, API_KEY_ENV, TRANSFER_SECRET_ENV, WorkerSettings,
+                             internal_auth_default, secret_from_env)
 
 def settings_from_args(args: argparse.Namespace, model_dir: str) -> WorkerSettings:
     if args.speculative_config:
@@ -31,6 +32,7 @@ def settings_from_args(args: argparse.Namespace, model_dir: str) -> WorkerSettin
                           kv_load_failure_policy=args.kv_load_failure_policy, store_url=args.redis_url,
                           namespace=args.namespace, heartbeat_s=args.heartbeat_s,
                           max_request_bytes=args.max_request_bytes,
+                          internal_auth=internal_auth_default() if args.internal_auth is None else args.internal_auth,
                           api_key=secret_from_env(API_KEY_ENV),
                           admin_token=secret_from_env(ADMIN_TOKEN_ENV) or None, **extra)
 

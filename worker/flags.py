@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 
 _UNITS = {"": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
@@ -43,7 +44,11 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-streams", type=int, default=4)
     p.add_argument("--kv-lease-s", type=float, default=30.0)
     p.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"])
-    p.add_argument("--redis-url", default=None, help="state store (registration, load, KV events)")
+    p.add_argument("--redis-url", default=os.environ.get("KIMI_PD_REDIS_URL") or None,
+                   help="state store (registration, load, KV events; default $KIMI_PD_REDIS_URL)")
+    p.add_argument("--internal-auth", action=argparse.BooleanOptionalAction, default=None,
+                   help="OpenAI endpoints need the internal token (KIMI_PD_ADMIN_TOKEN) or the API key; "
+                        "default: on when the fleet has client keys ($KIMI_PD_API_KEYS) or $KIMI_PD_INTERNAL_AUTH=1")
     p.add_argument("--namespace", default="default")
     p.add_argument("--heartbeat-s", type=float, default=1.0)
     p.add_argument("--max-request-bytes", type=parse_bytes, default="16MiB",

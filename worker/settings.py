@@ -16,6 +16,14 @@ from engine.core.engine import EngineConfig
 TRANSFER_SECRET_ENV = "KIMI_PD_TRANSFER_SECRET"
 ADMIN_TOKEN_ENV = "KIMI_PD_ADMIN_TOKEN"
 API_KEY_ENV = "KIMI_PD_API_KEY"
+CLIENT_KEYS_ENV = "KIMI_PD_API_KEYS"          # the router's client keys: when set, workers need internal auth
+INTERNAL_AUTH_ENV = "KIMI_PD_INTERNAL_AUTH"
+
+
+def internal_auth_default() -> bool:
+    """On when the fleet has client keys or it is asked for: a client must not go around the router."""
+    return bool(os.environ.get(CLIENT_KEYS_ENV, "").strip()) or \
+        os.environ.get(INTERNAL_AUTH_ENV, "").lower() in ("1", "true", "yes")
 
 
 def secret_from_env(name: str, required: bool = False) -> str | None:
@@ -45,6 +53,7 @@ class WorkerSettings:
     heartbeat_s: float = 1.0
     registration_ttl_s: float = 5.0
     max_request_bytes: int = 16 << 20             # above the router's limit: what it forwards always fits
+    internal_auth: bool = False                   # OpenAI endpoints need the internal token (or api_key)
     api_key: str | None = field(default=None, repr=False)
     admin_token: str | None = field(default=None, repr=False)
 
@@ -53,6 +62,9 @@ class WorkerSettings:
         return self.advertise_url or f"http://{self.host}:{self.port}"
 
     def validate(self) -> None:
+        if self.internal_auth and not self.admin_token:
+            raise ValueError(f"internal auth is on (the fleet has client keys): set {ADMIN_TOKEN_ENV}, the token "
+                             "routers authenticate with")
         if self.kv_load_failure_policy not in ("recompute", "fail"):
             raise ValueError("kv_load_failure_policy must be recompute or fail")
         self.engine.validate()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -112,7 +113,11 @@ class EmbeddedValkey:
     """A Valkey server child on 127.0.0.1:`port` (free port if None) or on `unix_socket`."""
 
     def __init__(self, port: int | None = None, unix_socket: str | Path | None = None,
-                 binary: str | Path | None = None, startup_timeout_s: float = 10.0) -> None:
+                 binary: str | Path | None = None, startup_timeout_s: float = 10.0,
+                 password: str | None = None) -> None:
+        if password is not None and not re.fullmatch(r"[A-Za-z0-9_\-]{16,256}", password):
+            raise EmbeddedValkeyError("the store password must be 16..256 characters of [A-Za-z0-9_-]")
+        self._password = password
         self._binary = find_server_binary(binary)
         self._unix_socket = str(unix_socket) if unix_socket is not None else None
         self._port = 0 if unix_socket is not None else port
@@ -124,8 +129,9 @@ class EmbeddedValkey:
     @property
     def url(self) -> str:
         if self._unix_socket is not None:
-            return f"unix://{self._unix_socket}"
-        return f"redis://127.0.0.1:{self.port}"
+            return f"unix://{self._unix_socket}" + (f"?password={self._password}" if self._password else "")
+        auth = f":{self._password}@" if self._password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}"
 
     @property
     def port(self) -> int:
@@ -199,6 +205,16 @@ class EmbeddedValkey:
             argv += ["--unixsocket", self._unix_socket, "--unixsocketperm", "700"]
         return argv
 
+    def _config_file(self, data_dir: str) -> list[str]:
+        """The password goes in a private config file, never in argv (visible to every local user)."""
+        if not self._password:
+            return []
+        path = os.path.join(data_dir, "auth.conf")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f'requirepass "{self._password}"\n')
+        return [path]
+
     def _spawn(self) -> None:
         if self._proc.data_dir is None:
             self._proc.data_dir = tempfile.mkdtemp(prefix="kimipd-valkey-")
@@ -207,7 +223,8 @@ class EmbeddedValkey:
             os.unlink(self._unix_socket)              # stale socket of a previous run
         with open(os.path.join(data_dir, "valkey.log"), "ab") as log_file:
             self._proc.popen = subprocess.Popen(
-                self._argv(data_dir), cwd=data_dir, stdin=subprocess.DEVNULL, stdout=log_file,
+                [str(self._binary), *self._config_file(data_dir), *self._argv(data_dir)[1:]], cwd=data_dir,
+ stdin=subprocess.DEVNULL, stdout=log_file,
                 stderr=subprocess.STDOUT, preexec_fn=_die_with_parent_hook())
 
     def _wait_ready(self) -> None:
@@ -229,7 +246,8 @@ class EmbeddedValkey:
                 sock.settimeout(0.5)
                 sock.connect(address)
                 sock.sendall(b"*1\r\n$4\r\nPING\r\n")
-                return sock.recv(16).startswith(b"+PONG")
+                reply = sock.recv(64)
+                return reply.startswith(b"+PONG") or reply.startswith(b"-NOAUTH")   # up, and asking for auth
         except OSError:
             return False
 

@@ -56,6 +56,7 @@ class InMemoryStore:
 
     async def register(self, info: WorkerInfo, ttl_s: float) -> None:
         check_ttl(ttl_s)
+        info.validate()                                # what routers will accept, checked at the source
         now = self._clock()
         self._workers[info.worker_id] = _Worker(info, LoadReport(), now, now + ttl_s)
 

@@ -135,6 +135,7 @@ class RedisStore:
 
     async def register(self, info: WorkerInfo, ttl_s: float) -> None:
         check_ttl(ttl_s)
+        info.validate()                                # what routers will accept, checked at the source
         now, wid, ms = time.time(), info.worker_id, _ms(ttl_s)
 
         async def op() -> None:
@@ -213,9 +214,12 @@ class RedisStore:
         for info_raw, load_raw in zip(values[:len(ids)], values[len(ids):], strict=True):
             if info_raw is None:                   # expired or deregistered: the key is the truth
                 continue
-            load = _unpack(load_raw) if load_raw is not None else {"load": {}, "last_seen": 0.0}
-            records.append(WorkerRecord(WorkerInfo.from_dict(_unpack(info_raw)),
-                                        LoadReport.from_dict(load["load"]), float(load["last_seen"])))
+            try:                                   # one bad record (not written by a worker) is skipped, not fatal
+                load = _unpack(load_raw) if load_raw is not None else {"load": {}, "last_seen": 0.0}
+                records.append(WorkerRecord(WorkerInfo.from_dict(_unpack(info_raw)),
+                                            LoadReport.from_dict(load["load"]), float(load["last_seen"])))
+            except (ValueError, KeyError, TypeError) as exc:
+                log.warning("state store: skipped a malformed worker record (%s: %s)", type(exc).__name__, exc)
         return records
 
     async def _run(self, op: str, call: Callable[[], Awaitable[T]]) -> T:
