@@ -29,7 +29,7 @@ from shared.openai.errors import Unauthorized, ModelNotFound, OpenAIError, error
 from shared.openai.convert import to_sampling_params
 from shared.openai.requests import ChatCompletionRequest, CompletionRequest
 from shared.openai.responses import ModelCard, ModelList
-from shared.http import bearer_token, install_error_handlers, read_json_body, read_json_object, until_disconnect
+from shared.http import ClientDisconnected, bearer_token, install_error_handlers, read_json_body, read_json_object, until_disconnect
 from shared.model_config import ModelConfig
 from shared.openai.prompts import prepare_chat, prepare_completion
 from shared.prompt.tokenizer import KimiTokenizer
@@ -128,8 +128,12 @@ async def _serve(request: Request, endpoint: str, req, prepare) -> Response:
         response = await until_disconnect(request, st.orchestrator.handle(trace, req, prepared))
         outcome = "ok"
         return response
+    except ClientDisconnected:
+        outcome = "cancelled"
+        raise
     finally:
-        st.metrics.requests.labels(endpoint=endpoint, decision=trace.decision, outcome=outcome).inc()
+        if trace.outcome is None:            # a stream's relay records its own outcome when it ends
+            st.metrics.requests.labels(endpoint=endpoint, decision=trace.decision, outcome=outcome).inc()
 
 
 async def _json(request: Request):

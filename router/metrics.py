@@ -1,6 +1,7 @@
 """Router Prometheus metrics, one registry per app. All names are prefixed `kimi_pd_router_`.
 
-  requests_total{endpoint, decision, outcome}   decision: prefill-decode | decode-only | none
+  requests_total{endpoint, decision, outcome}   decision: prefill-decode | decode-only | none;
+                                                 outcome: ok | error | cancelled (the client left)
   decisions_total{decision}                      placement decisions
   leg_failures_total{leg, reason}                leg: prefill | decode; reason: connect, timeout, http_5xx, ...
   retries_total{leg}                             a connect failure retried on another worker
@@ -9,6 +10,7 @@
   decode_queue_seconds                           decode worker: arrival -> first scheduled
   ttft_seconds, tpot_seconds, e2e_seconds        client-visible latencies
   stream_errors_total                            streams ended with an SSE error event
+  migrations_total{outcome}                      decode legs moved to another decode worker (ok | failed)
   prefill_releases_total{outcome}                prefill states released by the router (client gone)
   workers{role, healthy}                         fleet size as this replica sees it
   store_up                                       1 if the state store answered the last refresh
@@ -39,6 +41,9 @@ class RouterMetrics:
         self.ttft = Histogram(p + "ttft_seconds", "Time to first token", buckets=_BUCKETS, registry=r)
         self.tpot = Histogram(p + "tpot_seconds", "Time per output chunk after the first", buckets=_BUCKETS, registry=r)
         self.e2e = Histogram(p + "e2e_seconds", "Whole request", buckets=_BUCKETS, registry=r)
+        self.migrations = Counter(p + "migrations_total", "Decode legs moved to another decode worker after "
+                                  "theirs failed (streams resumed from the delivered tokens; whole answers retried)",
+                                  ["outcome"], registry=r)
         self.stream_errors = Counter(p + "stream_errors_total", "Streams ended with an SSE error event", registry=r)
         self.prefill_releases = Counter(p + "prefill_releases_total", "Prefill states released by the router",
                                         ["outcome"], registry=r)

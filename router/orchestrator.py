@@ -24,10 +24,11 @@ from router.placement.pipeline import NoWorkerAvailable, Pipeline, decide_disagg
 from router.placement.types import RoutingContext, WorkerState
 from router.registry import WorkerRegistry
 from router.settings import RouterSettings
+from router.migration import RelayedStream, continuation_body
 from router.upstream import UpstreamError, classify, error_body, parse_object, post_json
 from shared.kv_transfer_params import KVTransferParams
 from shared.openai.legs import decode_body, prefill_body, wire_body
-from shared.openai.sse import SSE_DONE, SSEParser, sse_error
+from shared.openai.sse import SSE_DONE, sse_error
 from shared.prompt.prepare import PreparedPrompt
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class Trace:
     cached_tokens: int | None = None
     kv_transfer_params: KVTransferParams | None = None
     decode_connected: bool = False
+    outcome: str | None = None                       # a stream's outcome, set when its relay ends
 
 
 class Orchestrator:
@@ -175,20 +177,51 @@ class Orchestrator:
     # ---- decode leg ---------------------------------------------------------------------------
     def _decode_body(self, trace: Trace, req) -> dict:
         if trace.kv_transfer_params is not None:
-            return decode_body(req, trace.kv_transfer_params)
-        body = wire_body(req)
-        body.pop("kv_transfer_params", None)            # clients never steer transfers (SSRF, lease tampering)
+            body = decode_body(req, trace.kv_transfer_params)
+        else:
+            body = wire_body(req)
+            body.pop("kv_transfer_params", None)        # clients never steer transfers (SSRF, lease tampering)
+        body.pop("kimi_pd_resume", None)                # nor migrations
+        if req.stream:
+            body["return_token_ids"] = True             # what a migration resumes from (stripped for the client)
         return body
 
     async def _decode_leg(self, trace: Trace, req, decode: WorkerState, ctx: RoutingContext,
                           states: list[WorkerState]) -> Response:
         body = self._decode_body(trace, req)
         tried: set[str] = set()
-        worker = decode
+        worker, resp = await self._open_with_retries(trace, body, req.stream, decode, ctx, states, tried)
+        trace.decode_worker = worker.worker_id
+        if req.stream:
+            trace.outcome = "cancelled"                  # until the relay says otherwise; it records the request
+            relay = self._relay(trace, req, body, worker, resp, ctx, states, tried)
+            return StreamingResponse(relay, media_type="text/event-stream", headers=trace_headers(trace))
+        for attempt in range(self.s.max_attempts):
+            try:
+                return await self._whole(trace, worker, resp)
+            except UpstreamError as err:
+                # nothing reached the client yet: a worker that died answering costs a retry, not the answer
+                self.metrics.leg_failures.labels(leg="decode", reason=err.reason).inc()
+                if err.status < 500 or attempt + 1 >= self.s.max_attempts:
+                    raise
+                try:
+                    retry = {k: v for k, v in body.items() if k != "kv_transfer_params"}   # decode-only
+                    worker, resp = await self._open_with_retries(trace, retry, False, self._pick(ctx, states, tried),
+                                                                 ctx, states, tried)
+                except (UpstreamError, NoWorkerAvailable):
+                    self.metrics.migrations.labels(outcome="failed").inc()
+                    raise err from None
+                self.metrics.migrations.labels(outcome="ok").inc()
+                trace.decode_worker = worker.worker_id
+        raise AssertionError("unreachable")
+
+    async def _open_with_retries(self, trace: Trace, body: dict, stream: bool, worker: WorkerState,
+                                 ctx: RoutingContext, states: list[WorkerState], tried: set[str]):
+        """Open a decode leg; workers that cannot be reached are replaced by others (`tried` grows)."""
         for attempt in range(self.s.max_attempts):
             tried.add(worker.worker_id)
             try:
-                resp = await self._open(worker, trace, body, req.stream)
+                resp = await self._open(worker, trace, body, stream)
                 break
             except UpstreamError as err:
                 self.metrics.leg_failures.labels(leg="decode", reason=err.reason).inc()
@@ -199,11 +232,7 @@ class Orchestrator:
                 except NoWorkerAvailable:
                     raise err from None                  # nobody else: report the real failure
                 self.metrics.retries.labels(leg="decode").inc()
-        trace.decode_worker = worker.worker_id
-        if req.stream:
-            return StreamingResponse(self._relay(trace, worker, resp), media_type="text/event-stream",
-                                     headers=trace_headers(trace))
-        return await self._whole(trace, worker, resp)
+        return worker, resp
 
     async def _open(self, worker: WorkerState, trace: Trace, body: dict, stream: bool) -> httpx.Response:
         """Send the decode leg; returns an open response with a 2xx status (its `begin` still open).
@@ -267,13 +296,68 @@ class Orchestrator:
         self.metrics.e2e.observe(elapsed)
         return JSONResponse(body, headers=trace_headers(trace))
 
-    async def _relay(self, trace: Trace, worker: WorkerState, resp: httpx.Response) -> AsyncIterator[bytes]:
-        """Pass chunks through as they arrive; a cut or silent upstream becomes an SSE error event.
+    async def _relay(self, trace: Trace, req, body: dict, worker: WorkerState, resp: httpx.Response,
+                     ctx: RoutingContext, states: list[WorkerState], tried: set[str]) -> AsyncIterator[bytes]:
+        """Relay the stream; if its decode worker fails mid-stream, migrate it to another decode worker
+        (router/migration.py) and keep relaying, so the client sees one unbroken stream. Only when no
+        worker can continue does it end with an SSE error event, then [DONE].
 
-        Health outcome: success only with [DONE]; an upstream failure is a failure; a client that
-        leaves early is neither (it says nothing about the worker).
+        Health outcome per worker: success only with [DONE]; an upstream failure is a failure; a
+        client that leaves is neither. `trace.outcome`: ok, error, or cancelled (the client left).
         """
-        parser, saw_done, outcome, first_at, last_at = SSEParser(), False, None, None, None
+        stream = RelayedStream(keep_token_ids=req.return_token_ids)
+        adopted = trace.kv_transfer_params is not None      # a P/D leg's first token came from the prefill worker
+        trace.outcome = "cancelled"
+        try:
+            while True:
+                try:
+                    async for piece in self._pump(trace, worker, resp, stream):
+                        yield piece
+                    trace.outcome = "error" if stream.errors else "ok"
+                    return
+                except UpstreamError as err:
+                    log.warning("decode stream %s failed mid-stream on %s (%s): %s", trace.request_id,
+                                worker.worker_id, err.reason, err)
+                    self.metrics.leg_failures.labels(leg="decode", reason=err.reason).inc()
+                    moved = None if stream.finished else await self._migrate(trace, body, stream, adopted, ctx,
+                                                                             states, tried)
+                    if moved is None:
+                        if stream.finished:                 # every token was delivered; only the tail was lost
+                            trace.outcome = "ok"
+                            yield SSE_DONE
+                            return
+                        trace.outcome = "error"
+                        self.metrics.stream_errors.inc()
+                        yield sse_error(502, f"the decode worker failed mid-stream: {err.reason}", "upstream_error",
+                                        "decode_failed")
+                        yield SSE_DONE
+                        return
+                    worker, resp = moved
+        finally:
+            self.metrics.e2e.observe(time.perf_counter() - trace.start)
+            self.metrics.requests.labels(endpoint=trace.endpoint, decision=trace.decision, outcome=trace.outcome).inc()
+
+    async def _migrate(self, trace: Trace, body: dict, stream: RelayedStream, adopted: bool, ctx: RoutingContext,
+                       states: list[WorkerState], tried: set[str]):
+        """Open the continuation on another decode worker: (worker, response), or None if none can."""
+        continuation = continuation_body(body, stream, adopted)
+        try:
+            worker, resp = await self._open_with_retries(trace, continuation, True, self._pick(ctx, states, tried),
+                                                         ctx, states, tried)
+        except (UpstreamError, NoWorkerAvailable) as exc:
+            log.warning("stream %s could not be migrated: %s", trace.request_id, exc)
+            self.metrics.migrations.labels(outcome="failed").inc()
+            return None
+        log.info("stream %s migrated to %s after %d tokens", trace.request_id, worker.worker_id, len(stream.token_ids))
+        self.metrics.migrations.labels(outcome="ok").inc()
+        stream.restart()
+        return worker, resp
+
+    async def _pump(self, trace: Trace, worker: WorkerState, resp: httpx.Response,
+                    stream: RelayedStream) -> AsyncIterator[bytes]:
+        """Relay one upstream until [DONE]; a cut, silent or truncated upstream raises UpstreamError.
+        Always closes the response and ends the worker's `begin`."""
+        outcome, last_at = None, None
         try:
             iterator = resp.aiter_raw().__aiter__()
             while True:
@@ -282,33 +366,32 @@ class Orchestrator:
                 except StopAsyncIteration:
                     break
                 now = time.perf_counter()
-                first_at = first_at or now
-                if last_at is not None:
+                if last_at is None and not stream.token_ids and not stream.continuation:
+                    self.metrics.ttft.observe(now - trace.start)
+                elif last_at is not None:
                     self.metrics.tpot.observe(now - last_at)
                 last_at = now
-                events = parser.feed(chunk)
-                saw_done = saw_done or any(e.is_done for e in events)
-                if any(e.is_error for e in events):
-                    self.metrics.stream_errors.inc()
-                yield chunk
-            if not saw_done:
+                errors = stream.errors
+                out = stream.feed(chunk)
+                if stream.errors > errors:
+                    self.metrics.stream_errors.inc(stream.errors - errors)
+                if out:
+                    yield out
+                if stream.done:
+                    break
+            if not stream.done:
                 raise UpstreamError("truncated", "the decode worker ended the stream early", 502)
             outcome = True
-        except (httpx.HTTPError, asyncio.TimeoutError, UpstreamError) as exc:
+        except (httpx.HTTPError, asyncio.TimeoutError) as exc:
             outcome = False
-            reason = exc.reason if isinstance(exc, UpstreamError) else (
-                "timeout" if isinstance(exc, (asyncio.TimeoutError, httpx.TimeoutException)) else "transport")
-            log.warning("decode stream %s failed mid-stream (%s): %s", trace.request_id, reason, exc)
-            self.metrics.leg_failures.labels(leg="decode", reason=reason).inc()
-            self.metrics.stream_errors.inc()
-            yield sse_error(502, f"the decode worker failed mid-stream: {reason}", "upstream_error", "decode_failed")
-            yield SSE_DONE
+            reason = "timeout" if isinstance(exc, (asyncio.TimeoutError, httpx.TimeoutException)) else "transport"
+            raise UpstreamError(reason, str(exc) or type(exc).__name__, 502) from exc
+        except UpstreamError:
+            outcome = False
+            raise
         finally:
             await resp.aclose()                       # client gone or done: D sees the disconnect and aborts
             self.registry.end(worker.worker_id, outcome)
-            if first_at is not None:
-                self.metrics.ttft.observe(first_at - trace.start)
-            self.metrics.e2e.observe(time.perf_counter() - trace.start)
 
     # ---- helpers --------------------------------------------------------------------------------
     async def release_prefill(self, trace: Trace) -> None:

@@ -27,6 +27,7 @@ from shared.openai.requests import ChatCompletionRequest, CompletionRequest
 from shared.openai.responses import ModelCard, ModelList
 from shared.openai.sse import SSE_DONE, sse_error
 from worker import responses
+from engine.core.inputs import Resume
 from worker.legs import new_request_id, run_leg
 from worker.role import LegResult
 from worker.runtime import WorkerRuntime
@@ -117,7 +118,9 @@ async def _serve(request: Request, rt: WorkerRuntime, endpoint: str, req, params
                  stream_fn: Callable, whole_fn: Callable) -> Response:
     result = LegResult(new_request_id(endpoint, req.request_id or header_request_id(request.headers.get("x-request-id"))))
     ktp = KVTransferParams.parse(req.kv_transfer_params)
-    outputs = run_leg(rt, prepared, params, ktp, result)
+    spec = req.kimi_pd_resume
+    resume = Resume(list(spec.token_ids), spec.seed_offset) if spec is not None else None
+    outputs = run_leg(rt, prepared, params, ktp, result, resume)
     streaming = req.stream and (ktp is None or ktp.leg != "prefill")
     if streaming:
         # errors before the first token are plain 4xx/5xx; a client gone by then cancels the request

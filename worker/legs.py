@@ -10,7 +10,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-from engine.core.inputs import EngineInput
+from engine.core.inputs import EngineInput, Resume
 from engine.core.outputs import RequestOutput
 from engine.core.state_export import ExportedState
 from shared.kv_transfer_params import KVTransferParams
@@ -23,16 +23,20 @@ from worker.runtime import WorkerRuntime
 _ids = itertools.count()
 
 
-def engine_input(prepared: PreparedPrompt) -> EngineInput:
-    return EngineInput(prepared.token_ids, prepared.images)
+def engine_input(prepared: PreparedPrompt, resume: Resume | None = None) -> EngineInput:
+    return EngineInput(prepared.token_ids, prepared.images, resume)
 
 
 async def run_leg(rt: WorkerRuntime, prepared: PreparedPrompt, params: SamplingParams,
-                  ktp: KVTransferParams | None, result: LegResult) -> AsyncIterator[RequestOutput]:
-    """Yield engine outputs for this request; fills `result` (transfer params, cached tokens)."""
+                  ktp: KVTransferParams | None, result: LegResult,
+                  resume: Resume | None = None) -> AsyncIterator[RequestOutput]:
+    """Yield engine outputs for this request; fills `result` (transfer params, cached tokens).
+    `resume` (a migrated stream) continues delivered tokens; it is only for local requests."""
     kind = ktp.leg if ktp is not None else "local"
+    if resume is not None and kind != "local":
+        raise BadRequest("kimi_pd_resume cannot be combined with kv_transfer_params", param="kimi_pd_resume")
     if kind == "local":
-        stream = generate(rt, prepared, params, result)
+        stream = generate(rt, prepared, params, result, resume=resume)
     else:
         leg = rt.legs.get(kind)
         if leg is None:
@@ -45,10 +49,11 @@ async def run_leg(rt: WorkerRuntime, prepared: PreparedPrompt, params: SamplingP
 
 
 async def generate(rt: WorkerRuntime, prepared: PreparedPrompt, params: SamplingParams, result: LegResult, *,
-                   imported: ExportedState | None = None, export_state: bool = False) -> AsyncIterator[RequestOutput]:
+                   imported: ExportedState | None = None, export_state: bool = False,
+                   resume: Resume | None = None) -> AsyncIterator[RequestOutput]:
     """The engine's outputs, observed for metrics. `aclosing`: when our consumer stops early, the
     engine stream is closed at once, which aborts the request."""
-    stream = rt.engine.generate(result.request_id, engine_input(prepared), params, imported=imported,
+    stream = rt.engine.generate(result.request_id, engine_input(prepared, resume), params, imported=imported,
                                 export_state=export_state)
     async with aclosing(stream) as outputs:
         async for out in outputs:

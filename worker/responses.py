@@ -39,7 +39,8 @@ def chat_completion(req: ChatCompletionRequest, model: str, prepared: PreparedPr
     message = ChatCompletionMessage(content=shaped.content, reasoning_content=shaped.reasoning_content,
                                     tool_calls=shaped.tool_calls or None)
     choice = ChatCompletionChoice(message=message, logprobs=logprobs,
-                                  finish_reason=shaped.finish_reason or o.finish_reason, stop_reason=o.stop_reason)
+                                  finish_reason=shaped.finish_reason or o.finish_reason, stop_reason=o.stop_reason,
+                                  **({"token_ids": list(o.token_ids)} if req.return_token_ids else {}))
     return ChatCompletion(model=model, choices=[choice], usage=usage_of(out, result),
                           kv_transfer_params=_wire(result))
 
@@ -49,25 +50,54 @@ def completion(req: CompletionRequest, model: str, out: RequestOutput, result: L
     o = out.output
     logprobs = (completion_logprobs(o.token_ids, o.logprobs, o.top_logprobs, _token_text(tokenizer))
                 if req.logprobs is not None else None)
-    choice = CompletionChoice(text=o.text, logprobs=logprobs, finish_reason=o.finish_reason, stop_reason=o.stop_reason)
+    choice = CompletionChoice(text=o.text, logprobs=logprobs, finish_reason=o.finish_reason, stop_reason=o.stop_reason,
+                              **({"token_ids": list(o.token_ids)} if req.return_token_ids else {}))
     return Completion(model=model, choices=[choice], usage=usage_of(out, result),
                       kv_transfer_params=_wire(result))
+
+
+class _TokenIds:
+    """`return_token_ids`: each emitted chunk carries the ids produced since the previous one, so a
+    relay knows exactly which tokens' text it has delivered (what a migration resumes from)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled, self.pending = enabled, []
+
+    def add(self, out: RequestOutput) -> None:
+        self.pending += out.new_token_ids
+
+    def take(self) -> dict[str, Any]:
+        if not self.enabled:
+            return {}
+        ids, self.pending = self.pending, []
+        return {"token_ids": ids}
+
+
+def _resumed_text(out: RequestOutput) -> str:
+    """On a resumed request's first output: the text of the tokens delivered before the migration."""
+    return out.output.text[:len(out.output.text) - len(out.new_text)]
 
 
 async def chat_stream(req: ChatCompletionRequest, model: str, prepared: PreparedPrompt,
                       outputs: AsyncIterator[RequestOutput], result: LegResult,
                       tokenizer: KimiTokenizer) -> AsyncIterator[bytes]:
-    chunk_id = random_id("chatcmpl")
+    resume = req.kimi_pd_resume
+    chunk_id = resume.response_id if resume is not None and resume.response_id else random_id("chatcmpl")
     shaper = ChatDeltaShaper(thinking=prepared.thinking, tools_requested=prepared.tools_requested)
+    ids = _TokenIds(req.return_token_ids)
 
     def chunk(delta: DeltaMessage, **choice: Any) -> bytes:
         return sse_event(ChatCompletionChunk(id=chunk_id, model=model,
-                                             choices=[ChatCompletionChunkChoice(delta=delta, **choice)]))
+                                             choices=[ChatCompletionChunkChoice(delta=delta, **choice, **ids.take())]))
 
-    yield chunk(DeltaMessage(role="assistant", content=""))
+    if resume is None:
+        yield chunk(DeltaMessage(role="assistant", content=""))
     last = None
     async for out in _closing(outputs):
+        if last is None and resume is not None:
+            shaper.feed(_resumed_text(out))             # the client has seen these deltas already
         last = out
+        ids.add(out)
         delta = shaper.feed(out.new_text) if out.new_text else None
         if out.finished:
             tail = shaper.finish()
@@ -89,9 +119,14 @@ async def chat_stream(req: ChatCompletionRequest, model: str, prepared: Prepared
 
 async def completion_stream(req: CompletionRequest, model: str, outputs: AsyncIterator[RequestOutput],
                             result: LegResult, tokenizer: KimiTokenizer) -> AsyncIterator[bytes]:
-    chunk_id, offset, last = random_id("cmpl"), 0, None
+    resume = req.kimi_pd_resume
+    chunk_id = resume.response_id if resume is not None and resume.response_id else random_id("cmpl")
+    offset, last, ids = 0, None, _TokenIds(req.return_token_ids)
     async for out in _closing(outputs):
+        if last is None and resume is not None:
+            offset = len(_resumed_text(out))
         last = out
+        ids.add(out)
         n = len(out.new_token_ids)
         logprobs = None
         if req.logprobs is not None and n:
@@ -102,7 +137,7 @@ async def completion_stream(req: CompletionRequest, model: str, outputs: AsyncIt
         finish = out.output.finish_reason if out.finished else None
         if out.new_text or logprobs is not None or finish:
             choice = CompletionChoice(text=out.new_text, logprobs=logprobs, finish_reason=finish,
-                                      stop_reason=out.output.stop_reason if finish else None)
+                                      stop_reason=out.output.stop_reason if finish else None, **ids.take())
             yield sse_event(CompletionChunk(id=chunk_id, model=model, choices=[choice]))
     if req.include_usage:
         yield sse_event(CompletionChunk(id=chunk_id, model=model, choices=[], usage=usage_of(last, result)))

@@ -19,14 +19,14 @@ import torch
 from engine.checkpoint.loader import load_checkpoint
 from engine.dtypes import TORCH_DTYPE_NAMES, torch_dtype
 from engine.core.cache_manager import HybridCacheManager, budget_cache
-from engine.core.inputs import EngineInput, encode_images, validate_tokens
+from engine.core.inputs import EngineInput, Resume, encode_images, validate_tokens
 from engine.core.model_runner import ModelRunner
 from engine.core.outputs import CompletionOutput, RequestOutput
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.core.state_export import ExportedState, StateIdentity
 from shared.prompt.detokenizer import IncrementalDetokenizer
-from shared.errors import InvalidRequest, RequestTooLarge
+from shared.errors import InvalidRequest, InvalidTokenIds, RequestTooLarge
 from engine.model.kda import KDAOptions
 from engine.model.kimi_k3 import ModelOptions
 from engine.sampler import SamplingState, sample
@@ -123,12 +123,39 @@ class LLMEngine:
         req.generator = torch.Generator().manual_seed(
             params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_source)))
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, params, self.eos_token_ids)
+        if inputs.resume is not None:
+            self._resume(req, inputs.resume, vocab_size=self.model.config.text_config.vocab_size)
         self.requests[request_id] = req
         if imported is not None:
             self._pending_outputs.append(self._adopt_first_token(req, imported))
         if not req.is_finished:
             self.scheduler.add(req)
         return request_id
+
+    def _resume(self, req: Request, resume: Resume, vocab_size: int) -> None:
+        """Adopt already delivered tokens as outputs: the detokenizer and `text` are primed with them
+        (their text is not emitted again) and the generator skips the draws that produced them."""
+        ids = list(resume.token_ids)
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidTokenIds(bad, vocab_size, param="resume.token_ids")
+        if not ids or len(ids) >= req.max_tokens or req.num_prompt_tokens + len(ids) >= self.max_model_len:
+            raise InvalidRequest(f"resume needs 1..{req.max_tokens - 1} tokens that leave room to generate",
+                                 param="resume.token_ids")
+        if not 0 <= resume.seed_offset <= len(ids):
+            raise InvalidRequest("resume.seed_offset must be in 0..len(token_ids)", param="resume.seed_offset")
+        for token in ids:
+            step = req.detokenizer.add(token)
+            if step.stopped is not None:
+                raise InvalidRequest("the resumed tokens already end the request", param="resume.token_ids")
+            req.text += step.new_text
+        req.output_token_ids = ids
+        req.output_logprobs = [0.0] * len(ids)          # not known here; only new tokens' logprobs are reported
+        req.output_top_logprobs = [None] * len(ids)
+        if not req.params.is_greedy:
+            noise = torch.empty(self.model.config.text_config.vocab_size)
+            for _ in range(resume.seed_offset):       # one row of exponential noise per sampled token
+                noise.exponential_(generator=req.generator)
 
     def _resolve_max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
         room = self.max_model_len - prompt_len

@@ -17,6 +17,18 @@ from shared.prompt.prepare import ImageItem
 class EngineInput:
     prompt_token_ids: list[int]
     images: list[ImageItem] = field(default_factory=list)
+    resume: "Resume | None" = None
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Continue a request another engine started (its worker died mid-stream): `token_ids` were
+    already generated and delivered; they become this request's first outputs (recomputed like a
+    preempted request's), so max_tokens, min_tokens, stop strings and penalties count them, and a
+    seeded generator first skips the `seed_offset` draws the other engine made."""
+
+    token_ids: list[int]
+    seed_offset: int = 0
 
 
 def validate_tokens(ids: list[int], vocab_size: int, max_model_len: int) -> None:

@@ -22,6 +22,22 @@ class StreamOptions(OpenAIModel):
     continuous_usage_stats: Bool = False        # vLLM: usage on every chunk
 
 
+class ResumeSpec(OpenAIModel):
+    """Router -> decode worker, migrating a stream whose decode worker died: these tokens were already
+    delivered; generate the rest (the stream continues under `response_id`, without a new role chunk)."""
+
+    token_ids: list[Int] = Field(min_length=1)
+    seed_offset: Int = 0                        # draws the seeded generator already made for them
+    response_id: str | None = None
+
+    @field_validator("response_id")
+    @classmethod
+    def _safe_id(cls, value: str | None) -> str | None:
+        if value is not None and not is_safe_request_id(value):
+            raise invalid("must be a printable ASCII id")
+        return value
+
+
 class SamplingRequest(RequestModel):
     """Fields shared by chat and text completions."""
 
@@ -47,6 +63,8 @@ class SamplingRequest(RequestModel):
     include_stop_str_in_output: Bool = False
     kv_transfer_params: dict[str, Any] | None = None    # P/D protocol; forwarded untouched
     request_id: str | None = None
+    return_token_ids: Bool = False              # vLLM: each choice (and stream chunk) carries its token ids
+    kimi_pd_resume: ResumeSpec | None = None    # internal (router -> decode worker); clients' are dropped
 
     @field_validator("request_id")
     @classmethod

@@ -28,7 +28,32 @@ def no_prefill_state_held(url: str) -> bool:
     return metric(url, "kimi_pd_kv_held_leases") == 0 and metric(url, "kimi_pd_worker_held") == 0
 
 
-def test_decode_worker_killed_mid_stream_ends_with_an_sse_error(tmp_path, e2e_model):
+def stream_and_kill(url: str, body: dict, procs: dict, after_events: int = 5):
+    """Stream `body`, SIGKILL the decode worker serving it after `after_events` data events; the lines."""
+    lines, killed = [], None
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        victim = procs[resp.headers["x-kimi-pd-decode-worker"]]
+        for line in resp.iter_lines():
+            lines.append(line)
+            if killed is None and sum(x.startswith("data: {") for x in lines) >= after_events:
+                victim.kill(signal.SIGKILL)
+                killed = victim
+    assert killed is not None
+    return lines, killed
+
+
+def relayed(lines: list[str]) -> tuple[list[int], str, list[dict]]:
+    """Token ids, content and usage chunks of a streamed chat answer."""
+    chunks = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    ids = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or []]
+    text = "".join(ch["delta"].get("content") or "" for c in chunks for ch in c["choices"])
+    return ids, text, [c["usage"] for c in chunks if c.get("usage")]
+
+
+def test_decode_worker_killed_mid_stream_is_migrated(tmp_path, e2e_model):
+    """P/D stream; its decode worker is SIGKILLed: the router resumes it on the other decode worker
+    from the tokens already relayed, and the client's stream equals the uninterrupted greedy answer."""
     with Fleet(tmp_path, e2e_model) as f:
         p, d1, d2 = f.worker("prefill", "p0"), f.worker("decode", "d1"), f.worker("decode", "d2")
         for proc in (p, d1, d2):
@@ -36,25 +61,38 @@ def test_decode_worker_killed_mid_stream_ends_with_an_sse_error(tmp_path, e2e_mo
         r = f.router("r", "--prefill", p.url, "--decode", d1.url, "--decode", d2.url, "--disagg-threshold", "0")
         f.wait(r, "/ready")
         body = {"model": "kimi-k3", "messages": [{"role": "user", "content": "Tell a long story."}],
+                "max_tokens": 400, "ignore_eos": True, "temperature": 0, "stream": True, "return_token_ids": True,
+                "stream_options": {"include_usage": True}}
+        lines, killed = stream_and_kill(r.url, body, {d1.url: d1, d2.url: d2})
+        assert "event: error" not in lines, lines[-5:]
+        assert lines[-1] == "data: [DONE]" or lines[-2] == "data: [DONE]"
+        ids, text, usage = relayed(lines)
+        reference = httpx.post(r.url + "/v1/chat/completions", json={**body, "stream": False, "stream_options": None},
+                               timeout=120).json()
+        assert reference["choices"][0]["token_ids"] == ids and len(ids) == 400
+        assert reference["choices"][0]["message"]["content"] == text
+        assert len(usage) == 1 and usage[0]["completion_tokens"] == 400
+        assert metric(r.url, "kimi_pd_router_migrations_total", outcome="ok") == 1
+        assert len({json.loads(x[6:])["id"] for x in lines if x.startswith("data: {")}) == 1
+        eventually(lambda: no_prefill_state_held(p.url), what="no prefill state held")
+
+
+def test_only_decode_worker_killed_mid_stream_ends_with_an_sse_error(tmp_path, e2e_model):
+    with Fleet(tmp_path, e2e_model) as f:
+        p, d = f.worker("prefill", "p0"), f.worker("decode", "d1")
+        for proc in (p, d):
+            f.wait(proc)
+        r = f.router("r", "--prefill", p.url, "--decode", d.url, "--disagg-threshold", "0")
+        f.wait(r, "/ready")
+        body = {"model": "kimi-k3", "messages": [{"role": "user", "content": "Tell a long story."}],
                 "max_tokens": 3000, "ignore_eos": True, "temperature": 0, "stream": True}
-        lines, killed = [], None
-        with httpx.stream("POST", r.url + "/v1/chat/completions", json=body, timeout=60) as resp:
-            assert resp.status_code == 200
-            victim = {d1.url: d1, d2.url: d2}[resp.headers["x-kimi-pd-decode-worker"]]
-            for line in resp.iter_lines():
-                lines.append(line)
-                if killed is None and sum(x.startswith("data: {") for x in lines) >= 5:
-                    victim.kill(signal.SIGKILL)
-                    killed = victim
-        assert killed is not None
+        lines, _ = stream_and_kill(r.url, body, {d.url: d})
         assert "event: error" in lines, lines[-5:]
         error = json.loads(lines[lines.index("event: error") + 1][6:])["error"]
         assert error["code"] == "decode_failed" and "mid-stream" in error["message"]
         assert lines[-1] == "data: [DONE]" or lines[-2] == "data: [DONE]"
-        for _ in range(4):                                   # the next requests go to the surviving decoder
-            again = chat(r.url)
-            assert again.status_code == 200, again.text
-            assert again.headers["x-kimi-pd-decode-worker"] != killed.url
+        assert metric(r.url, "kimi_pd_router_migrations_total", outcome="failed") == 1
+        assert metric(r.url, "kimi_pd_router_requests_total", endpoint="chat", outcome="error") == 1
         eventually(lambda: no_prefill_state_held(p.url), what="no prefill state held")
 
 

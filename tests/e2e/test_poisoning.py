@@ -8,6 +8,7 @@ are answered 4xx, then 10 normal requests all get 200 and every circuit is still
 """
 from __future__ import annotations
 
+import json
 import socket
 
 import httpx
@@ -49,12 +50,12 @@ def pd_fleet(tmp_path, e2e_model):
 
 def test_poisoned_request_ids_open_no_circuit(pd_fleet):
     url = pd_fleet.r.url + "/v1/chat/completions"
-    import json
     for bad in POISONED_IDS:                              # 12 poisoned bodies
         resp = httpx.post(url, content=json.dumps({**CHAT, "request_id": bad}), timeout=30,
                           headers={"content-type": "application/json"})
         assert resp.status_code == 400, (bad, resp.status_code, resp.text)
-        assert resp.json()["error"]["param"] == "request_id"
+        error = resp.json()["error"]              # a lone surrogate is already refused as invalid JSON
+        assert error["param"] == "request_id" or (bad == "\ud800" and "JSON" in error["message"]), error
     for header in (b"x-request-id: a\x00b", b"x-request-id: \xc3\xa9t\xc3\xa9", b"x-request-id: " + b"y" * 300):
         status = raw_post(pd_fleet.r.url, "/v1/chat/completions", json.dumps(CHAT).encode(), header)
         assert status.split()[1] in (b"200", b"400"), status   # a NUL header may be refused, never a 5xx

@@ -224,3 +224,38 @@ def test_imported_request_streams_its_first_token(tiny_dir):
             final = out
     assert deltas == final.output.token_ids and deltas[0] == state.first_token_id and len(deltas) == 12
     assert_clean(decode)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=12,
+                                                           ignore_eos=True)], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("cut", [1, 5, 11])
+def test_resumed_on_another_engine_equals_uninterrupted(tiny_dir, params, cut):
+    """Migration (issue 11): a request resumed elsewhere from its first `cut` delivered tokens (same seed
+    offset) generates exactly the rest, with the same text and one count of all tokens."""
+    from engine.core.inputs import Resume
+    prompt = prompt_ids(19, 50)
+    whole = make_llm(tiny_dir).generate([prompt], params)[0].output
+    other = make_llm(tiny_dir)
+    delivered = whole.token_ids[:cut]
+    other.engine.add_request("r", EngineInput(prompt, resume=Resume(delivered, seed_offset=cut)), params)
+    new_tokens, new_text, last = [], "", None
+    while other.engine.has_unfinished():
+        for out in other.engine.step():
+            new_tokens += out.new_token_ids
+            new_text += out.new_text
+            last = out
+    assert delivered + new_tokens == whole.token_ids
+    assert last.output.token_ids == whole.token_ids and last.output.text == whole.text
+    other_text_of_delivered = whole.text[:len(whole.text) - len(new_text)]
+    assert other_text_of_delivered + new_text == whole.text
+    assert_clean(other)
+
+
+def test_resume_is_validated(tiny_dir):
+    from engine.core.inputs import Resume
+    from shared.errors import InvalidRequest
+    llm = make_llm(tiny_dir)
+    for resume in (Resume([10 ** 9]), Resume([]), Resume(list(range(12))), Resume([1, 2], seed_offset=3)):
+        with pytest.raises(InvalidRequest):
+            llm.engine.add_request(None, EngineInput(prompt_ids(5, 1), resume=resume), GREEDY)
+    assert_clean(llm)

@@ -1,0 +1,97 @@
+"""What the router knows about a stream it relays, so that a decode worker's death costs no answer.
+
+Decode legs are asked for `return_token_ids`: each chunk carries the ids of the tokens whose text it
+delivers. `RelayedStream` parses each complete SSE event, records those ids (the tokens the client
+has seen), the response id and whether a finish reason passed, and re-frames the event for the
+client: without the ids unless the client asked for them, under the first worker's response id,
+and without the role chunk of a continuation. When the worker dies, `continuation_body` is the
+request for another decode worker: the same request plus `kimi_pd_resume` (delivered tokens and the
+seeded generator's offset), which that worker prefills (its prefix cache holds most of the prompt)
+and continues from - greedy, token for token what the first worker would have produced.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from shared.openai.ids import is_safe_request_id
+from shared.openai.sse import SSE_DONE, SSEEvent, SSEParser
+
+
+@dataclass
+class RelayedStream:
+    keep_token_ids: bool                       # the client asked for return_token_ids itself
+    token_ids: list[int] = field(default_factory=list)
+    response_id: str | None = None
+    created: int | None = None
+    finished: bool = False                     # a finish_reason was relayed
+    done: bool = False                         # [DONE] was relayed
+    errors: int = 0                            # in-band error events relayed
+    continuation: bool = False                 # the current upstream is a migrated continuation
+    _parser: SSEParser = field(default_factory=SSEParser)
+
+    def restart(self) -> None:
+        """A new upstream (a continuation) begins: its bytes start a fresh SSE stream."""
+        self._parser, self.continuation = SSEParser(), True
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The client's bytes for this upstream chunk (complete events only; a partial one waits)."""
+        return b"".join(self._event(e) for e in self._parser.feed(chunk))
+
+    def _event(self, event: SSEEvent) -> bytes:
+        if event.is_done:
+            self.done = True
+            return SSE_DONE
+        if event.event is not None or event.is_error:
+            self.errors += 1
+            return _frame(event)
+        try:
+            body = orjson.loads(event.data)
+        except orjson.JSONDecodeError:
+            return _frame(event)
+        if not isinstance(body, dict):
+            return _frame(event)
+        choices = body.get("choices") if isinstance(body.get("choices"), list) else []
+        role_only = False
+        for choice in choices:
+            if not isinstance(choice, dict):
+                continue
+            ids = choice.get("token_ids") if self.keep_token_ids else choice.pop("token_ids", None)
+            if isinstance(ids, list):
+                self.token_ids += [t for t in ids if isinstance(t, int)]
+            if choice.get("finish_reason"):
+                self.finished = True
+            delta = choice.get("delta")
+            role_only = role_only or (isinstance(delta, dict) and "role" in delta and not delta.get("content")
+                                      and len(choices) == 1 and not choice.get("finish_reason"))
+        if self.continuation and role_only:
+            return b""                                 # the client already has the role chunk
+        if self.response_id is None:
+            self.response_id, self.created = body.get("id"), body.get("created")
+        elif "id" in body:
+            body["id"], body["created"] = self.response_id, self.created
+        return b"data: " + orjson.dumps(body) + b"\n\n"
+
+    def seed_offset(self, first_token_adopted: bool) -> int:
+        """Generator draws made for the delivered tokens: one per token a decode worker sampled (a P/D
+        leg's first token was sampled by the prefill worker)."""
+        return max(0, len(self.token_ids) - (1 if first_token_adopted else 0))
+
+
+def continuation_body(body: dict[str, Any], stream: RelayedStream, first_token_adopted: bool) -> dict[str, Any]:
+    """The decode-only request that continues `stream` on another worker."""
+    out = {k: v for k, v in body.items() if k not in ("kv_transfer_params", "kimi_pd_resume")}
+    out.update(stream=True, return_token_ids=True)
+    if stream.token_ids:
+        resume = {"token_ids": list(stream.token_ids), "seed_offset": stream.seed_offset(first_token_adopted)}
+        if is_safe_request_id(stream.response_id):
+            resume["response_id"] = stream.response_id
+        out["kimi_pd_resume"] = resume
+    return out
+
+
+def _frame(event: SSEEvent) -> bytes:
+    head = f"event: {event.event}\n" if event.event else ""
+    return (head + "".join(f"data: {line}\n" for line in event.data.split("\n")) + "\n").encode()
