@@ -53,6 +53,7 @@ class WorkerRegistry:
         self.index = CombinedIndex(settings.approximate_index_blocks)
         self._event_seq: dict[str, int] = {}
         self.store_ok = store is None
+        self._empty_since: float | None = None
         self.last_refresh = 0.0
 
     @staticmethod
@@ -96,6 +97,8 @@ class WorkerRegistry:
             return
         try:
             records = await self.store.workers()
+            if self._store_restarted_empty(records):
+                return
             gone = set(self.discovered) - {r.info.worker_id for r in records} - set(self.static)
             self.discovered = {r.info.worker_id: r.info for r in records}
             self.loads.update({r.info.worker_id: r.load for r in records})
@@ -110,6 +113,20 @@ class WorkerRegistry:
             if self.store_ok:
                 log.warning("state store unavailable, routing on the last known state: %s", exc)
             self.store_ok = False
+
+    def _store_restarted_empty(self, records) -> bool:
+        """A store that suddenly lists nobody has most likely restarted empty: workers register again
+        with their next heartbeat. Until then (at most `store_empty_grace_s`) keep the last fleet, so
+        the restart costs no request a 503."""
+        if records or not self.discovered:
+            self._empty_since = None
+            return False
+        now = time.monotonic()
+        if self._empty_since is None:
+            self._empty_since = now
+            log.warning("state store lists no workers (restarted empty?); routing on the last %d known for up to "
+                        "%.0f s", len(self.discovered), self.settings.store_empty_grace_s)
+        return now - self._empty_since < self.settings.store_empty_grace_s
 
     def _forget(self, worker_id: str) -> None:
         """Drop everything known about a worker that left (so worker churn does not grow memory)."""

@@ -17,6 +17,7 @@ class RouterSettings:
     store_url: str | None = None
     namespace: str = "default"
     refresh_s: float = 0.5                        # registry + KV event polling
+    store_empty_grace_s: float = 10.0             # a store that lists nobody: keep the last fleet this long
     health_check_s: float = 2.0
     disagg_threshold_tokens: int = 32             # below this many uncached tokens on D: decode-only
     connect_timeout_s: float = 2.0

@@ -56,10 +56,14 @@ def create_app(runtime: WorkerRuntime) -> FastAPI:
     return app
 
 
+_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/models": "models"}
+
+
 def _count_error(request: Request, status: int) -> None:
-    if request.url.path.startswith("/v1/"):
+    endpoint = _ENDPOINTS.get(request.url.path)       # the same labels as successful requests; never a raw path
+    if endpoint is not None:
         outcome = "aborted" if status == 499 else ("client_error" if status < 500 else "server_error")
-        _rt(request).metrics.requests.labels(endpoint=request.url.path.rsplit("/", 1)[-1], outcome=outcome).inc()
+        _rt(request).metrics.requests.labels(endpoint=endpoint, outcome=outcome).inc()
 
 
 def _rt(request: Request) -> WorkerRuntime:

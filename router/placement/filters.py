@@ -50,8 +50,12 @@ class ModelFilter:
 @FILTERS.register("healthy")
 @dataclass(frozen=True)
 class HealthyFilter:
+    """Drops workers whose active health checks fail, but never the last ones: a probe can time out
+    on a worker that is merely busy (2 s, two misses under CPU load), and trying the least-bad worker
+    beats a certain 503. Workers that really fail requests are excluded by their open circuit."""
+
     def __call__(self, ctx: RoutingContext, workers: Sequence[WorkerState]) -> Workers:
-        return tuple(w for w in workers if w.healthy)
+        return tuple(w for w in workers if w.healthy) or tuple(workers)
 
 
 @FILTERS.register("circuit-not-open")

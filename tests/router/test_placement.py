@@ -169,6 +169,14 @@ def test_ties_go_to_least_loaded_first():
     assert picks == {"idle"}
 
 
+def test_when_every_candidate_fails_its_health_checks_the_least_bad_is_tried():
+    """Issue 11: probes timing out under load must not turn into 503s; open circuits still exclude."""
+    assert pick([w("a", healthy=False, running=3), w("b", healthy=False, running=1)], ctx()) == "b"
+    assert pick([w("a", healthy=False), w("b", healthy=False, circuit=OPEN)], ctx()) == "a"
+    with pytest.raises(NoWorkerAvailable):
+        build_pipeline().pick(ctx(), [w("a", healthy=False, circuit=OPEN)])
+
+
 def test_excluded_workers_are_never_picked():
     bad = [w("drained", draining=True), w("sick", healthy=False), w("open", circuit=OPEN),
            w("leaving", running=0, reports_draining=True), w("prefill", "prefill")]
@@ -181,7 +189,6 @@ def test_excluded_workers_are_never_picked():
     ([], ctx(), None),
     ([w("x", model="other")], ctx(), "model"),
     ([w("p", "prefill")], ctx("decode"), "role"),
-    ([w("a", healthy=False), w("b", healthy=False)], ctx(), "healthy"),
     ([w("a", circuit=OPEN), w("b", circuit=HALF, inflight=1)], ctx(), "circuit-not-open"),
     ([w("a", draining=True)], ctx(), "not-draining"),
 ])
