@@ -26,7 +26,7 @@ ROPE_MAX_GRID = 512
 
 # load_image limits: encoded size, and decoded pixels (checked from the header, before decoding).
 MAX_IMAGE_BYTES = 32 * 1024 * 1024
-MAX_DECODED_PIXELS = 64 * 1024 * 1024
+MAX_DECODED_PIXELS = 16 * 1024 * 1024      # a 16 Mpx photo; every image is resized to max_image_pixels anyway
 
 
 def resized_size(cfg: VisionConfig, height: int, width: int) -> tuple[int, int]:

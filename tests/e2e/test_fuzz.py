@@ -135,6 +135,36 @@ def test_unknown_paths_methods_and_admin_lists_are_openai_errors(fleet, target):
         assert 400 <= resp.status_code < 500 and "error" in resp.json(), (path, resp.text)
 
 
+def test_image_pixel_limit(fleet):
+    from tests.e2e.fuzz_strategies import png
+    for target in (fleet.r, fleet.d):
+        body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png(8192, 8192)}},
+                                                          {"type": "text", "text": "what?"}]}], "max_tokens": 1}
+        resp = httpx.post(target.url + "/v1/chat/completions", json=body, timeout=30)
+        assert resp.status_code == 400 and "pixels" in resp.json()["error"]["message"], resp.text
+
+
+def test_worker_metrics_label_chat_errors_chat(fleet):
+    from tests.e2e.fleet import metric
+    before = {e: metric(fleet.d.url, "kimi_pd_worker_requests_total", endpoint=e, outcome="client_error")
+              for e in ("chat", "completions")}
+    assert httpx.post(fleet.d.url + "/v1/chat/completions", json={"messages": []}, timeout=10).status_code == 400
+    after = {e: metric(fleet.d.url, "kimi_pd_worker_requests_total", endpoint=e, outcome="client_error")
+             for e in ("chat", "completions")}
+    assert after == {"chat": before["chat"] + 1, "completions": before["completions"]}
+
+
+def test_router_counts_a_client_cancelled_stream_as_cancelled(fleet):
+    from tests.e2e.fleet import metric
+    body = {**CHAT, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", fleet.r.url + "/v1/chat/completions", json=body, timeout=30) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                break                                     # leave after the first chunk
+    eventually(lambda: metric(fleet.r.url, "kimi_pd_router_requests_total", endpoint="chat", outcome="cancelled") >= 1,
+               20, "a cancelled outcome")
+
+
 def test_body_size_limit(fleet):
     big = json.dumps({"prompt": "word " * (1 << 20), "max_tokens": 1}).encode()     # 5 MiB
     resp = httpx.post(fleet.r.url + "/v1/completions", content=big, headers={"content-type": "application/json"},
