@@ -65,6 +65,11 @@ class TransferConfig:
 
     `host`/`port` is where a sender listens (port 0 = any free port); `advertise_host` is what it
     puts in params (defaults to `host`). `secret` authenticates every frame and is never logged.
+    `verify_data=False` skips the receiver's digest check of the bulk bytes; it is meant only for
+    fabrics that authenticate themselves (mooncake over RDMA/Ascend, torch-dist over nccl/hccl)
+    and is refused wherever the bytes cross plain TCP (`tcp`, mooncake's `tcp` protocol, gloo).
+    Control frames are always authenticated. `recv_pool_bytes` bounds the idle receive buffers a
+    receiver keeps paged in for the next pull (`kv_transfer.arena`; 0 = allocate per pull).
     """
 
     identity: ModelIdentity
@@ -86,6 +91,8 @@ class TransferConfig:
     mooncake_protocol: str = "tcp"
     mooncake_metadata_server: str = "P2PHANDSHAKE"
     mooncake_device_name: str = ""
+    verify_data: bool = True
+    recv_pool_bytes: int = 2 << 30
 
     def __post_init__(self) -> None:
         if not isinstance(self.secret, bytes) or len(self.secret) < 16:
@@ -94,6 +101,14 @@ class TransferConfig:
             raise ConfigError("streams must be in [1, 64]")
         if not 64 << 10 <= self.chunk_bytes <= 256 << 20:
             raise ConfigError("chunk_bytes must be in [64 KiB, 256 MiB]")
+        if self.verify_data is not True and self.verify_data is not False:
+            raise ConfigError("verify_data must be a bool")
+        if not self.verify_data and (self.transport == "tcp" or (
+                self.transport == "mooncake" and self.mooncake_protocol == "tcp")):
+            raise ConfigError(f"verify_data=False is refused for {self.transport!r} over TCP: "
+                              "only a fabric that authenticates itself may skip the digest check")
+        if self.recv_pool_bytes < 0:
+            raise ConfigError("recv_pool_bytes must be >= 0")
         timeouts = (self.connect_timeout_s, self.read_timeout_s, self.transfer_timeout_s)
         if min(*timeouts, self.lease_s, self.sweep_interval_s) <= 0:
             raise ConfigError("timeouts, lease_s and sweep_interval_s must be positive")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import socket
 
 import pytest
@@ -55,10 +54,10 @@ def test_frames_round_trip_with_body() -> None:
 
         async def receive() -> dict:
             header = await server.recv()
-            await server.recv_body_into(out[:header["n"]], header["ck"])
+            await server.recv_body_into(out[:header["n"]])
             return header
 
-        sent = client.send({"t": "x", "ck": hashlib.sha256(body).digest()}, body)
+        sent = client.send({"t": "x"}, body)
         _, header = await asyncio.gather(sent, receive())
         assert out == body and header["t"] == "x" and header["n"] == len(body)
         client.close(), server.close()
@@ -97,12 +96,22 @@ def test_replayed_frame_fails_mac() -> None:
 
 def test_corrupt_body_fails_checksum() -> None:
     async def go() -> None:
-        client, server, *_ = await _authed_pair()
-        body = memoryview(b"a" * 1000)
-        await client.send({"ck": b"\0" * 32}, body)
+        client, server, a, _b = await _authed_pair()
+        frames = []
+        orig = client._loop.sock_sendall
+
+        async def flip_body(sock, data):                # header, body, trailer: flip the body
+            data = bytearray(data)
+            if len(frames) == 1:
+                data[500] ^= 1
+            frames.append(bytes(data))
+            await orig(sock, data)
+
+        client._loop.sock_sendall = flip_body
+        await client.send({"t": "x"}, memoryview(b"a" * 1000))
         header = await server.recv()
         with pytest.raises(CorruptFrame, match="checksum"):
-            await server.recv_body_into(memoryview(bytearray(header["n"])), header["ck"])
+            await server.recv_body_into(memoryview(bytearray(header["n"])))
     run(go())
 
 
@@ -113,7 +122,7 @@ def test_truncated_frame_is_peer_closed() -> None:
         a.close()
         header = await server.recv()
         with pytest.raises(PeerClosed):
-            await server.recv_body_into(memoryview(bytearray(header["n"] + 10)), b"")
+            await server.recv_body_into(memoryview(bytearray(header["n"] + 10)))
     run(go())
 
 
@@ -190,9 +199,9 @@ def test_client_without_secret_cannot_forge_the_proof() -> None:
         client, server, a, _b = _pair()
         server_task = asyncio.ensure_future(server_handshake(server, SECRET, IDENTITY, "tcp"))
         a.sendall(MAGIC)
-        await client.send({"v": 1, "transport": "tcp", "id": IDENTITY.to_dict(), "nc": b"n" * 32})
+        await client.send({"v": 2, "transport": "tcp", "nc": b"n" * 32})
         hello = await client.recv()
-        assert "ns" in hello
+        assert "ns" in hello and "id" not in hello      # no model identity before authentication
         await client.send({"mac": b"\0" * 32})          # a forged proof
         reply = await client.recv()
         assert reply.get("err") == "auth"
