@@ -113,3 +113,53 @@ def test_bytes_that_do_not_match_the_tags_are_refused(monkeypatch: pytest.Monkey
             assert sender._deferred == {}
 
     run(go())
+
+
+def test_a_sender_cannot_switch_verification_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The receiver decides: a sender that answers without tags fails the pull."""
+    monkeypatch.setattr(sideband, "data_tags", lambda tagger: None)
+
+    async def go() -> None:
+        async with serving(make_sender(_config(), metrics())) as sender:
+            params = sender.publish(hybrid_payload(tokens=64), None, FreeLog())
+            receiver = make_receiver(_config(), metrics())
+            await receiver.start()
+            try:
+                with pytest.raises(CorruptFrame, match="tags"):
+                    await receiver.pull(params)
+            finally:
+                await receiver.stop()
+
+    run(go())
+
+
+def test_wrong_secret_and_silent_peer_fail_typed_and_fast() -> None:
+    import socket
+
+    from kv_transfer.errors import AuthenticationFailed, PeerTimeout
+    from kv_transfer.interface import KVTransferParams
+
+    async def go() -> None:
+        async with serving(make_sender(_config(), metrics())) as sender:
+            params = sender.publish(hybrid_payload(tokens=64), None, FreeLog())
+            intruder = make_receiver(_config(secret=b"not-the-right-secret-at-all"), metrics())
+            await intruder.start()
+            try:
+                with pytest.raises(AuthenticationFailed):
+                    await intruder.pull(params)
+            finally:
+                await intruder.stop()
+            assert sender.held_count() == 1
+        with socket.create_server(("127.0.0.1", 0)) as silent:
+            quiet = KVTransferParams(do_remote_prefill=True, remote_host="127.0.0.1",
+                                     remote_port=silent.getsockname()[1], remote_request_id="r",
+                                     transport="mooncake")
+            receiver = make_receiver(_config(read_timeout_s=0.3), metrics())
+            await receiver.start()
+            try:
+                with pytest.raises(PeerTimeout):
+                    await receiver.pull(quiet)
+            finally:
+                await receiver.stop()
+
+    run(go())
