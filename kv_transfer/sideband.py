@@ -36,6 +36,7 @@ from kv_transfer.server import ControlSender, HeldState
 from kv_transfer.wire import MAX_MAC_INPUT, Channel, Gmac
 
 DATA_CONTEXT = b"kimi-pd kv_transfer v2 sideband data key"
+PEER_GRACE_S = 0.5    # how long a failed move waits to learn whether the sender died
 _INDEX = struct.Struct(">I")
 
 
@@ -165,6 +166,12 @@ class SidebandReceiver(ControlReceiver):
             if watch.done():
                 _expect_end(watch.result())
                 raise CorruptFrame("sender ended the transfer before the data arrived")
+            if job.exception() is not None:
+                # A move usually fails because the sender died: its control connection then
+                # closes at the same moment, and that (PeerClosed) is the error to report.
+                await asyncio.wait({watch}, timeout=PEER_GRACE_S)
+                if watch.done() and watch.exception() is not None:
+                    raise watch.exception() from job.exception()
             job.result()
             return watch
         except BaseException:

@@ -1,6 +1,6 @@
 """`torch-dist` transport: tensor bytes move by torch.distributed point-to-point send/recv between
 ranks of one process group (`gloo` on CPU, `nccl` on CUDA, `hccl` on Ascend); the control plane
-(handshake, leases, digests, end) is the shared TCP one (`kv_transfer.sideband`).
+(handshake, leases, tags, end) is the shared TCP one (`kv_transfer.sideband`).
 
 Data phase of one pull, after the manifest {rank, tag, nonce}:
 
