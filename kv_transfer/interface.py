@@ -65,13 +65,14 @@ class TransferConfig:
 
     `host`/`port` is where a sender listens (port 0 = any free port); `advertise_host` is what it
     puts in params (defaults to `host`). `secret` authenticates every frame and is never logged.
-    `verify_data=False` skips the receiver's digest check of the bulk bytes; it is meant only for
+    `verify_data=False` skips the MAC check of the bulk bytes on both sides; it is meant only for
     fabrics that authenticate themselves (mooncake over RDMA/Ascend, torch-dist over nccl/hccl)
-    and is refused wherever the bytes cross plain TCP (`tcp`, mooncake's `tcp` protocol, gloo).
-    Control frames are always authenticated. `streams` (parallel tcp connections, each with its
+    and is refused wherever the bytes cross plain TCP (`tcp`, mooncake's `tcp` protocol, gloo);
+    control frames are always authenticated. `streams` (parallel tcp connections, each with its
     own thread and MAC) should not exceed the cores a transfer may use: on the 2-core benchmark
-    host 2-3 streams of 8 MiB chunks reach 0.82-0.92 of a plain socket, 4 streams 0.74-0.79. `recv_pool_bytes` bounds the idle receive buffers a
-    receiver keeps paged in for the next pull (`kv_transfer.arena`; 0 = allocate per pull).
+    host 2-3 streams of 8 MiB chunks reach 0.82-0.92 of a plain socket, 4 streams 0.74-0.79.
+    `recv_pool_bytes` bounds the idle receive buffers a receiver keeps paged in for the next
+    pull (`kv_transfer.arena`; 0 = allocate per pull).
     """
 
     identity: ModelIdentity
@@ -108,7 +109,7 @@ class TransferConfig:
         if not self.verify_data and (self.transport == "tcp" or (
                 self.transport == "mooncake" and self.mooncake_protocol == "tcp")):
             raise ConfigError(f"verify_data=False is refused for {self.transport!r} over TCP: "
-                              "only a fabric that authenticates itself may skip the digest check")
+                              "only a fabric that authenticates itself may skip the MAC check")
         if self.recv_pool_bytes < 0:
             raise ConfigError("recv_pool_bytes must be >= 0")
         timeouts = (self.connect_timeout_s, self.read_timeout_s, self.transfer_timeout_s)

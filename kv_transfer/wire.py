@@ -13,11 +13,12 @@ body before anyone may use it. The frame key derives from the handshake's sessio
 The body tag trails the body so both sides can run one cache-hot pass: the sender MACs each
 256 KiB piece just before the kernel copies it into the socket, the receiver just after the
 kernel copied it into the destination tensor. Memory bandwidth, not the MAC, is the scarce
-resource: GMAC over memory already in cache runs at 13-16 GiB/s here, over cold memory at 3.5-4.
+resource: on the benchmark host GMAC runs at 10-22 GiB/s per core over memory in cache but only
+2.4-4 over cold memory (`python -m benchmarks.transfer` prints both).
 
 Why GMAC (AES-256-GCM with the bytes as associated data, from `cryptography`/OpenSSL): it is a
-standard MAC that runs at 16-22 GiB/s per core on CPUs with AES-NI/VAES (measured here: keyed
-BLAKE3 5.6-6.2, SHA-256 1.5), so authenticating every byte costs a small fraction of moving it.
+standard MAC, and with AES-NI/VAES it is about 3x keyed BLAKE3 (5.6-6.2 GiB/s per core here) and
+10x SHA-256 (1.5), so authenticating every byte costs a small fraction of moving it.
 
 Two ways to drive a channel: the `async` methods (control frames, on the event loop) and the
 `*_blocking` ones, which a transport runs in a thread of its own (`in_thread`) for the bulk data
