@@ -209,7 +209,7 @@ def test_lb_streams_pd_requests_round_robin_and_hides_admin(fleet, lb):
         assert httpx.post(lb + "/v1/completions", json=short, timeout=60).status_code == 200
     served = [requests_served(r) - b for r, b in zip(fleet["routers"], before)]
     assert sum(served) == 5 and min(served) >= 2, f"round robin over both nodes' routers: {served}"
-    for path in ("/admin/workers", "/metrics", "/v1/../admin/workers"):
+    for path in ("/admin/workers", "/metrics", "/v1/../admin/workers", "/dashboard", "/dashboard/state"):
         assert httpx.get(lb + path, timeout=5).status_code == 404, path
 
 
