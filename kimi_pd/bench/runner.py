@@ -49,7 +49,9 @@ def arrival_offsets(n: int, rate: float, burstiness: float, rng: np.random.Gener
     return [0.0, *np.cumsum(gaps).tolist()]
 
 
-async def _run(requests: list[SampleRequest], s: RunSettings) -> tuple[list[RequestOutput], float]:
+async def run_requests(requests: list[SampleRequest], s: RunSettings) -> tuple[list[RequestOutput], float]:
+    """Send `requests` on schedule (their `arrival_s` if every one has it, else the rate); the outputs
+    in request order, and the wall time from the first send."""
     timeout = httpx.Timeout(s.request_timeout_s, connect=30.0)
     limits = httpx.Limits(max_connections=s.max_concurrency or max(1, len(requests)), max_keepalive_connections=100)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
@@ -87,7 +89,7 @@ def run_benchmark(requests: list[SampleRequest], s: RunSettings) -> dict[str, An
     """The result dict (vLLM's keys; per-request lists under "detail")."""
     if not requests:
         raise ValueError("no requests to send")
-    outputs, duration = asyncio.run(_run(requests, s))
+    outputs, duration = asyncio.run(run_requests(requests, s))
     result = m.compute(outputs, duration, s.percentiles, dict(s.goodput), s.selected_metrics)
     return result
 
