@@ -5,7 +5,8 @@
   goodput  requests meeting every --goodput SLO (ttft, tpot, e2el in ms) per second
 Percentile keys are `p{P}_{metric}_ms` (P printed without ".0"). Added to vLLM's keys:
 `total_cached_tokens`, `cached_token_ratio` (prefix-cache hits over prompt tokens, from
-`usage.prompt_tokens_details.cached_tokens`), and the per-second series the plots use.
+`usage.prompt_tokens_details.cached_tokens`), `cold_requests`/`prefix_hit_requests` with their median
+TTFTs (no cached token vs some), and the per-second series the plots use.
 """
 from __future__ import annotations
 
@@ -103,6 +104,11 @@ def compute(outputs: Sequence[RequestOutput], duration_s: float, percentiles: Se
         "max_output_tokens_per_s": max(tokens_per_s, default=0.0),
         "max_concurrent_requests": max(running, default=0),
     }
+    # cold prefixes vs prefix-cache hits, as the seed reports them separately
+    for name, group in (("cold", [o for o in ok if o.cached_tokens == 0]),
+                        ("prefix_hit", [o for o in ok if o.cached_tokens > 0])):
+        result[f"{name}_requests"] = len(group)
+        result[f"median_ttft_{name}_ms"] = float(np.median([o.ttft for o in group])) * 1e3 if group else None
     values = {"ttft": ttfts, "tpot": tpots, "itl": itls, "e2el": e2els}
     for name in selected:
         result.update(summarize(values[name], name, percentiles))

@@ -142,6 +142,10 @@ def print_summary(r: dict[str, Any], s: RunSettings) -> None:
     row("Total generated tokens:", r["total_output_tokens"], "{:<10}")
     row("Cached prompt tokens:", r["total_cached_tokens"], "{:<10}")
     row("Cached token ratio:", r["cached_token_ratio"], "{:<10.3f}")
+    row("Cold / prefix-hit requests:", f"{r['cold_requests']} / {r['prefix_hit_requests']}", "{:<10}")
+    row("Median TTFT cold / prefix hit (ms):", " / ".join("-" if v is None else f"{v:.2f}" for v in
+                                                        (r["median_ttft_cold_ms"], r["median_ttft_prefix_hit_ms"])),
+        "{:<10}")
     row("Request throughput (req/s):", r["request_throughput"])
     if r["request_goodput"] is not None:
         row("Request goodput (req/s):", r["request_goodput"])

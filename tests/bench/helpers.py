@@ -11,7 +11,8 @@ from PIL import Image
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SUMMARY_KEYS = ["duration", "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
                 "request_goodput", "output_throughput", "total_token_throughput", "max_output_tokens_per_s",
-                "max_concurrent_requests", "total_cached_tokens", "cached_token_ratio", "date", "backend",
+                "max_concurrent_requests", "total_cached_tokens", "cached_token_ratio", "cold_requests",
+                "prefix_hit_requests", "median_ttft_cold_ms", "median_ttft_prefix_hit_ms", "date", "backend",
                 "model_id", "num_prompts", "request_rate", "max_concurrency"]
 LATENCY_KEYS = [f"{stat}_{name}_ms" for name in ("ttft", "tpot", "itl", "e2el") for stat in ("mean", "median", "std", "p99")]
 

@@ -81,6 +81,7 @@ def test_bench_mooncake_replay_hits_the_prefix_cache(up_url, bench_model, tmp_pa
     assert result["cached_tokens"][0] == 0
     assert all(c >= 48 for c in result["cached_tokens"][1:]), result["cached_tokens"]
     assert result["cached_token_ratio"] >= 0.5 * 5 / 6 * 64 / 80
+    assert (result["cold_requests"], result["prefix_hit_requests"]) == (1, 5)
 
 
 def test_bench_fails_fast_on_a_wrong_model_name(up_url, bench_model, tmp_path):

@@ -52,6 +52,9 @@ def test_goodput_counts_requests_meeting_every_slo():
 def test_cached_token_ratio():
     r = compute([out(0.1, [0.01], prompt=100, cached=64), out(0.1, [0.01], prompt=100)], 1.0, (99,), {})
     assert r["total_cached_tokens"] == 64 and r["cached_token_ratio"] == pytest.approx(0.32)
+    r = compute([out(0.1, [0.01], cached=8), out(0.3, [0.01]), out(0.5, [0.01])], 1.0, (99,), {})
+    assert (r["cold_requests"], r["prefix_hit_requests"]) == (2, 1)
+    assert r["median_ttft_cold_ms"] == pytest.approx(400.0) and r["median_ttft_prefix_hit_ms"] == pytest.approx(100.0)
 
 
 def test_all_failed_gives_zeros_not_errors():
