@@ -1,7 +1,7 @@
 """PNG plots of one benchmark run (matplotlib, Agg backend: no display needed).
 
   <stem>.latency_cdf.png       CDFs of TTFT, TPOT, ITL, E2EL (ms)
-  <stem>.throughput.png        output tokens/s and running requests per second
+  <stem>.throughput.png        output tokens/s and requests active in each second
   <stem>.ttft_vs_prompt.png    TTFT against prompt length, coloured by the cached-token share
 """
 from __future__ import annotations
@@ -58,9 +58,10 @@ def write_plots(result: dict[str, Any], detail: dict[str, Any], stem: Path) -> l
     ax.set_ylabel("output tokens/s")
     ax.grid(alpha=0.3)
     ax2 = ax.twinx()
-    ax2.plot(range(len(running)), running, label="running requests", color="tab:orange")
-    ax2.set_ylabel("running requests")
-    fig.legend(loc="upper right")
+    ax2.plot(range(len(running)), running, label="requests active in the second", color="tab:orange")
+    ax2.set_ylabel("requests active")
+    lines = ax.get_lines() + ax2.get_lines()
+    ax.legend(lines, [line.get_label() for line in lines], loc="lower left")
     ax.set_title(f"throughput over time - {label}")
     fig.tight_layout()
     paths.append(stem.with_name(stem.name + ".throughput.png"))
