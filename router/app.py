@@ -1,4 +1,4 @@
-"""The router service: OpenAI endpoints in front of the P/D fleet, /health, /ready, /metrics, admin.
+"""The router service: OpenAI endpoints in front of the P/D fleet, /health, /ready, /metrics, admin, /dashboard.
 
 Clients created once in the lifespan (one pooled httpx client, the store, background loops) and
 kept on app.state; routes only compose them.
@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from router import health_checker
+from router.dashboard import install as install_dashboard
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator, Trace
 from router.placement.pipeline import build_pipeline
@@ -78,6 +79,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
                               ("/admin/workers", _list_workers, ["GET"]), ("/admin/workers", _add_worker, ["POST"]),
                               ("/admin/workers/{worker_id:path}/drain", _drain_worker, ["POST"])):
         app.add_api_route(path, fn, methods=methods)
+    install_dashboard(app, _check_admin, _ready_state)        # /dashboard (page) and /dashboard/state (admin token)
     return app
 
 

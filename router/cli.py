@@ -8,7 +8,7 @@ from router.settings import RouterSettings
 
 API_KEYS_ENV = "KIMI_PD_API_KEYS"          # comma-separated client keys (optional)
 ADMIN_TOKEN_ENV = "KIMI_PD_ADMIN_TOKEN"
-REDIS_URL_ENV = "KIMI_PD_REDIS_URL"
+REDIS_URL_ENV = "KIMI_PD_REDIS_URL"          # the store URL (may hold a password), if no --redis-url
 WORKER_API_KEY_ENV = "KIMI_PD_WORKER_API_KEY"  # the key workers expect (their KIMI_PD_API_KEY), if any
 
 
