@@ -35,6 +35,8 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--idle-timeout", type=float, default=60.0)
     p.add_argument("--health-check-interval", type=float, default=2.0)
     p.add_argument("--refresh-interval", type=float, default=0.5, help="state store polling")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a connection has to send a request's headers (slowloris guard)")
     p.add_argument("--log-level", default="info")
 
 
@@ -55,7 +57,8 @@ def run_router(args: argparse.Namespace, model_dir: str) -> int:
     import uvicorn
 
     from router.app import create_app
+    from shared.http_server import protocol_class
     settings = settings_from_args(args, model_dir)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=args.log_level,
-                access_log=False, timeout_graceful_shutdown=30)
+                access_log=False, timeout_graceful_shutdown=30, http=protocol_class(args.header_timeout))
     return 0

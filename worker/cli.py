@@ -7,6 +7,7 @@ import json
 import uvicorn
 
 from engine.core.engine import EngineConfig
+from shared.http_server import protocol_class
 from worker.flags import add_worker_args
 from worker.role import Role
 from worker.settings import (ADMIN_TOKEN_ENV, API_KEY_ENV, TRANSFER_SECRET_ENV, WorkerSettings,
@@ -44,7 +45,7 @@ def run_worker(args: argparse.Namespace, role: Role, model_dir: str) -> int:
     settings = settings_from_args(args, model_dir)
     runtime = WorkerRuntime.build(settings, role)
     config = uvicorn.Config(create_app(runtime), host=settings.host, port=settings.port, log_level=args.log_level,
-                            access_log=False, timeout_graceful_shutdown=30)
+                            access_log=False, timeout_graceful_shutdown=30, http=protocol_class(args.header_timeout))
     DrainingServer(config, runtime).run()
     return 0
 

@@ -54,4 +54,6 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heartbeat-s", type=float, default=1.0)
     p.add_argument("--max-request-bytes", type=parse_bytes, default="16MiB",
                    help="largest request body; larger ones get a 413 before being parsed")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a connection has to send a request's headers (slowloris guard)")
     p.add_argument("--log-level", default="info")
