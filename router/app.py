@@ -48,7 +48,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
         store = make_store(settings.store_url, settings.namespace) if settings.store_url else None
         registry = WorkerRegistry(settings, store)
         metrics = RouterMetrics()
-        pipeline = build_pipeline(scorers=dict(settings.scorer_weights))
+        pipeline = build_pipeline(**settings.pipeline_spec())
         app.state.settings, app.state.registry, app.state.metrics = settings, registry, metrics
         app.state.tokenizer = KimiTokenizer.from_dir(settings.model)
         app.state.model_config = ModelConfig.from_file(settings.model)

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from router.metrics import RouterMetrics
 from router.placement.context import build_context
+from router.placement.ledger import Leg
 from router.placement.pipeline import NoWorkerAvailable, Pipeline, decide_disaggregation
 from router.placement.types import RoutingContext, WorkerState
 from router.registry import WorkerRegistry
@@ -80,7 +81,7 @@ class Orchestrator:
         states = self.registry.states()
         ctx = self._context(trace, prepared, states, "decode")
         decode = self._pick(ctx, states, exclude=set())
-        prefill_ctx = self._context(trace, prepared, states, "prefill")
+        prefill_ctx = replace(ctx, role="prefill")      # same prompt hashes and cached prefixes
         trace.decision = self._decide(ctx, prefill_ctx, decode, states)
         if trace.decision == "prefill-decode":
             await self._prefill_or_fall_back(trace, req, prefill_ctx, states)
@@ -141,16 +142,21 @@ class Orchestrator:
             worker = self._pick(ctx, states, tried)
             tried.add(worker.worker_id)
             start = time.perf_counter()
+            self._record_sent(ctx, worker)               # FIFO: what later requests will find cached there
+            leg = self.registry.ledger.open(worker.worker_id, ctx.uncached_tokens(worker.info))
+            answered = False
             try:
                 reply = await self._call(worker, lambda w=worker: post_json(
                     self.client, self._url(w, trace), body, timeout, self._headers(trace), "prefill"))
+                answered = True
             except UpstreamError as err:
                 self.metrics.leg_failures.labels(leg="prefill", reason=err.reason).inc()
                 if err.retryable and attempt + 1 < self.s.max_attempts:
                     self.metrics.retries.labels(leg="prefill").inc()
                     continue
                 raise
-            self._record_sent(ctx, worker)
+            finally:
+                self.registry.ledger.settle(leg, calibrate=answered)
             self.metrics.prefill_seconds.observe(time.perf_counter() - start)
             trace.prefill_worker = worker.worker_id
             trace.kv_transfer_params = reply.body.get("kv_transfer_params")
@@ -189,10 +195,17 @@ class Orchestrator:
         worker = decode
         for attempt in range(self.s.max_attempts):
             tried.add(worker.worker_id)
+            # decode-only: the decode worker computes the uncached prompt; it is settled by the first
+            # streamed chunk or the whole answer. With a transferred state there is no prefill work.
+            leg = self.registry.ledger.open(worker.worker_id, 0 if trace.kv_transfer_params
+                                            else ctx.uncached_tokens(worker.info))
             try:
                 resp = await self._open(worker, trace, body, req.stream)
                 break
-            except UpstreamError as err:
+            except BaseException as err:
+                self.registry.ledger.settle(leg, calibrate=False)
+                if not isinstance(err, UpstreamError):
+                    raise
                 self.metrics.leg_failures.labels(leg="decode", reason=err.reason).inc()
                 if not (err.retryable and attempt + 1 < self.s.max_attempts):
                     raise
@@ -203,9 +216,9 @@ class Orchestrator:
                 self.metrics.retries.labels(leg="decode").inc()
         trace.decode_worker = worker.worker_id
         if req.stream:
-            return StreamingResponse(self._relay(trace, worker, resp), media_type="text/event-stream",
+            return StreamingResponse(self._relay(trace, worker, resp, leg), media_type="text/event-stream",
                                      headers=trace_headers(trace))
-        return await self._whole(trace, worker, resp)
+        return await self._whole(trace, worker, resp, leg)
 
     async def _open(self, worker: WorkerState, trace: Trace, body: dict, stream: bool) -> httpx.Response:
         """Send the decode leg; returns an open response with a 2xx status (its `begin` still open).
@@ -244,7 +257,7 @@ class Orchestrator:
             if value:
                 histogram.observe(float(value))
 
-    async def _whole(self, trace: Trace, worker: WorkerState, resp: httpx.Response) -> Response:
+    async def _whole(self, trace: Trace, worker: WorkerState, resp: httpx.Response, leg: Leg) -> Response:
         outcome: bool | None = None
         try:
             content = await resp.aread()
@@ -257,6 +270,7 @@ class Orchestrator:
             outcome = False
             raise
         finally:
+            self.registry.ledger.settle(leg, calibrate=bool(outcome))
             await resp.aclose()
             self.registry.end(worker.worker_id, outcome)
         if trace.cached_tokens is not None and isinstance(body.get("usage"), dict):
@@ -267,7 +281,8 @@ class Orchestrator:
         self.metrics.e2e.observe(elapsed)
         return JSONResponse(body, headers=trace_headers(trace))
 
-    async def _relay(self, trace: Trace, worker: WorkerState, resp: httpx.Response) -> AsyncIterator[bytes]:
+    async def _relay(self, trace: Trace, worker: WorkerState, resp: httpx.Response, leg: Leg
+                     ) -> AsyncIterator[bytes]:
         """Pass chunks through as they arrive; a cut or silent upstream becomes an SSE error event.
 
         Health outcome: success only with [DONE]; an upstream failure is a failure; a client that
@@ -282,7 +297,9 @@ class Orchestrator:
                 except StopAsyncIteration:
                     break
                 now = time.perf_counter()
-                first_at = first_at or now
+                if first_at is None:
+                    first_at = now
+                    self.registry.ledger.settle(leg)         # the prompt is computed: the first token is out
                 if last_at is not None:
                     self.metrics.tpot.observe(now - last_at)
                 last_at = now
@@ -304,6 +321,7 @@ class Orchestrator:
             yield sse_error(502, f"the decode worker failed mid-stream: {reason}", "upstream_error", "decode_failed")
             yield SSE_DONE
         finally:
+            self.registry.ledger.settle(leg, calibrate=False)   # no-op once the first chunk settled it
             await resp.aclose()                       # client gone or done: D sees the disconnect and aborts
             self.registry.end(worker.worker_id, outcome)
             if first_at is not None:
