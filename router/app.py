@@ -1,6 +1,7 @@
 """The router service: OpenAI endpoints in front of the P/D fleet, /health, /ready, /metrics, admin.
 
-Clients created once in the lifespan (one pooled httpx client, the store, background loops) and
+Clients created once in the lifespan (aiohttp for the request path, httpx for health and admin calls,
+the store, background loops) and
 kept on app.state; routes only compose them.
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ from router.orchestrator import Orchestrator, Trace
 from router.placement.pipeline import build_pipeline
 from router.registry import WorkerRegistry
 from router.settings import RouterSettings
-from router.upstream import UpstreamError
+from router.upstream import UpstreamError, make_session
 from shared.openai.errors import AuthenticationFailed, ModelNotFound, OpenAIError, error_response
 from shared.openai.convert import to_sampling_params
 from shared.openai.requests import ChatCompletionRequest, CompletionRequest
@@ -44,7 +45,8 @@ def create_app(settings: RouterSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         stop = asyncio.Event()
-        client = httpx.AsyncClient(limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100))
+        client = httpx.AsyncClient(limits=httpx.Limits(max_connections=100, max_keepalive_connections=20))
+        session = make_session()                     # the request path: aiohttp (C parser), pooled
         store = make_store(settings.store_url, settings.namespace) if settings.store_url else None
         registry = WorkerRegistry(settings, store)
         metrics = RouterMetrics()
@@ -52,7 +54,8 @@ def create_app(settings: RouterSettings) -> FastAPI:
         app.state.settings, app.state.registry, app.state.metrics = settings, registry, metrics
         app.state.tokenizer = KimiTokenizer.from_dir(settings.model)
         app.state.model_config = ModelConfig.from_file(settings.model)
-        app.state.orchestrator = Orchestrator(settings, registry, client, pipeline, metrics, settings.admin_token)
+        app.state.orchestrator = Orchestrator(settings, registry, client, pipeline, metrics, settings.admin_token,
+                                              session)
         await registry.refresh()
         await health_checker.check_once(client, registry, settings.connect_timeout_s)
         tasks = [asyncio.create_task(registry.run(stop)),
@@ -63,6 +66,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
         await client.aclose()
+        await session.close()
         if store is not None:
             await store.close()
 

@@ -16,8 +16,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import aiohttp
 import httpx
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from router.metrics import RouterMetrics
 from router.placement.context import build_context
@@ -26,7 +27,17 @@ from router.placement.pipeline import NoWorkerAvailable, Pipeline, decide_disagg
 from router.placement.types import RoutingContext, WorkerState
 from router.registry import WorkerRegistry
 from router.settings import RouterSettings
-from router.upstream import UpstreamError, classify, error_body, parse_object, post_json
+from router.upstream import (
+    JSON_HEADERS,
+    TRANSPORT_ERRORS,
+    UpstreamError,
+    classify,
+    dumps,
+    error_body,
+    leg_timeout,
+    parse_object,
+    post_json,
+)
 from shared.openai.errors import NoWorkerAvailable as NoWorker503
 from shared.openai.legs import decode_body, prefill_body, wire_body
 from shared.openai.sse import SSE_DONE, SSEParser, sse_error
@@ -61,8 +72,9 @@ class Trace:
 
 class Orchestrator:
     def __init__(self, settings: RouterSettings, registry: WorkerRegistry, client: httpx.AsyncClient,
-                 pipeline: Pipeline, metrics: RouterMetrics, admin_token: str | None) -> None:
-        self.s, self.registry, self.client = settings, registry, client
+                 pipeline: Pipeline, metrics: RouterMetrics, admin_token: str | None,
+                 session: aiohttp.ClientSession) -> None:
+        self.s, self.registry, self.client, self.session = settings, registry, client, session
         self.pipeline, self.metrics, self.admin_token = pipeline, metrics, admin_token
         self._background: set[asyncio.Task] = set()
 
@@ -137,7 +149,7 @@ class Orchestrator:
     async def _prefill_leg(self, trace: Trace, req, ctx: RoutingContext, states: list[WorkerState]) -> None:
         tried: set[str] = set()
         body = prefill_body(req)
-        timeout = httpx.Timeout(self.s.prefill_timeout_s, connect=self.s.connect_timeout_s)
+        timeout = leg_timeout(self.s.connect_timeout_s, self.s.prefill_timeout_s)
         for attempt in range(self.s.max_attempts):
             worker = self._pick(ctx, states, tried)
             tried.add(worker.worker_id)
@@ -147,7 +159,7 @@ class Orchestrator:
             answered = False
             try:
                 reply = await self._call(worker, lambda w=worker: post_json(
-                    self.client, self._url(w, trace), body, timeout, self._headers(trace), "prefill"))
+                    self.session, self._url(w, trace), body, timeout, self._headers(trace), "prefill"))
                 answered = True
             except UpstreamError as err:
                 self.metrics.leg_failures.labels(leg="prefill", reason=err.reason).inc()
@@ -220,50 +232,53 @@ class Orchestrator:
                                      headers=trace_headers(trace))
         return await self._whole(trace, worker, resp, leg)
 
-    async def _open(self, worker: WorkerState, trace: Trace, body: dict, stream: bool) -> httpx.Response:
+    async def _open(self, worker: WorkerState, trace: Trace, body: dict, stream: bool) -> aiohttp.ClientResponse:
         """Send the decode leg; returns an open response with a 2xx status (its `begin` still open).
 
         A stream's reads are bounded by the idle timeout; a whole answer arrives only when generation is
         done, so its read is bounded by the decode timeout instead.
         """
         read = self.s.idle_timeout_s if stream else self.s.decode_timeout_s
-        timeout = httpx.Timeout(read, connect=self.s.connect_timeout_s)
-        request = self.client.build_request("POST", self._url(worker, trace), json=body, timeout=timeout,
-                                            headers=self._headers(trace))
         self.registry.begin(worker.worker_id)
         try:
-            resp = await self.client.send(request, stream=True)
-        except httpx.HTTPError as exc:
+            resp = await self.session.post(self._url(worker, trace), data=dumps(body),
+                                           headers={**JSON_HEADERS, **self._headers(trace)},
+                                           timeout=leg_timeout(self.s.connect_timeout_s, read))
+        except TRANSPORT_ERRORS as exc:
             self.registry.end(worker.worker_id, ok=False)
             raise classify(exc, "decode") from exc
         except BaseException:
             self.registry.end(worker.worker_id, ok=None)
             raise
-        if resp.status_code >= 400:
-            content = await resp.aread()
-            await resp.aclose()
-            self.registry.end(worker.worker_id, ok=resp.status_code < 500)
-            raise UpstreamError(f"http_{resp.status_code // 100}xx", f"the decode worker answered {resp.status_code}",
-                                resp.status_code, error_body(content),
-                                retryable=resp.status_code == 503 and not trace.kv_transfer_params)
+        if resp.status >= 400:
+            status = resp.status
+            try:
+                content = await resp.read()
+            except TRANSPORT_ERRORS:
+                content = b""
+            resp.close()
+            self.registry.end(worker.worker_id, ok=status < 500)
+            raise UpstreamError(f"http_{status // 100}xx", f"the decode worker answered {status}",
+                                status, error_body(content),
+                                retryable=status == 503 and not trace.kv_transfer_params)
         trace.decode_connected = True                   # from here on the decode worker owns the prefill lease
         self._observe_transfer(resp)
         return resp
 
-    def _observe_transfer(self, resp: httpx.Response) -> None:
+    def _observe_transfer(self, resp: aiohttp.ClientResponse) -> None:
         for header, histogram in (("x-kv-pull-seconds", self.metrics.transfer_seconds),
                                   ("x-queue-seconds", self.metrics.decode_queue)):
             value = resp.headers.get(header)
             if value:
                 histogram.observe(float(value))
 
-    async def _whole(self, trace: Trace, worker: WorkerState, resp: httpx.Response, leg: Leg) -> Response:
+    async def _whole(self, trace: Trace, worker: WorkerState, resp: aiohttp.ClientResponse, leg: Leg) -> Response:
         outcome: bool | None = None
         try:
-            content = await resp.aread()
+            content = await resp.read()
             body = parse_object(content, "decode")
             outcome = True
-        except httpx.HTTPError as exc:
+        except TRANSPORT_ERRORS as exc:
             outcome = False
             raise classify(exc, "decode") from exc
         except UpstreamError:
@@ -271,7 +286,10 @@ class Orchestrator:
             raise
         finally:
             self.registry.ledger.settle(leg, calibrate=bool(outcome))
-            await resp.aclose()
+            if outcome:
+                resp.release()                          # read to the end: the connection goes back to the pool
+            else:
+                resp.close()
             self.registry.end(worker.worker_id, outcome)
         if trace.cached_tokens is not None and isinstance(body.get("usage"), dict):
             body["usage"]["prompt_tokens_details"] = {"cached_tokens": trace.cached_tokens}
@@ -279,9 +297,9 @@ class Orchestrator:
         elapsed = time.perf_counter() - trace.start
         self.metrics.ttft.observe(elapsed)
         self.metrics.e2e.observe(elapsed)
-        return JSONResponse(body, headers=trace_headers(trace))
+        return Response(dumps(body), media_type="application/json", headers=trace_headers(trace))
 
-    async def _relay(self, trace: Trace, worker: WorkerState, resp: httpx.Response, leg: Leg
+    async def _relay(self, trace: Trace, worker: WorkerState, resp: aiohttp.ClientResponse, leg: Leg
                      ) -> AsyncIterator[bytes]:
         """Pass chunks through as they arrive; a cut or silent upstream becomes an SSE error event.
 
@@ -290,7 +308,7 @@ class Orchestrator:
         """
         parser, saw_done, outcome, first_at, last_at = SSEParser(), False, None, None, None
         try:
-            iterator = resp.aiter_raw().__aiter__()
+            iterator = resp.content.iter_any().__aiter__()
             while True:
                 try:
                     chunk = await asyncio.wait_for(iterator.__anext__(), self.s.idle_timeout_s)
@@ -311,7 +329,7 @@ class Orchestrator:
             if not saw_done:
                 raise UpstreamError("truncated", "the decode worker ended the stream early", 502)
             outcome = True
-        except (httpx.HTTPError, asyncio.TimeoutError, UpstreamError) as exc:
+        except (*TRANSPORT_ERRORS, UpstreamError) as exc:
             outcome = False
             reason = exc.reason if isinstance(exc, UpstreamError) else (
                 "timeout" if isinstance(exc, (asyncio.TimeoutError, httpx.TimeoutException)) else "transport")
@@ -322,7 +340,10 @@ class Orchestrator:
             yield SSE_DONE
         finally:
             self.registry.ledger.settle(leg, calibrate=False)   # no-op once the first chunk settled it
-            await resp.aclose()                       # client gone or done: D sees the disconnect and aborts
+            if outcome:
+                resp.release()
+            else:
+                resp.close()                          # client gone or failed: D sees the disconnect and aborts
             self.registry.end(worker.worker_id, outcome)
             if first_at is not None:
                 self.metrics.ttft.observe(first_at - trace.start)
