@@ -25,6 +25,7 @@ class RouterSettings:
     decode_timeout_s: float = 600.0               # whole decode leg
     idle_timeout_s: float = 60.0                  # longest gap between two streamed chunks
     max_attempts: int = 3                         # connect failures retried on a different worker
+    max_request_bytes: int = 4 << 20               # larger bodies get a 413 before any parsing or tokenising
     approximate_index_blocks: int = 65536         # per static worker whose cache size is unknown
     static_cache_tokens: int = 0                  # KV cache of each static worker (0: ask its /metrics)
     prefill_tokens_per_s: float = 20000.0         # starting guess per worker; the ledger calibrates it
