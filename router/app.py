@@ -12,6 +12,7 @@ import itertools
 import json
 import logging
 from contextlib import asynccontextmanager
+from typing import Any
 
 import httpx
 import orjson
@@ -22,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from engine.config import ModelConfig
 from engine.tokenizer.tokenizer import KimiTokenizer
 from router import health_checker
+from router.fast_path import FastPath
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator, Trace
 from router.placement.pipeline import build_pipeline
@@ -81,6 +83,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
                               ("/admin/workers", _list_workers, ["GET"]), ("/admin/workers", _add_worker, ["POST"]),
                               ("/admin/workers/{worker_id:path}/drain", _drain_worker, ["POST"])):
         app.add_api_route(path, fn, methods=methods)
+    app.add_middleware(FastPath, routes={"/v1/chat/completions": _chat, "/v1/completions": _completions})
     return app
 
 
@@ -119,11 +122,13 @@ async def _models(request: Request) -> JSONResponse:
     return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
 
 
-async def _serve(request: Request, endpoint: str, req, prepare) -> Response:
+async def _serve(request: Request, endpoint: str, req, prepare, body_bytes: int) -> Response:
     st = request.app.state
     _check_model(request, req.model)
     to_sampling_params(req)                      # reject bad parameters here, before any worker is busy
-    prepared = await asyncio.to_thread(prepare)
+    # a small prompt renders and tokenises in less time than a hop to a thread costs; big ones must not
+    # stall the event loop (bodies are bounded by max_request_bytes)
+    prepared = prepare() if body_bytes <= INLINE_PREPARE_BYTES else await asyncio.to_thread(prepare)
     trace = Trace(f"{endpoint}-{req.request_id or request.headers.get('x-request-id') or ''}-{next(_ids)}", endpoint)
     outcome = "error"
     try:
@@ -136,32 +141,38 @@ async def _serve(request: Request, endpoint: str, req, prepare) -> Response:
         st.metrics.requests.labels(endpoint=endpoint, decision=trace.decision, outcome=outcome).inc()
 
 
-async def _bounded_body(request: Request):
-    """The JSON body, refused with a 413 before it is parsed, rendered or tokenised when it is larger
-    than `max_request_bytes`: placement tokenises every prompt, and a 5 MB prompt cost 25 s of
-    router CPU before a worker refused it."""
+INLINE_PREPARE_BYTES = 16 << 10
+
+
+async def _bounded_body(request: Request) -> tuple[Any, int]:
+    """The parsed JSON body and its size, refused with a 413 before it is parsed, rendered or
+    tokenised when it is larger than `max_request_bytes`: placement tokenises every prompt, and a
+    5 MB prompt cost 25 s of router CPU before a worker refused it."""
     limit = request.app.state.settings.max_request_bytes
     declared = request.headers.get("content-length", "")
     if (declared.isdigit() and int(declared) > limit) or len(body := await request.body()) > limit:
         raise OpenAIError(f"request body larger than {limit} bytes", status=413, type="invalid_request_error",
                           code="request_too_large")
     try:
-        return orjson.loads(body)
+        return orjson.loads(body), len(body)
     except orjson.JSONDecodeError as exc:
         raise json.JSONDecodeError("malformed JSON or not UTF-8", "", 0) from exc
 
 
 async def _chat(request: Request) -> Response:
     _check_client(request)
-    req = ChatCompletionRequest.model_validate(await _bounded_body(request))
+    body, size = await _bounded_body(request)
+    req = ChatCompletionRequest.model_validate(body)
     st = request.app.state
-    return await _serve(request, "chat", req, lambda: prepare_chat(req, st.tokenizer, st.model_config))
+    return await _serve(request, "chat", req, lambda: prepare_chat(req, st.tokenizer, st.model_config), size)
 
 
 async def _completions(request: Request) -> Response:
     _check_client(request)
-    req = CompletionRequest.model_validate(await _bounded_body(request))
-    return await _serve(request, "completions", req, lambda: prepare_completion(req, request.app.state.tokenizer))
+    body, size = await _bounded_body(request)
+    req = CompletionRequest.model_validate(body)
+    return await _serve(request, "completions", req, lambda: prepare_completion(req, request.app.state.tokenizer),
+                        size)
 
 
 async def _health(request: Request) -> JSONResponse:

@@ -37,7 +37,7 @@ def test_too_large_bodies_get_413(body, limit, declared):
 
 
 def test_bodies_within_the_limit_parse_and_bad_json_is_a_400_error():
-    assert asyncio.run(_bounded_body(request(b'{"a": [1, 2]}', 1000))) == {"a": [1, 2]}
+    assert asyncio.run(_bounded_body(request(b'{"a": [1, 2]}', 1000))) == ({"a": [1, 2]}, 13)
     with pytest.raises(json.JSONDecodeError):
         asyncio.run(_bounded_body(request(b"{nope", 1000)))
     with pytest.raises(json.JSONDecodeError):
