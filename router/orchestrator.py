@@ -27,6 +27,7 @@ from router.placement.pipeline import NoWorkerAvailable, Pipeline, decide_disagg
 from router.placement.types import RoutingContext, WorkerState
 from router.registry import WorkerRegistry
 from router.settings import RouterSettings
+from router.stream_watch import StreamWatch
 from router.upstream import (
     JSON_HEADERS,
     TRANSPORT_ERRORS,
@@ -40,7 +41,7 @@ from router.upstream import (
 )
 from shared.openai.errors import NoWorkerAvailable as NoWorker503
 from shared.openai.legs import decode_body, prefill_body, wire_body
-from shared.openai.sse import SSE_DONE, SSEParser, sse_error
+from shared.openai.sse import SSE_DONE, sse_error
 from shared.serving.prompts import PreparedPrompt
 
 log = logging.getLogger(__name__)
@@ -306,7 +307,7 @@ class Orchestrator:
         Health outcome: success only with [DONE]; an upstream failure is a failure; a client that
         leaves early is neither (it says nothing about the worker).
         """
-        parser, saw_done, outcome, first_at, last_at = SSEParser(), False, None, None, None
+        watch, outcome, first_at, last_at = StreamWatch(), None, None, None
         try:
             iterator = resp.content.iter_any().__aiter__()
             while True:
@@ -321,12 +322,12 @@ class Orchestrator:
                 if last_at is not None:
                     self.metrics.tpot.observe(now - last_at)
                 last_at = now
-                events = parser.feed(chunk)
-                saw_done = saw_done or any(e.is_done for e in events)
-                if any(e.is_error for e in events):
-                    self.metrics.stream_errors.inc()
+                errors = watch.errors
+                watch.feed(chunk)
+                if watch.errors > errors:
+                    self.metrics.stream_errors.inc(watch.errors - errors)
                 yield chunk
-            if not saw_done:
+            if not watch.done:
                 raise UpstreamError("truncated", "the decode worker ended the stream early", 502)
             outcome = True
         except (*TRANSPORT_ERRORS, UpstreamError) as exc:
