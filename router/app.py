@@ -1,8 +1,8 @@
 """The router service: OpenAI endpoints in front of the P/D fleet, /health, /ready, /metrics, admin.
 
-Clients created once in the lifespan (aiohttp for the request path, httpx for health and admin calls,
-the store, background loops) and
-kept on app.state; routes only compose them.
+Clients created once in the lifespan (aiohttp for the request path, httpx for health and admin
+calls, the store, background loops) and kept on app.state; routes only compose them. The two
+OpenAI POST endpoints are served through `router.fast_path` (past FastAPI's routing layers).
 """
 from __future__ import annotations
 
