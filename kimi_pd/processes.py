@@ -102,6 +102,7 @@ class Supervisor:
     def spawn(self, name: str, cmd: list[str], env: dict[str, str], log: Path) -> Child:
         child = self.processes.spawn(name, cmd, env, log)
         self._children[name] = _Supervised(name, cmd, env, log, child, self._clock())
+        self.report(f"kimi-pd: started {name} (pid {child.popen.pid}, log: {log})")
         return child
 
     def restarts(self, name: str) -> int:

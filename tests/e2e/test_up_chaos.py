@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import signal
@@ -25,17 +26,10 @@ CLIENT_KEY, ADMIN = "client-key-0123456789", "up-chaos-admin-token-0123"
 AUTH = {"authorization": f"Bearer {CLIENT_KEY}"}
 
 
-def pid_of(worker_id: str) -> int | None:
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    argv = f.read().split(b"\0")
-            except OSError:
-                continue
-            if b"kimi_pd" in argv and worker_id.encode() in argv and b"--worker-id" in argv:
-                return int(entry)
-    return None
+def pid_of(out, name: str) -> int | None:
+    """The pid `kimi-pd up` last reported for its child `name` ("started/restarted NAME (pid N")."""
+    found = re.findall(rf"(?:started|restarted) {re.escape(name)} \(pid (\d+)", out.read_text())
+    return int(found[-1]) if found else None
 
 
 def workers(url: str) -> dict[str, dict]:
@@ -85,7 +79,7 @@ def test_up_with_keys_migrates_a_killed_decode_worker_and_restarts_it(up):
         for line in resp.iter_lines():
             lines.append(line)
             if sum(x.startswith("data: {") for x in lines) == 5:
-                pid = pid_of(victim)
+                pid = pid_of(up.out, victim)
                 assert pid is not None, (victim, up.out.read_text())
                 os.kill(pid, signal.SIGKILL)
     chunks = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
@@ -99,7 +93,8 @@ def test_up_with_keys_migrates_a_killed_decode_worker_and_restarts_it(up):
 
     eventually(lambda: f"restarted {victim}" in up.out.read_text(), 30, "up restarts the dead worker")
     assert f"{victim} exited (code -9)" in up.out.read_text()
-    eventually(lambda: workers(up.url).get(victim, {}).get("healthy") and pid_of(victim), 120, "worker back")
+    eventually(lambda: workers(up.url).get(victim, {}).get("healthy"), 120, "worker back")
+    assert pid_of(up.out, victim) != pid
     for i in range(4):
         again = httpx.post(up.url + "/v1/chat/completions", headers=AUTH, timeout=60,
                            json={"messages": [{"role": "user", "content": f"again {i}"}], "max_tokens": 3})
