@@ -272,7 +272,7 @@ class Orchestrator:
                                            headers={**JSON_HEADERS, **self._headers(trace)},
                                            timeout=leg_timeout(self.s.connect_timeout_s, read))
         except TRANSPORT_ERRORS as exc:
-            err = classify(exc, "decode")
+            err = classify(exc, "decode", replay_safe="kv_transfer_params" not in body)
             self.registry.end(worker.worker_id, ok=err.health_outcome)
             raise err from exc
         except BaseException:

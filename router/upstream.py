@@ -41,7 +41,13 @@ TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, httpx.HTTPError)
 JSON_HEADERS = {"content-type": "application/json"}
 
 
-def classify(exc: BaseException, leg: str) -> UpstreamError:
+KEEPALIVE_S = 3.0
+# the worker closed the connection (or reset it) before any response: a pooled keep-alive connection
+# it was closing as we reused it, or a worker that died on receipt; nothing was answered
+DISCONNECTED = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, httpx.RemoteProtocolError)
+
+
+def classify(exc: BaseException, leg: str, replay_safe: bool = False) -> UpstreamError:
     """Client-facing messages name the leg, never internal addresses (those go to the log)."""
     log.warning("%s worker call failed: %s: %s", leg, type(exc).__name__, exc)
     if isinstance(exc, (httpx.LocalProtocolError, httpx.UnsupportedProtocol, httpx.InvalidURL, aiohttp.InvalidURL)):
@@ -50,6 +56,9 @@ def classify(exc: BaseException, leg: str) -> UpstreamError:
     if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout, aiohttp.ClientConnectorError,
                         aiohttp.ConnectionTimeoutError)):
         return UpstreamError("connect", f"the {leg} worker could not be reached", 503, retryable=True)
+    if replay_safe and isinstance(exc, DISCONNECTED):
+        # nothing came back, and replaying is harmless (no transfer params a worker may have consumed)
+        return UpstreamError("disconnected", f"the {leg} worker closed the connection", 502, retryable=True)
     if isinstance(exc, (httpx.TimeoutException, asyncio.TimeoutError)):
         return UpstreamError("timeout", f"the {leg} worker timed out", 504)
     return UpstreamError("transport", f"the {leg} worker connection failed", 502)
@@ -63,8 +72,10 @@ def leg_timeout(connect_s: float, read_s: float) -> aiohttp.ClientTimeout:
 def make_session(connections: int = 1000) -> aiohttp.ClientSession:
     """The pooled client of the request path (C HTTP parser, keep-alive, no cookie jar, raw bytes:
     bodies are relayed, never re-encoded)."""
+    # idle connections are dropped before a worker's own keep-alive timeout (uvicorn's 5 s) closes
+    # them, so the router rarely reuses a connection the worker is closing (a request it never saw)
     connector = aiohttp.TCPConnector(limit=connections, limit_per_host=0, ttl_dns_cache=300,
-                                     enable_cleanup_closed=False)
+                                     enable_cleanup_closed=False, keepalive_timeout=KEEPALIVE_S)
     return aiohttp.ClientSession(connector=connector, auto_decompress=False,
                                  cookie_jar=aiohttp.DummyCookieJar(), json_serialize=lambda o: orjson.dumps(o).decode())
 
@@ -96,7 +107,7 @@ async def post_json(session: aiohttp.ClientSession, url: str, body: dict, timeou
             content = await resp.read()
             status, reply_headers = resp.status, resp.headers
     except TRANSPORT_ERRORS as exc:
-        raise classify(exc, leg) from exc
+        raise classify(exc, leg, replay_safe=True) from exc
     if status >= 400:
         raise UpstreamError(f"http_{status // 100}xx", f"the {leg} worker answered {status}",
                             status, error_body(content), retryable=status in (502, 503))
