@@ -199,7 +199,6 @@ class Orchestrator:
         else:
             body = wire_body(req)
             body.pop("kv_transfer_params", None)        # clients never steer transfers (SSRF, lease tampering)
-        body.pop("kimi_pd_resume", None)                # nor migrations
         if req.stream:
             body["return_token_ids"] = True             # what a migration resumes from (stripped for the client)
         return body

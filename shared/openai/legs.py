@@ -13,7 +13,9 @@ from shared.openai.requests import SamplingRequest
 
 def wire_body(req: SamplingRequest) -> dict[str, Any]:
     """The JSON body to forward: the client's fields (normalised), nothing the server defaulted."""
-    return req.model_dump(mode="json", exclude_unset=True)
+    body = req.model_dump(mode="json", exclude_unset=True)
+    body.pop("kimi_pd_resume", None)                # internal (router -> decode worker): clients never steer it
+    return body
 
 
 def prefill_body(req: SamplingRequest) -> dict[str, Any]:
