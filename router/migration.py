@@ -30,6 +30,8 @@ class RelayedStream:
     done: bool = False                         # [DONE] was relayed
     errors: int = 0                            # in-band error events relayed
     continuation: bool = False                 # the current upstream is a migrated continuation
+    untracked: bool = False                    # content was delivered without token ids (a worker that
+                                               # ignores return_token_ids): such a stream cannot be resumed
     _parser: SSEParser = field(default_factory=SSEParser)
 
     def restart(self) -> None:
@@ -61,6 +63,8 @@ class RelayedStream:
             ids = choice.get("token_ids") if self.keep_token_ids else choice.pop("token_ids", None)
             if isinstance(ids, list):
                 self.token_ids += [t for t in ids if isinstance(t, int)]
+            elif _has_content(choice):
+                self.untracked = True
             if choice.get("finish_reason"):
                 self.finished = True
             delta = choice.get("delta")
@@ -73,6 +77,12 @@ class RelayedStream:
         elif "id" in body:
             body["id"], body["created"] = self.response_id, self.created
         return b"data: " + orjson.dumps(body) + b"\n\n"
+
+    @property
+    def resumable(self) -> bool:
+        """Whether another worker can continue exactly where the client is (nothing finished, nothing
+        delivered that the router cannot name in tokens)."""
+        return not self.finished and not self.untracked
 
     def seed_offset(self, first_token_adopted: bool) -> int:
         """Generator draws made for the delivered tokens: one per token a decode worker sampled (a P/D
@@ -90,6 +100,11 @@ def continuation_body(body: dict[str, Any], stream: RelayedStream, first_token_a
             resume["response_id"] = stream.response_id
         out["kimi_pd_resume"] = resume
     return out
+
+
+def _has_content(choice: dict[str, Any]) -> bool:
+    delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
+    return bool(choice.get("text") or delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"))
 
 
 def _frame(event: SSEEvent) -> bytes:

@@ -351,8 +351,8 @@ class Orchestrator:
                     log.warning("decode stream %s failed mid-stream on %s (%s): %s", trace.request_id,
                                 worker.worker_id, err.reason, err)
                     self.metrics.leg_failures.labels(leg="decode", reason=err.reason).inc()
-                    moved = None if stream.finished else await self._migrate(trace, body, stream, adopted, ctx,
-                                                                             states, tried)
+                    moved = await self._migrate(trace, body, stream, adopted, ctx, states, tried) \
+                        if stream.resumable else None
                     if moved is None:
                         if stream.finished:                 # every token was delivered; only the tail was lost
                             trace.outcome = "ok"

@@ -1,0 +1,64 @@
+"""RelayedStream, the router's view of a relayed stream (issue 11 migration): which tokens the
+client has seen, the response id, and what another decode worker needs to continue exactly there."""
+from __future__ import annotations
+
+import json
+
+from router.migration import RelayedStream, continuation_body
+
+
+def chunk(delta: dict | None = None, ids=None, finish=None, cid="chatcmpl-a", text=None) -> bytes:
+    choice = {"index": 0, "finish_reason": finish}
+    if delta is not None:
+        choice["delta"] = delta
+    if text is not None:
+        choice["text"] = text
+    if ids is not None:
+        choice["token_ids"] = ids
+    return b"data: " + json.dumps({"id": cid, "created": 1, "choices": [choice]}).encode() + b"\n\n"
+
+
+def events(out: bytes) -> list[dict]:
+    return [json.loads(line[6:]) for line in out.decode().split("\n") if line.startswith("data: {")]
+
+
+def test_tokens_are_recorded_and_stripped_and_split_events_wait():
+    s = RelayedStream(keep_token_ids=False)
+    first = chunk({"role": "assistant", "content": ""}, []) + chunk({"content": "Hel"}, [1, 2])
+    half = chunk({"content": "lo"}, [3])
+    out = s.feed(first + half[:10])
+    assert [e["choices"][0].get("token_ids") for e in events(out)] == [None, None]
+    assert s.token_ids == [1, 2]                       # the cut event is not delivered, so not counted
+    out = s.feed(half[10:])
+    assert events(out)[0]["choices"][0]["delta"]["content"] == "lo" and s.token_ids == [1, 2, 3]
+    body = continuation_body({"messages": [], "stream": True, "kv_transfer_params": {"x": 1}, "seed": 3}, s, True)
+    assert body["kimi_pd_resume"] == {"token_ids": [1, 2, 3], "seed_offset": 2, "response_id": "chatcmpl-a"}
+    assert "kv_transfer_params" not in body and body["return_token_ids"] is True and body["seed"] == 3
+
+
+def test_a_continuation_keeps_the_first_id_and_drops_its_role_chunk():
+    s = RelayedStream(keep_token_ids=True)
+    s.feed(chunk({"role": "assistant", "content": ""}, [], cid="chatcmpl-first") + chunk({"content": "a"}, [7]))
+    s.restart()
+    out = s.feed(chunk({"role": "assistant", "content": ""}, [], cid="chatcmpl-second")
+                 + chunk({"content": "b"}, [8], cid="chatcmpl-second") + chunk({}, [], finish="length",
+                                                                               cid="chatcmpl-second")
+                 + b"data: [DONE]\n\n")
+    got = events(out)
+    assert [e["id"] for e in got] == ["chatcmpl-first"] * 2 and got[0]["choices"][0]["token_ids"] == [8]
+    assert s.done and s.finished and not s.resumable and s.token_ids == [7, 8]
+
+
+def test_content_without_token_ids_cannot_be_resumed():
+    s = RelayedStream(keep_token_ids=False)
+    s.feed(chunk(text="hello"))
+    assert not s.resumable                             # a worker that ignores return_token_ids: no replay
+    fresh = RelayedStream(keep_token_ids=False)
+    fresh.feed(chunk({"role": "assistant", "content": ""}))
+    assert fresh.resumable and "kimi_pd_resume" not in continuation_body({"stream": True}, fresh, False)
+
+
+def test_error_events_pass_through_and_are_counted():
+    s = RelayedStream(keep_token_ids=False)
+    out = s.feed(b'event: error\ndata: {"error": {"message": "x", "type": "server_error"}}\n\ndata: [DONE]\n\n')
+    assert s.errors == 1 and s.done and out.startswith(b"event: error\n")
