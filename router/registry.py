@@ -92,6 +92,7 @@ class WorkerRegistry:
         self._event_seq: dict[str, int] = {}
         self.store_ok = store is None
         self._empty_since: float | None = None
+        self._instance: str | None = None            # the store server's run id, to notice restarts
         self.last_refresh = 0.0
         self.unsized: set[str] = set()                # static workers whose /metrics are still to be asked
         for info in self.static.values():
@@ -152,7 +153,7 @@ class WorkerRegistry:
             return
         try:
             records = await self.store.workers()
-            if self._store_restarted_empty(records):
+            if await self._store_restarted_empty(records):
                 return
             gone = set(self.discovered) - {r.info.worker_id for r in records} - set(self.static)
             self.discovered = {r.info.worker_id: r.info for r in records}
@@ -171,12 +172,18 @@ class WorkerRegistry:
                 log.warning("state store unavailable, routing on the last known state: %s", exc)
             self.store_ok = False
 
-    def _store_restarted_empty(self, records) -> bool:
-        """A store that suddenly lists nobody has most likely restarted empty: workers register again
-        with their next heartbeat. Until then (at most `store_empty_grace_s`) keep the last fleet, so
-        the restart costs no request a 503."""
+    async def _store_restarted_empty(self, records) -> bool:
+        """A store that lists nobody right after an outage, or whose server instance changed, has
+        restarted empty: workers register again with their next heartbeat. Until then (at most
+        `store_empty_grace_s`) keep the last fleet, so the restart costs no request a 503. An empty
+        list from the same, reachable store is real (every worker deregistered)."""
+        instance = await self.store.instance_id()
+        restarted = (not self.store_ok) or (instance is not None and self._instance not in (None, instance))
+        self._instance = instance
         if records or not self.discovered:
             self._empty_since = None
+            return False
+        if self._empty_since is None and not restarted:
             return False
         now = time.monotonic()
         if self._empty_since is None:

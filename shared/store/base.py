@@ -101,6 +101,10 @@ class StateStore(Protocol):
         """The latest snapshot as (seq, block hashes), or None if there is none."""
         ...
 
+    async def instance_id(self) -> str | None:
+        """An id of the running store server that changes when it restarts (None: unknown)."""
+        ...
+
     async def close(self) -> None:
         """Release connections. The store must not be used afterwards."""
         ...

@@ -114,6 +114,9 @@ class InMemoryStore:
         seq, hashes = state.snapshot
         return seq, list(hashes)
 
+    async def instance_id(self) -> str | None:
+        return f"memory-{id(self):x}"               # one process-local store: it never restarts
+
     async def close(self) -> None:
         return None
 

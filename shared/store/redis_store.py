@@ -197,6 +197,10 @@ class RedisStore:
         seq, hashes = _unpack(data)
         return int(seq), list(hashes)
 
+    async def instance_id(self) -> str | None:
+        info = await self._run("instance_id", lambda: self._redis.info("server"))
+        return str(info.get("run_id")) if isinstance(info, dict) and info.get("run_id") else None
+
     async def close(self) -> None:
         await self._redis.aclose()
 
