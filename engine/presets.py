@@ -6,6 +6,7 @@ loader and model code run on them and on a real checkpoint.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from engine.config import ModelConfig
@@ -95,6 +96,21 @@ def small_config() -> dict[str, Any]:
 
 
 PRESETS = {"tiny": tiny_config, "small": small_config}
+
+
+# Trained checkpoints shipped as package data (`kimi-pd checkpoint create --preset NAME` copies them).
+SHIPPED_DIR = Path(__file__).parent / "presets_data"
+SHIPPED_PRESETS = ("tiny-chat",)
+
+
+def shipped_checkpoint(name: str) -> Path:
+    """Directory of a shipped trained checkpoint (FileNotFoundError if the install lacks it)."""
+    if name not in SHIPPED_PRESETS:
+        raise ValueError(f"unknown shipped checkpoint {name!r}; choose one of {list(SHIPPED_PRESETS)}")
+    path = SHIPPED_DIR / name
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"the {name} checkpoint is not installed at {path} (package data missing)")
+    return path
 
 
 def preset_config(name: str) -> ModelConfig:
