@@ -122,13 +122,14 @@ def preset_config(name: str) -> ModelConfig:
 def tiny_chat_config(num_ranks: int, hidden_size: int = 128, num_layers: int = 4) -> dict[str, Any]:
     """The trained `tiny-chat` model: every K3 mixer, sized to train in 20 CPU minutes.
 
-    KDA on the odd layers (1, 3: position-aware, its short conv and decay), gated NoPE MLA on the
-    even ones; a dense SiTU MLP on layer 0 and latent MoE (8 experts, top-2, one shared) after;
-    AttnRes blocks of 2 layers. `num_ranks` is the size of the checkpoint's own tokenizer
+    KDA on layer 1 (position-aware: its short conv and decay give the NoPE attention above it the
+    token order), gated NoPE MLA on the rest (copying and lookup; a KDA layer costs ~2x an MLA layer
+    in training on CPU); a dense SiTU MLP on layer 0 and latent MoE (8 experts, top-2, one shared)
+    after; AttnRes blocks of 2 layers. `num_ranks` is the size of the checkpoint's own tokenizer
     (engine/training/corpus.py), whose special tokens sit above it.
     """
     d = hidden_size
-    mla = [i for i in range(1, num_layers + 1) if i % 2 == 0]
+    mla = list(range(2, num_layers + 1))
     text = {
         **tiny_config()["text_config"],
         "vocab_size": num_ranks + NUM_SPECIAL_TOKENS, "hidden_size": d, "num_hidden_layers": num_layers,

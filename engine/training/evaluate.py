@@ -17,7 +17,7 @@ from typing import Any
 
 from engine.training.tasks import FAMILIES, Instance, eval_instances
 
-MAX_TOKENS = 320
+MAX_TOKENS = 256               # the longest answer turn (thinking-on multi_turn) is ~110 tokens
 
 
 @dataclass(frozen=True)

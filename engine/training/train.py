@@ -40,7 +40,7 @@ DEFAULT_FAMILY_WEIGHTS = {"add": 1.2, "sub": 1.2, "multi_turn": 1.2, "reverse": 
 @dataclass(frozen=True)
 class TrainConfig:
     seed: int = 0
-    steps: int = 600
+    steps: int = 800
     tokens_per_step: int = 3072      # padded tokens per batch (examples are bucketed by length)
     lr: float = 3e-3
     min_lr_ratio: float = 0.05
