@@ -96,7 +96,9 @@ def offline_answerer(model_dir: str, max_num_seqs: int = 16) -> Answerer:
         for out in outs:
             text = out.output.text
             split = split_reasoning(text, thinking=thinking)
-            answers.append(Answer(split.content, parse_tool_calls(text, thinking=thinking), split.reasoning))
+            calls = [{"function": {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}}
+                     for c in parse_tool_calls(text, thinking=thinking)]
+            answers.append(Answer(split.content, calls, split.reasoning))
         return answers
 
     return answer_all

@@ -55,11 +55,11 @@ def test_engine_greedy_decode_equals_the_training_forward(shipped):
         inst = eval_instances(family, 1)[0]
         prompt = llm.render(history(inst, thinking, False), tools=list(inst.tools) or None, thinking=thinking)
         out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, skip_special_tokens=False))[0]
-        ids = list(prompt.token_ids)
+        ids = list(prompt.prompt_token_ids)
         with torch.no_grad():
             for _ in range(len(out.output.token_ids)):
                 ids.append(int(dense_logits(model, torch.tensor([ids]))[0, -1].argmax()))
-        assert ids[len(prompt.token_ids):] == out.output.token_ids, family
+        assert ids[len(prompt.prompt_token_ids):] == out.output.token_ids, family
 
 
 def test_eval_command_scores_every_family_offline(capsys):
