@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
-from kimi_pd.up import free_port
+from tests.e2e.fleet import kimi_pd_up
 from tests.bench.helpers import LATENCY_KEYS, SUMMARY_KEYS, assert_valid_pngs, run_bench
 
 pytestmark = pytest.mark.timeout(300)
@@ -24,29 +22,8 @@ def up_url(tmp_path_factory, bench_model):
     tmp = tmp_path_factory.mktemp("bench-up")
     model = tmp / "model"
     shutil.copytree(bench_model, model)
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "kimi_pd", "up", "--model", str(model), "--port", str(port),
-                             "--log-dir", str(tmp / "logs")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        deadline, lines = time.monotonic() + 180, []
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if line.startswith("curl"):
-                break
-        assert any("kimi-pd is up" in line for line in lines), "".join(lines)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+    with kimi_pd_up(["--model", str(model)], tmp / "logs") as (url, _):
+        yield url
 
 
 def test_bench_random_against_up(up_url, bench_model, tmp_path):

@@ -6,11 +6,13 @@ the tail of the process's log so the cause is visible in CI output.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -130,3 +132,35 @@ def metric(url: str, name: str, **labels: str) -> float:
         if all(f'{k}="{v}"' in head for k, v in labels.items()):
             total += float(value)
     return total
+
+
+@contextlib.contextmanager
+def kimi_pd_up(args: list[str], log_dir: Path, env: dict | None = None,
+               timeout_s: float = 180.0) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`kimi-pd up ARGS` on a free loopback port until it prints its curl line; yields (url, process).
+
+    On exit it is stopped with SIGTERM (killed if it has not gone in 60 s), also when the test failed.
+    """
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kimi_pd", "up", *args, "--port", str(port),
+                             "--log-dir", str(log_dir)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True, env=env)
+    try:
+        deadline, lines = time.monotonic() + timeout_s, []
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if line.startswith("curl"):
+                break
+        assert any("kimi-pd is up" in line for line in lines), "".join(lines)
+        yield f"http://127.0.0.1:{port}", proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)

@@ -9,16 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 
 from engine.training.evaluate import evaluate, format_scores, offline_answerer, router_answerer
 from engine.training.tasks import FAMILIES, WEATHER_TOOL, eval_instances
-from tests.e2e.fleet import free_port
+from tests.e2e.fleet import kimi_pd_up
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.timeout(420)
@@ -58,33 +54,10 @@ def offline_scores_and_answers():
 @pytest.fixture(scope="module")
 def router_url(tmp_path_factory):
     logs = tmp_path_factory.mktemp("tiny-chat-up")
-    port = free_port()
     # One intra-op thread per process: P, D and the router share the 2 cores, and two OpenMP threads
     # per worker spin against each other under load (measured 15x slower decode at load 8).
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "kimi_pd", "up", "--port", str(port), "--log-dir", str(logs)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env=env)
-    try:
-        lines = []
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if line.startswith("curl"):
-                break
-        assert any("kimi-pd is up" in line for line in lines), "".join(lines)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+    with kimi_pd_up([], logs, env={**os.environ, "OMP_NUM_THREADS": "1"}) as (url, _):
+        yield url
 
 
 @pytest.fixture(scope="module")
