@@ -49,9 +49,10 @@ _FLOAT_RANGES = {
 # name -> (allowed range, None allowed, hint appended to the message)
 _INT_RANGES: dict[str, tuple[_Interval, bool, str]] = {
     "top_k": (_Interval(-1, _INF, hi_open=True), False, " (0 or -1 disables top-k)"),
-    "max_tokens": (_Interval(1, _INF, hi_open=True), True, ""),
+    "max_tokens": (_Interval(0, _INF, hi_open=True), True, " (0: score the prompt only)"),
     "min_tokens": (_Interval(0, _INF, hi_open=True), False, ""),
     "logprobs": (_Interval(0, MAX_LOGPROBS), True, " (the number of top alternatives to return)"),
+    "prompt_logprobs": (_Interval(0, MAX_LOGPROBS), True, " (the number of top alternatives per prompt token)"),
     "seed": (_Interval(INT64_MIN, INT64_MAX), True, ""),
 }
 _BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
@@ -75,6 +76,7 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None         # top-n alternatives besides the sampled token
+    prompt_logprobs: int | None = None  # per prompt token: its logprob and rank, plus top-n alternatives
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     n: int = 1

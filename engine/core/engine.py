@@ -21,7 +21,7 @@ from engine.dtypes import TORCH_DTYPE_NAMES, torch_dtype
 from engine.core.cache_manager import HybridCacheManager, budget_cache
 from engine.core.inputs import EngineInput, encode_images, validate_tokens
 from engine.core.model_runner import ModelRunner
-from engine.core.outputs import CompletionOutput, RequestOutput
+from engine.core.outputs import CompletionOutput, PromptLogprob, RequestOutput
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.core.state_export import ExportedState, StateIdentity
@@ -115,7 +115,9 @@ class LLMEngine:
         if imported is not None:
             self._check_import(inputs.prompt_token_ids, imported)
         req = Request(request_id, list(inputs.prompt_token_ids), params, export_state=export_state, imported=imported)
-        req.max_tokens = 1 if export_state else max_tokens
+        if req.wants_prompt_logprobs:
+            req.prompt_logprobs = [None] * req.num_prompt_tokens
+        req.max_tokens = min(1, max_tokens) if export_state else max_tokens
         req.images = [] if imported else encode_images(self.model, inputs.images, len(req.prompt_token_ids),
                                                         self.tokenizer.media_pad_id, req.prompt_token_ids)
         req.block_hashes = block_hashes(req.prompt_token_ids, self.config.block_size, self.hash_root,
@@ -146,7 +148,16 @@ class LLMEngine:
         self.identity.check_compatible(state.identity)
 
     def _adopt_first_token(self, req: Request, state: ExportedState) -> RequestOutput:
+        """The prefill worker's first token (and prompt logprobs) become this request's own."""
         req.num_cached_tokens = state.num_cached_tokens
+        if req.wants_prompt_logprobs:
+            raw = state.extra.get("prompt_logprobs")
+            if raw is None:
+                raise InvalidRequest("imported state carries no prompt logprobs", param="prompt_logprobs")
+            req.prompt_logprobs = [None if e is None else PromptLogprob.from_wire(e) for e in raw]
+        if req.max_tokens == 0:
+            self._finish(req, "length", None)
+            return self._output(req, "", [])
         return self._append_token(req, state.first_token_id, state.first_logprob, state.first_top_logprobs)
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -167,8 +178,14 @@ class LLMEngine:
             raise KeyError(f"no held state for request {request_id!r}")
         parts = self.runner.export_state(req)
         top = req.output_top_logprobs[0] if req.output_top_logprobs else None
-        return ExportedState(request_id, list(req.prompt_token_ids), req.output_token_ids[0], req.output_logprobs[0],
-                             self.identity, num_cached_tokens=req.num_cached_tokens, first_top_logprobs=top, **parts)
+        extra = {}
+        if req.prompt_logprobs is not None:       # they travel with the state to the decode worker
+            extra["prompt_logprobs"] = [None if e is None else e.to_wire() for e in req.prompt_logprobs]
+        first_token = req.output_token_ids[0] if req.output_token_ids else -1     # -1: max_tokens=0
+        first_logprob = req.output_logprobs[0] if req.output_logprobs else 0.0
+        return ExportedState(request_id, list(req.prompt_token_ids), first_token, first_logprob,
+                             self.identity, num_cached_tokens=req.num_cached_tokens, first_top_logprobs=top,
+                             extra=extra, **parts)
 
     def release_export(self, request_id: str, reason: str = "released") -> bool:
         """Free a held prefill state. True if something was held (frees exactly once)."""
@@ -198,19 +215,37 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.seqs:
             return pending
-        logits = self.runner.execute(out)
-        sampling = []
+        logits, prompt_logits = self.runner.execute_with_prompt_logits(out)
+        for index, (start, chunk_logits) in prompt_logits.items():
+            record_prompt_logprobs(out.seqs[index].req, start, chunk_logits)
+        sampling, scored_only = [], []
         for s in out.seqs:
             s.req.num_computed_tokens += s.num_new_tokens
             s.req.first_scheduled_time = s.req.first_scheduled_time or time.monotonic()
             self.cache.commit(s.req)
             if s.samples:
                 sampling.append(s.req)
+        if any(r.max_tokens == 0 for r in sampling):
+            # max_tokens=0 (prompt scoring): the prompt is computed, nothing is generated
+            keep = [i for i, r in enumerate(sampling) if r.max_tokens > 0]
+            scored_only = [r for r in sampling if r.max_tokens == 0]
+            sampling = [sampling[i] for i in keep]
+            logits = logits[keep]
+        pending += [self._finish_scored_only(req) for req in scored_only]
+        if not sampling:
+            return pending
         states = [SamplingState(params=r.params, prompt_token_ids=r.prompt_token_ids,
                                 output_token_ids=r.output_token_ids, generator=r.generator) for r in sampling]
         result = sample(logits, states, self.eos_token_ids)
         return pending + [self._append_token(req, tok, lp, top) for req, tok, lp, top in
                           zip(sampling, result.token_ids, result.logprobs, result.top_logprobs)]
+
+    def _finish_scored_only(self, req: Request) -> RequestOutput:
+        if req.export_state:
+            self._hold(req, "length", None)
+        else:
+            self._finish(req, "length", None)
+        return self._output(req, "", [])
 
     def _append_token(self, req: Request, token: int, logprob: float, top) -> RequestOutput:
         req.output_token_ids.append(token)
@@ -252,8 +287,10 @@ class LLMEngine:
         completion = CompletionOutput(0, req.text, list(req.output_token_ids), list(req.output_logprobs),
                                       list(req.output_top_logprobs), req.finish_reason, req.stop_reason)
         queued = None if req.first_scheduled_time is None else req.first_scheduled_time - req.arrival_time
+        prompt_done = req.imported is not None or req.num_computed_tokens >= req.num_prompt_tokens
+        scored = req.prompt_logprobs if prompt_done else None
         return RequestOutput(req.request_id, req.prompt_token_ids, [completion], finished,
-                             req.num_cached_tokens, new_text, new_tokens, queued)
+                             req.num_cached_tokens, new_text, new_tokens, queued, scored)
 
     # ---- checks ---------------------------------------------------------------------------------
     def check_integrity(self) -> None:
@@ -264,3 +301,18 @@ class LLMEngine:
         for r in self.requests.values():
             if r.status in (RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.PREEMPTED) and r not in live:
                 raise AssertionError(f"request {r.request_id} is {r.status.value} but in no queue")
+
+
+def record_prompt_logprobs(req: Request, start: int, logits: torch.Tensor) -> None:
+    """Score prompt tokens start+1 .. start+k from the logits at positions start .. start+k-1 (raw,
+    as vLLM reports them). A recomputed chunk (after preemption) writes the same values again."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    targets = torch.tensor(req.prompt_token_ids[start + 1:start + 1 + logits.shape[0]], device=logits.device)
+    chosen = logprobs.gather(1, targets.unsqueeze(1))
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    n = req.params.prompt_logprobs or 0
+    top_values, top_ids = logprobs.topk(n, dim=-1) if n else (None, None)
+    chosen_l, ranks_l = chosen.squeeze(1).tolist(), ranks.tolist()
+    tops = list(zip(top_ids.tolist(), top_values.tolist())) if n else [([], [])] * len(chosen_l)
+    for i, (token_id, lp, rank, (ids, values)) in enumerate(zip(targets.tolist(), chosen_l, ranks_l, tops)):
+        req.prompt_logprobs[start + 1 + i] = PromptLogprob(token_id, lp, rank, list(zip(ids, values)))

@@ -60,6 +60,11 @@ class Request:
     text: str = ""
     first_scheduled_time: float | None = None
     num_preemptions: int = 0
+    prompt_logprobs: list[Any] | None = None   # PromptLogprob per position (0: None) when asked for
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -35,7 +35,7 @@ INVALID = [
     ({"frequency_penalty": -3}, "frequency_penalty", ["[-2, 2]", "-3"]),
     ({"repetition_penalty": 0.0}, "repetition_penalty", ["(0, inf)", "0.0"]),
     ({"repetition_penalty": -1.0}, "repetition_penalty", ["(0, inf)"]),
-    ({"max_tokens": 0}, "max_tokens", ["None or an integer in [1, inf)", "got 0"]),
+    ({"max_tokens": -1}, "max_tokens", ["None or an integer in [0, inf)", "got -1"]),
     ({"max_tokens": 1.0}, "max_tokens", ["integer", "1.0"]),
     ({"min_tokens": -1}, "min_tokens", ["[0, inf)", "-1"]),
     ({"min_tokens": 17, "max_tokens": 16}, "min_tokens", ["at most max_tokens (16)", "17"]),
