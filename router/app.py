@@ -25,6 +25,8 @@ from router.settings import RouterSettings
 from router.upstream import UpstreamError
 from shared.openai.errors import Unauthorized, ModelNotFound, OpenAIError, error_response
 from shared.openai.convert import to_sampling_params
+from shared.openai import tokenize as tokenize_api
+from shared.openai.fanout import fan_out, needs_fan_out
 from shared.openai.requests import ChatCompletionRequest, CompletionRequest
 from shared.openai.responses import ModelCard, ModelList
 from shared.http import bearer_token, install_error_handlers, read_json_body, until_disconnect
@@ -50,7 +52,9 @@ def create_app(settings: RouterSettings) -> FastAPI:
         pipeline = build_pipeline(scorers=dict(settings.scorer_weights))
         app.state.settings, app.state.registry, app.state.metrics = settings, registry, metrics
         app.state.tokenizer = KimiTokenizer.from_dir(settings.model)
-        app.state.vision_config = ModelConfig.from_file(settings.model).vision_config
+        model_config = ModelConfig.from_file(settings.model)
+        app.state.vision_config = model_config.vision_config
+        app.state.max_model_len = model_config.text_config.max_position_embeddings
         app.state.orchestrator = Orchestrator(settings, registry, client, pipeline, metrics, settings.admin_token)
         await registry.refresh()
         await health_checker.check_once(client, registry, settings.connect_timeout_s)
@@ -72,7 +76,9 @@ def create_app(settings: RouterSettings) -> FastAPI:
                               ("/v1/completions", _completions, ["POST"]), ("/health", _health, ["GET"]),
                               ("/ready", _ready, ["GET"]), ("/metrics", _metrics, ["GET"]),
                               ("/admin/workers", _list_workers, ["GET"]), ("/admin/workers", _add_worker, ["POST"]),
-                              ("/admin/workers/{worker_id:path}/drain", _drain_worker, ["POST"])):
+                              ("/admin/workers/{worker_id:path}/drain", _drain_worker, ["POST"]),
+                              ("/v1/models/{model_id:path}", _model, ["GET"]), ("/tokenize", _tokenize, ["POST"]),
+                              ("/detokenize", _detokenize, ["POST"]), ("/tokenizer_info", _tokenizer_info, ["GET"])):
         app.add_api_route(path, fn, methods=methods)
     return app
 
@@ -102,10 +108,42 @@ def _check_model(request: Request, model: str | None) -> None:
         raise ModelNotFound(model)
 
 
+def _card(request: Request) -> ModelCard:
+    st = request.app.state
+    return ModelCard(id=st.settings.served_model_name, owned_by="kimi-pd", root=st.settings.model,
+                     max_model_len=st.max_model_len)
+
+
 async def _models(request: Request) -> JSONResponse:
     _check_client(request)
-    card = ModelCard(id=request.app.state.settings.served_model_name, owned_by="kimi-pd")
-    return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
+    return JSONResponse(ModelList(data=[_card(request)]).model_dump(mode="json"))
+
+
+async def _model(request: Request, model_id: str) -> JSONResponse:
+    _check_client(request)
+    _check_model(request, model_id)
+    return JSONResponse(_card(request).model_dump(mode="json"))
+
+
+async def _tokenize(request: Request) -> JSONResponse:
+    _check_client(request)
+    st = request.app.state
+    req = tokenize_api.TokenizeRequest.model_validate(await read_json_body(request))
+    _check_model(request, req.model)
+    return JSONResponse(tokenize_api.tokenize(req, st.tokenizer, st.max_model_len, st.vision_config))
+
+
+async def _detokenize(request: Request) -> JSONResponse:
+    _check_client(request)
+    req = tokenize_api.DetokenizeRequest.model_validate(await read_json_body(request))
+    _check_model(request, req.model)
+    return JSONResponse(tokenize_api.detokenize(req, request.app.state.tokenizer))
+
+
+async def _tokenizer_info(request: Request) -> JSONResponse:
+    _check_client(request)
+    st = request.app.state
+    return JSONResponse(tokenize_api.tokenizer_info(st.tokenizer, st.max_model_len))
 
 
 async def _serve(request: Request, endpoint: str, req, prepare) -> Response:
@@ -129,13 +167,19 @@ async def _chat(request: Request) -> Response:
     _check_client(request)
     req = ChatCompletionRequest.model_validate(await read_json_body(request))
     st = request.app.state
-    return await _serve(request, "chat", req, lambda: prepare_chat(req, st.tokenizer, st.vision_config))
+
+    def one(sub: ChatCompletionRequest):
+        return _serve(request, "chat", sub, lambda: prepare_chat(sub, st.tokenizer, st.vision_config))
+    return await (fan_out(req, one) if needs_fan_out(req) else one(req))
 
 
 async def _completions(request: Request) -> Response:
     _check_client(request)
     req = CompletionRequest.model_validate(await read_json_body(request))
-    return await _serve(request, "completions", req, lambda: prepare_completion(req, request.app.state.tokenizer))
+
+    def one(sub: CompletionRequest):
+        return _serve(request, "completions", sub, lambda: prepare_completion(sub, request.app.state.tokenizer))
+    return await (fan_out(req, one) if needs_fan_out(req) else one(req))
 
 
 async def _health(request: Request) -> JSONResponse:

@@ -18,6 +18,7 @@ GREEDY_TEMPERATURE = 1e-5
 # vLLM's default max_logprobs; also OpenAI's top_logprobs limit.
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+MAX_N = 128                 # sequences per prompt (n, best_of)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
@@ -79,7 +80,12 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # per prompt token: its logprob and rank, plus top-n alternatives
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    n: int = 1
+    n: int = 1                          # sequences per prompt; `LLM` and the servers fan them out
+
+    def for_sequence(self, index: int) -> SamplingParams:
+        """The params of sequence `index` of n: one sequence, its own seed (seed + index) when seeded."""
+        from dataclasses import replace
+        return replace(self, n=1, seed=None if self.seed is None else self.seed + index)
 
     def __post_init__(self) -> None:
         self.stop = _as_list(self.stop)
@@ -150,8 +156,8 @@ def _check_bool(name: str, value: Any) -> None:
 
 
 def _check_n(n: Any) -> None:
-    if not _is_int(n) or n != 1:
-        _fail("n", f"must be 1 (only one completion per request is supported), got {n!r}")
+    if not _is_int(n) or not 1 <= n <= MAX_N:
+        _fail("n", f"must be an integer in [1, {MAX_N}], got {n!r}")
 
 
 def _check_min_tokens(min_tokens: int, max_tokens: int | None) -> None:

@@ -110,6 +110,9 @@ class LLMEngine:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         inputs = prompt if isinstance(prompt, EngineInput) else EngineInput(list(prompt))
         params.validate(self.model.config.text_config.vocab_size)
+        if params.n != 1:
+            raise InvalidRequest("the engine runs one sequence per request (LLM and the servers fan n out)",
+                                 param="n")
         validate_tokens(inputs.prompt_token_ids, self.model.config.text_config.vocab_size, self.max_model_len)
         max_tokens = self._resolve_max_tokens(len(inputs.prompt_token_ids), params)
         if imported is not None:
@@ -158,6 +161,10 @@ class LLMEngine:
         if req.max_tokens == 0:
             self._finish(req, "length", None)
             return self._output(req, "", [])
+        if not req.params.is_greedy:
+            # the prefill worker drew this token's noise from the same seed: skip that draw, so a
+            # seeded request samples the same tokens disaggregated as on one engine
+            torch.empty(self.model.config.text_config.vocab_size).exponential_(generator=req.generator)
         return self._append_token(req, state.first_token_id, state.first_logprob, state.first_top_logprobs)
 
     def abort(self, request_id: str) -> RequestOutput | None:

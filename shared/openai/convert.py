@@ -32,7 +32,7 @@ _PASSED_IF_SET = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"
                   "frequency_penalty", "seed", "stop_token_ids")
 # Features that would change the output if silently ignored: refused rather than dropped.
 _UNSUPPORTED = {
-    "logit_bias": "logit_bias", "prompt_logprobs": "prompt_logprobs", "use_beam_search": "beam search",
+    "logit_bias": "logit_bias", "use_beam_search": "beam search",
     "guided_json": "guided decoding", "guided_regex": "guided decoding", "guided_choice": "guided decoding",
     "guided_grammar": "guided decoding", "structural_tag": "guided decoding",
     "allowed_token_ids": "allowed_token_ids", "bad_words": "bad_words", "logits_processors": "logits processors",
@@ -61,15 +61,26 @@ def to_sampling_params(req: AnyRequest, *, defaults: Mapping[str, Any] | None = 
         min_tokens=req.min_tokens,
         ignore_eos=req.ignore_eos,
         logprobs=((req.top_logprobs or 0) if req.logprobs else None) if chat else req.logprobs,
+        prompt_logprobs=_prompt_logprobs(req, chat),
         skip_special_tokens=False if chat else req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
         n=req.n,
     )
     try:
         params.validate(vocab_size if vocab_size is not None else sys.maxsize)
+        if params.max_tokens == 0 and not (req.prompt_logprobs is not None or getattr(req, "echo", False)):
+            raise InvalidSamplingParams("max_tokens must be at least 1 unless echo or prompt_logprobs is set "
+                                        "(0 scores the prompt only)", param="max_tokens")
     except InvalidSamplingParams as exc:
         raise _as_request_field(exc, req) from None
     return params
+
+
+def _prompt_logprobs(req: AnyRequest, chat: bool) -> int | None:
+    """vLLM's `prompt_logprobs`; a completion with `echo` and `logprobs` scores its prompt too."""
+    wanted = [req.prompt_logprobs] + ([] if chat or not req.echo else [req.logprobs])
+    given = [n for n in wanted if n is not None]
+    return max(given) if given else None
 
 
 def _checked_defaults(defaults: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -93,7 +104,7 @@ def _refuse_unsupported(req: AnyRequest) -> None:
         if extra.get(name) not in (None, False, [], {}):
             raise InvalidRequest(f"{name}: {feature} is not supported by this server", param=name)
     if extra.get("best_of") not in (None, 1):
-        raise InvalidRequest("best_of: must be 1 (one completion per request)", param="best_of")
+        raise InvalidRequest("best_of: only /v1/completions takes best_of", param="best_of")
     response_format = extra.get("response_format")
     if response_format is not None and response_format != {"type": "text"}:
         raise InvalidRequest("response_format: only {\"type\": \"text\"} is supported (no guided decoding)",

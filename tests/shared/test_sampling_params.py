@@ -43,7 +43,7 @@ INVALID = [
     ({"logprobs": 21}, "logprobs", ["[0, 20]", "21"]),
     ({"seed": 2**63}, "seed", ["integer in [-9223372036854775808, 9223372036854775807]"]),
     ({"seed": "7"}, "seed", ["integer", "'7'"]),
-    ({"n": 2}, "n", ["must be 1", "got 2"]),
+    ({"n": 0}, "n", ["[1, 128]", "got 0"]),
     ({"ignore_eos": 1}, "ignore_eos", ["true or false", "1"]),
     ({"skip_special_tokens": None}, "skip_special_tokens", ["true or false"]),
     ({"stop": [""]}, "stop", ["non-empty strings", "''"]),

@@ -48,8 +48,8 @@ def no_forward(llm: LLM) -> Iterator[None]:
         raise AssertionError("the model ran a forward where only bookkeeping was expected")
 
     runner = llm.engine.runner
-    runner.execute = forbidden
+    runner.execute = runner.execute_with_prompt_logits = forbidden
     try:
         yield
     finally:
-        del runner.execute
+        del runner.execute, runner.execute_with_prompt_logits

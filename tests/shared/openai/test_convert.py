@@ -86,7 +86,7 @@ def test_server_defaults_fill_only_omitted_fields():
 
 
 @pytest.mark.parametrize("request_, param, words", [
-    (chat(n=2), "n", "must be 1"),
+    (chat(n=0), "n", "must be an integer in [1, 128]"),
     (chat(temperature=-1), "temperature", "temperature must be"),
     (chat(top_p=0), "top_p", "top_p must be"),
     (chat(seed=2**64), "seed", "seed must be"),
@@ -96,7 +96,8 @@ def test_server_defaults_fill_only_omitted_fields():
     (chat(min_tokens=5, max_tokens=2), "min_tokens", "at most max_tokens"),
     (chat(stop=[""]), "stop", "non-empty"),
     (completion(logprobs=21), "logprobs", "logprobs must be"),
-    (completion(n=3), "n", "must be 1"),
+    (completion(n=129), "n", "must be an integer in [1, 128]"),
+    (completion(max_tokens=0), "max_tokens", "unless echo or prompt_logprobs"),
 ])
 def test_out_of_range_values_name_the_request_field(request_, param, words):
     status, got_param, message = rejected(to_sampling_params, request_)
@@ -112,7 +113,6 @@ def test_stop_token_ids_checked_against_the_vocabulary():
 @pytest.mark.parametrize("fields, param", [
     ({"logit_bias": {"50256": -100}}, "logit_bias"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"prompt_logprobs": 1}, "prompt_logprobs"),
     ({"best_of": 2}, "best_of"),
     ({"guided_json": {"type": "object"}}, "guided_json"),
     ({"use_beam_search": True}, "use_beam_search"),
@@ -122,7 +122,7 @@ def test_unsupported_features_are_refused_not_ignored(fields, param):
 
 
 def test_harmless_settings_of_unsupported_features_pass():
-    to_sampling_params(chat(response_format={"type": "text"}, logit_bias={}, prompt_logprobs=0, best_of=1))
+    to_sampling_params(chat(response_format={"type": "text"}, logit_bias={}, best_of=1))
 
 
 # ---- render_options / chat_messages --------------------------------------------------------------
