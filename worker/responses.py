@@ -83,10 +83,11 @@ async def chat_stream(req: ChatCompletionRequest, model: str, prepared: Prepared
 
     def chunk(delta: DeltaMessage, **choice: Any) -> bytes:
         return sse_event(ChatCompletionChunk(id=chunk_id, model=model,
-                                             choices=[ChatCompletionChunkChoice(delta=delta, **choice)]))
+                                             choices=[ChatCompletionChunkChoice(delta=delta, **choice)],
+                                             usage=_running_usage(req, last, result)))
 
+    last: RequestOutput | None = None
     yield chunk(DeltaMessage(role="assistant", content=""))
-    last = None
     async for out in _closing(outputs):
         if last is None and req.prompt_logprobs is not None:
             yield sse_event(ChatCompletionChunk(id=chunk_id, model=model, choices=[],
@@ -138,10 +139,19 @@ async def completion_stream(req: CompletionRequest, model: str, outputs: AsyncIt
         if text or logprobs is not None or finish or scores is not None:
             choice = CompletionChoice(text=text, logprobs=logprobs, finish_reason=finish,
                                       stop_reason=out.output.stop_reason if finish else None, prompt_logprobs=scores)
-            yield sse_event(CompletionChunk(id=chunk_id, model=model, choices=[choice]))
+            yield sse_event(CompletionChunk(id=chunk_id, model=model, choices=[choice],
+                                            usage=_running_usage(req, out, result)))
     if req.include_usage:
         yield sse_event(CompletionChunk(id=chunk_id, model=model, choices=[], usage=usage_of(last, result)))
     yield SSE_DONE
+
+
+def _running_usage(req, out: RequestOutput | None, result: LegResult) -> Usage | None:
+    """vLLM's `stream_options.continuous_usage_stats`: usage so far on every chunk."""
+    options = req.stream_options
+    if options is None or not options.continuous_usage_stats:
+        return None
+    return usage_of(out, result) if out is not None else Usage.of(0, 0)
 
 
 async def _closing(outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:

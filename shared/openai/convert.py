@@ -8,6 +8,7 @@ to a 400.
 """
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -98,11 +99,32 @@ def _stop_list(stop: str | list[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop or [])
 
 
+# vLLM fields that change the output when set to anything but their default: refused (400 naming the
+# field) rather than silently ignored. name -> (the harmless default, why it is refused)
+_ONLY_DEFAULT = {
+    "add_generation_prompt": (True, "the K3 template always opens the assistant turn"),
+    "continue_final_message": (False, "continuing a final assistant message is not supported"),
+    "include_reasoning": (True, "reasoning is always returned in reasoning_content; turn thinking off with "
+                                "chat_template_kwargs.thinking=false or reasoning_effort=\"none\""),
+    "return_token_ids": (False, "token ids are not returned; use /tokenize or logprobs"),
+    "truncate_prompt_tokens": (None, "prompts are never truncated; an over-long prompt is a 400"),
+    "thinking_token_budget": (None, "a thinking budget is not supported"),
+    "cache_salt": (None, "salted prefix caching is not supported"),
+}
+
+
 def _refuse_unsupported(req: AnyRequest) -> None:
     extra = req.model_extra or {}
     for name, feature in _UNSUPPORTED.items():
         if extra.get(name) not in (None, False, [], {}):
             raise InvalidRequest(f"{name}: {feature} is not supported by this server", param=name)
+    for name, (default, why) in _ONLY_DEFAULT.items():
+        if name in extra and extra[name] is not None and extra[name] != default:
+            raise InvalidRequest(f"{name}: only {json.dumps(default)} is supported ({why})", param=name)
+    if isinstance(req, ChatCompletionRequest) and "skip_special_tokens" in req.model_fields_set \
+            and req.skip_special_tokens:
+        raise InvalidRequest("skip_special_tokens: chat content keeps K3's special tokens here; send false, or "
+                             "leave it unset", param="skip_special_tokens")
     if extra.get("best_of") not in (None, 1):
         raise InvalidRequest("best_of: only /v1/completions takes best_of", param="best_of")
     response_format = extra.get("response_format")

@@ -186,3 +186,27 @@ def test_tokenizer_endpoints_and_model_cards(fleet, offline):
 
 def test_no_prefill_state_left_held(fleet):
     assert metric(fleet.p.url, "kimi_pd_kv_held_leases") == 0
+
+
+@pytest.mark.parametrize("endpoint, body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/completions", {"prompt": PROMPTS[0]}),
+])
+def test_continuous_usage_stats_count_tokens_on_every_chunk(fleet, endpoint, body):
+    body = {"model": "kimi-k3", **body, "max_tokens": 5, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", fleet.r.url + endpoint, json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        events = [httpx.Response(200, content=line[6:]).json() for line in resp.iter_lines()
+                  if line.startswith("data: {")]
+    counts = [e["usage"]["completion_tokens"] for e in events if e.get("choices")]
+    assert counts == sorted(counts) and counts[-1] == 5 and all(e.get("usage") for e in events)
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 5
+
+
+@pytest.mark.parametrize("field, value", [("cache_salt", "tenant"), ("add_generation_prompt", False),
+                                          ("thinking_token_budget", 64)])
+def test_fields_this_server_cannot_honour_are_refused_by_name(fleet, field, value):
+    body = {"model": "kimi-k3", "messages": [{"role": "user", "content": "hi"}], field: value}
+    resp = httpx.post(fleet.r.url + "/v1/chat/completions", json=body, timeout=10)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == field

@@ -214,3 +214,26 @@ def test_completion_logprobs_shape():
 def test_sampling_errors_are_engine_typed():
     with pytest.raises(InvalidSamplingParams):
         to_sampling_params(chat(top_k=-2))
+
+
+@pytest.mark.parametrize("make, fields, param", [
+    (chat, {"add_generation_prompt": False}, "add_generation_prompt"),
+    (chat, {"continue_final_message": True}, "continue_final_message"),
+    (chat, {"include_reasoning": False}, "include_reasoning"),
+    (chat, {"return_token_ids": True}, "return_token_ids"),
+    (completion, {"return_token_ids": True}, "return_token_ids"),
+    (completion, {"truncate_prompt_tokens": 5}, "truncate_prompt_tokens"),
+    (chat, {"thinking_token_budget": 100}, "thinking_token_budget"),
+    (chat, {"cache_salt": "tenant-a"}, "cache_salt"),
+    (completion, {"cache_salt": "tenant-a"}, "cache_salt"),
+    (chat, {"skip_special_tokens": True}, "skip_special_tokens"),
+])
+def test_fields_that_would_be_ignored_are_refused_by_name(make, fields, param):
+    status, got, message = rejected(to_sampling_params, make(**fields))
+    assert (status, got) == (400, param) and message.startswith(param)
+
+
+def test_those_fields_at_their_defaults_pass():
+    to_sampling_params(chat(add_generation_prompt=True, continue_final_message=False, include_reasoning=True,
+                            return_token_ids=False, skip_special_tokens=False, cache_salt=None))
+    to_sampling_params(completion(skip_special_tokens=True, stream=True, stream_options={"include_usage": True}))
