@@ -81,6 +81,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     n: int = 1                          # sequences per prompt; `LLM` and the servers fan them out
+    logit_bias: dict[int, float] | None = None      # added to the token's logit before choosing ([-100, 100])
+    allowed_token_ids: list[int] | None = None      # only these ids may be chosen
+    bad_words: list[str] = field(default_factory=list)   # never completed (as is and after a space)
 
     def for_sequence(self, index: int) -> SamplingParams:
         """The params of sequence `index` of n: one sequence, its own seed (seed + index) when seeded."""
@@ -90,6 +93,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         self.stop = _as_list(self.stop)
         self.stop_token_ids = _as_list(self.stop_token_ids)
+        self.bad_words = _as_list(self.bad_words)
 
     @property
     def is_greedy(self) -> bool:
@@ -112,6 +116,7 @@ class SamplingParams:
         _check_min_tokens(self.min_tokens, self.max_tokens)
         _check_stop(self.stop)
         _check_stop_token_ids(self.stop_token_ids, vocab_size)
+        _check_token_constraints(self, vocab_size)
 
 
 def _as_list(value: Any) -> Any:
@@ -181,3 +186,27 @@ def _check_stop_token_ids(ids: Any, vocab_size: int) -> None:
     bad = [i for i in ids if not _is_int(i) or not 0 <= i < vocab_size]
     if bad:
         _fail("stop_token_ids", f"must contain only token ids in [0, {vocab_size}), got {bad!r}")
+
+
+MAX_LOGIT_BIAS = 100.0
+
+
+def _check_token_constraints(params: SamplingParams, vocab_size: int) -> None:
+    bias = params.logit_bias
+    if bias is not None:
+        if not isinstance(bias, dict):
+            _fail("logit_bias", f"must map token ids to numbers, got {bias!r}")
+        for token, value in bias.items():
+            if not _is_int(token) or not 0 <= token < vocab_size:
+                _fail("logit_bias", f"keys must be token ids in [0, {vocab_size}), got {token!r}")
+            if not (_is_int(value) or isinstance(value, float)) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                _fail("logit_bias", f"values must be numbers in [-100, 100], got {value!r}")
+    allowed = params.allowed_token_ids
+    if allowed is not None:
+        if not isinstance(allowed, list) or not allowed:
+            _fail("allowed_token_ids", f"must be a non-empty list of token ids, got {allowed!r}")
+        bad = [i for i in allowed if not _is_int(i) or not 0 <= i < vocab_size]
+        if bad:
+            _fail("allowed_token_ids", f"must contain only token ids in [0, {vocab_size}), got {bad[:8]!r}")
+    if not isinstance(params.bad_words, list) or not all(isinstance(w, str) and w for w in params.bad_words):
+        _fail("bad_words", f"must be a list of non-empty strings, got {params.bad_words!r}")

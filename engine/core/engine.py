@@ -30,6 +30,7 @@ from shared.errors import InvalidRequest, RequestTooLarge
 from engine.model.kda import KDAOptions
 from engine.model.kimi_k3 import ModelOptions
 from engine.sampler import SamplingState, sample
+from engine.token_constraints import bad_words_token_ids
 from shared.sampling_params import SamplingParams
 from shared.prompt.tokenizer import KimiTokenizer
 from shared.hashing import block_hashes, root_hash
@@ -128,6 +129,7 @@ class LLMEngine:
         req.generator = torch.Generator().manual_seed(
             params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_source)))
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, params, self.eos_token_ids)
+        req.bad_words_token_ids = bad_words_token_ids(params.bad_words, self.tokenizer.encode)
         self.requests[request_id] = req
         if imported is not None:
             self._pending_outputs.append(self._adopt_first_token(req, imported))
@@ -242,7 +244,8 @@ class LLMEngine:
         if not sampling:
             return pending
         states = [SamplingState(params=r.params, prompt_token_ids=r.prompt_token_ids,
-                                output_token_ids=r.output_token_ids, generator=r.generator) for r in sampling]
+                                output_token_ids=r.output_token_ids, generator=r.generator,
+                                bad_words_token_ids=r.bad_words_token_ids) for r in sampling]
         result = sample(logits, states, self.eos_token_ids)
         return pending + [self._append_token(req, tok, lp, top) for req, tok, lp, top in
                           zip(sampling, result.token_ids, result.logprobs, result.top_logprobs)]

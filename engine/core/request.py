@@ -61,6 +61,7 @@ class Request:
     first_scheduled_time: float | None = None
     num_preemptions: int = 0
     prompt_logprobs: list[Any] | None = None   # PromptLogprob per position (0: None) when asked for
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -33,10 +33,10 @@ _PASSED_IF_SET = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"
                   "frequency_penalty", "seed", "stop_token_ids")
 # Features that would change the output if silently ignored: refused rather than dropped.
 _UNSUPPORTED = {
-    "logit_bias": "logit_bias", "use_beam_search": "beam search",
+    "use_beam_search": "beam search",
     "guided_json": "guided decoding", "guided_regex": "guided decoding", "guided_choice": "guided decoding",
     "guided_grammar": "guided decoding", "structural_tag": "guided decoding",
-    "allowed_token_ids": "allowed_token_ids", "bad_words": "bad_words", "logits_processors": "logits processors",
+    "logits_processors": "logits processors",
 }
 
 
@@ -63,6 +63,9 @@ def to_sampling_params(req: AnyRequest, *, defaults: Mapping[str, Any] | None = 
         ignore_eos=req.ignore_eos,
         logprobs=((req.top_logprobs or 0) if req.logprobs else None) if chat else req.logprobs,
         prompt_logprobs=_prompt_logprobs(req, chat),
+        logit_bias=_logit_bias(req.logit_bias),
+        allowed_token_ids=req.allowed_token_ids,
+        bad_words=list(req.bad_words or []),
         skip_special_tokens=False if chat else req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
         n=req.n,
@@ -75,6 +78,18 @@ def to_sampling_params(req: AnyRequest, *, defaults: Mapping[str, Any] | None = 
     except InvalidSamplingParams as exc:
         raise _as_request_field(exc, req) from None
     return params
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's JSON keys are strings: token ids as text."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        if not key.lstrip("-").isdigit():
+            raise InvalidRequest(f"logit_bias: keys must be token ids, got {key!r}", param="logit_bias")
+        out[int(key)] = value
+    return out
 
 
 def _prompt_logprobs(req: AnyRequest, chat: bool) -> int | None:

@@ -47,6 +47,9 @@ class SamplingRequest(RequestModel):
     kv_transfer_params: dict[str, Any] | None = None    # P/D protocol; forwarded untouched
     request_id: str | None = None
     prompt_logprobs: Int | None = None          # vLLM: per prompt token logprob, rank and top-n
+    logit_bias: dict[str, Float] | None = None  # OpenAI: token id (as text) -> bias in [-100, 100]
+    allowed_token_ids: list[Int] | None = None  # vLLM
+    bad_words: list[str] | None = None          # vLLM
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> SamplingRequest:

@@ -12,6 +12,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from tests.e2e.fleet import Fleet, metric
+from tests.engine.core.helpers import bannable_word
 
 pytestmark = pytest.mark.timeout(300)
 TOL = 1e-4
@@ -210,3 +211,24 @@ def test_fields_this_server_cannot_honour_are_refused_by_name(fleet, field, valu
     body = {"model": "kimi-k3", "messages": [{"role": "user", "content": "hi"}], field: value}
     resp = httpx.post(fleet.r.url + "/v1/chat/completions", json=body, timeout=10)
     assert resp.status_code == 400 and resp.json()["error"]["param"] == field
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logit_bias_allowed_token_ids_bad_words_equal_offline(client, offline, stream):
+    ids = offline.tokenizer.encode(PROMPTS[0])
+    free = offline.generate(ids, _greedy(max_tokens=6, ignore_eos=True))[0]
+    word = bannable_word(offline.tokenizer, free.output.token_ids)
+    cases = [({"logit_bias": {str(free.output.token_ids[0]): -100}}, {"logit_bias": {free.output.token_ids[0]: -100}}),
+             ({"allowed_token_ids": [5, 17, 300]}, {"allowed_token_ids": [5, 17, 300]}),
+             ({"bad_words": [word]}, {"bad_words": [word]})]
+    for body_fields, params in cases:
+        expected = offline.generate(ids, _greedy(max_tokens=6, ignore_eos=True, **params))[0].output.text
+        logit_bias = body_fields.pop("logit_bias", None)
+        kwargs = dict(model="kimi-k3", prompt=PROMPTS[0], max_tokens=6, temperature=0, logit_bias=logit_bias,
+                      extra_body={"ignore_eos": True, **body_fields})
+        if stream:
+            text = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices)
+        else:
+            text = client.completions.create(**kwargs).choices[0].text
+        assert text == expected, body_fields or logit_bias
+        assert text != free.output.text

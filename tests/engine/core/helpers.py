@@ -53,3 +53,13 @@ def no_forward(llm: LLM) -> Iterator[None]:
         yield
     finally:
         del runner.execute, runner.execute_with_prompt_logits
+
+
+def bannable_word(tokenizer, ids: list[int]) -> str:
+    """Text of some of `ids` that encodes back to exactly those ids (longest first)."""
+    for length in (2, 1):
+        for i in range(len(ids) - length + 1):
+            piece = ids[i:i + length]
+            if tokenizer.encode(tokenizer.decode(piece)) == piece:
+                return tokenizer.decode(piece)
+    raise AssertionError("no round-tripping piece")

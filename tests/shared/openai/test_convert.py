@@ -111,7 +111,7 @@ def test_stop_token_ids_checked_against_the_vocabulary():
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"logit_bias": {"50256": -100}}, "logit_bias"),
+    ({"logprobs_processors_x": None, "logits_processors": ["x"]}, "logits_processors"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"best_of": 2}, "best_of"),
     ({"guided_json": {"type": "object"}}, "guided_json"),
