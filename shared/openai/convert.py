@@ -177,7 +177,7 @@ def render_options(req: ChatCompletionRequest) -> dict[str, Any]:
         raise InvalidRequest('tool_choice: only "auto" and "none" are supported (forcing a tool call '
                              "needs constrained decoding)", param="tool_choice")
     kwargs = req.chat_template_kwargs or {}
-    thinking = _thinking(kwargs)
+    thinking = _thinking(kwargs) and req.reasoning_effort != "none"     # vLLM: "none" turns thinking off
     tools = [tool.model_dump(mode="json", exclude_none=True) for tool in req.tools or []]
     return {
         "tools": tools if req.tools_requested else None,
@@ -200,7 +200,7 @@ def _thinking(kwargs: Mapping[str, Any]) -> bool:
 
 def _effort(kwargs: Mapping[str, Any], reasoning_effort: str | None) -> str | None:
     given = {name: value for name, value in (("chat_template_kwargs.thinking_effort", kwargs.get("thinking_effort")),
-                                             ("reasoning_effort", reasoning_effort)) if value is not None}
+                                             ("reasoning_effort", reasoning_effort)) if value not in (None, "none")}
     for name, value in given.items():
         if value not in THINKING_EFFORTS:
             raise InvalidRequest(f"{name}: must be one of {', '.join(THINKING_EFFORTS)}, got {value!r}", param=name)

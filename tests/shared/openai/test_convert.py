@@ -136,10 +136,21 @@ def test_render_options_defaults_and_aliases():
             "tools": None, "thinking": False, "thinking_effort": None}
 
 
+def test_reasoning_effort_none_turns_thinking_off_and_medium_is_accepted():
+    assert render_options(chat(reasoning_effort="none")) == {"tools": None, "thinking": False, "thinking_effort": None}
+    assert render_options(chat(reasoning_effort="medium"))["thinking_effort"] == "medium"
+
+
+def test_the_effort_text_lists_exactly_the_accepted_values():
+    import re
+    from shared.prompt.chat import THINKING_EFFORT_BODY, THINKING_EFFORTS
+    assert tuple(re.findall(r"`(\w+)`", THINKING_EFFORT_BODY.split("\n")[0])[1:]) == THINKING_EFFORTS
+
+
 @pytest.mark.parametrize("fields, param", [
     ({"chat_template_kwargs": {"thinking": "no"}}, "chat_template_kwargs.thinking"),
     ({"chat_template_kwargs": {"thinking": True, "enable_thinking": False}}, "chat_template_kwargs.enable_thinking"),
-    ({"reasoning_effort": "medium"}, "reasoning_effort"),
+    ({"reasoning_effort": "minimal"}, "reasoning_effort"),
     ({"chat_template_kwargs": {"thinking_effort": "extreme"}}, "chat_template_kwargs.thinking_effort"),
     ({"reasoning_effort": "low", "chat_template_kwargs": {"thinking_effort": "max"}}, "reasoning_effort"),
     ({"tools": [WEATHER_TOOL], "tool_choice": "required"}, "tool_choice"),
