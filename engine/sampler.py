@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -37,6 +38,7 @@ class SamplingState:
     output_token_ids: list[int]
     generator: torch.Generator | None = None    # None: torch's default generator
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    grammar: Any = None                         # engine.structured_output.RequestGrammar, if constrained
 
     @classmethod
     def create(cls, params: SamplingParams, prompt_token_ids: list[int],

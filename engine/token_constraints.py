@@ -42,12 +42,15 @@ def has_constraints(params: SamplingParams) -> bool:
 
 def apply_token_constraints(logits: Tensor, rows: Sequence[ConstrainedRow]) -> Tensor:
     """`logits` [B, V] with each row's constraints applied (a new tensor when any row has some)."""
-    if not any(has_constraints(r.params) for r in rows):
+    if not any(has_constraints(r.params) or getattr(r, "grammar", None) is not None for r in rows):
         return logits
     logits = logits.clone()
     vocab = logits.shape[1]
     for i, r in enumerate(rows):
         p = r.params
+        grammar = getattr(r, "grammar", None)
+        if grammar is not None:
+            grammar.mask(logits[i])
         if p.allowed_token_ids is not None:
             keep = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
             keep[torch.tensor(p.allowed_token_ids, device=logits.device)] = True

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from shared.errors import InvalidSamplingParams
+from shared.structured_output import StructuredOutput
 
 # Below this temperature a request is greedy (vLLM's _SAMPLING_EPS).
 GREEDY_TEMPERATURE = 1e-5
@@ -84,6 +85,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None      # added to the token's logit before choosing ([-100, 100])
     allowed_token_ids: list[int] | None = None      # only these ids may be chosen
     bad_words: list[str] = field(default_factory=list)   # never completed (as is and after a space)
+    structured_output: StructuredOutput | None = None     # the output must match it (json, regex, ...)
 
     def for_sequence(self, index: int) -> SamplingParams:
         """The params of sequence `index` of n: one sequence, its own seed (seed + index) when seeded."""

@@ -30,6 +30,7 @@ from shared.errors import InvalidRequest, RequestTooLarge
 from engine.model.kda import KDAOptions
 from engine.model.kimi_k3 import ModelOptions
 from engine.sampler import SamplingState, sample
+from engine.structured_output import GrammarCompiler
 from engine.token_constraints import bad_words_token_ids
 from shared.sampling_params import SamplingParams
 from shared.prompt.tokenizer import KimiTokenizer
@@ -89,6 +90,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.cache_config, self.identity)
         self.hash_root = root_hash(config.model_id or config_hash)
         self.eos_token_ids = {self.tokenizer.eos_id}
+        self.grammars = GrammarCompiler(self.tokenizer, text.vocab_size)   # compiles on first use
         self.requests: dict[str, Request] = {}
         self.held: dict[str, float] = {}                       # request id -> lease expiry (monotonic)
         self._pending_outputs: list[RequestOutput] = []        # produced outside a step (imported first tokens)
@@ -130,6 +132,8 @@ class LLMEngine:
             params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_source)))
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, params, self.eos_token_ids)
         req.bad_words_token_ids = bad_words_token_ids(params.bad_words, self.tokenizer.encode)
+        if params.structured_output is not None:
+            req.grammar = self.grammars.matcher(params.structured_output)
         self.requests[request_id] = req
         if imported is not None:
             self._pending_outputs.append(self._adopt_first_token(req, imported))
@@ -245,7 +249,7 @@ class LLMEngine:
             return pending
         states = [SamplingState(params=r.params, prompt_token_ids=r.prompt_token_ids,
                                 output_token_ids=r.output_token_ids, generator=r.generator,
-                                bad_words_token_ids=r.bad_words_token_ids) for r in sampling]
+                                bad_words_token_ids=r.bad_words_token_ids, grammar=r.grammar) for r in sampling]
         result = sample(logits, states, self.eos_token_ids)
         return pending + [self._append_token(req, tok, lp, top) for req, tok, lp, top in
                           zip(sampling, result.token_ids, result.logprobs, result.top_logprobs)]
@@ -259,6 +263,8 @@ class LLMEngine:
 
     def _append_token(self, req: Request, token: int, logprob: float, top) -> RequestOutput:
         req.output_token_ids.append(token)
+        if req.grammar is not None:
+            req.grammar.accept(token)
         req.output_logprobs.append(logprob)
         req.output_top_logprobs.append(top)
         step = req.detokenizer.add(token)
@@ -276,6 +282,8 @@ class LLMEngine:
     def _stop_check(self, req: Request, stopped) -> tuple[str | None, int | str | None]:
         if stopped is not None:
             return ("stop", stopped.value)
+        if req.grammar is not None and req.grammar.terminated:
+            return ("stop", None)                   # the structured output is complete
         if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
             return ("length", None)
         return (None, None)

@@ -15,6 +15,7 @@ from typing import Any
 
 from shared.errors import InvalidRequest, InvalidSamplingParams
 from shared.sampling_params import SamplingParams
+from shared.structured_output import StructuredOutput
 from shared.prompt.chat import THINKING_EFFORTS
 from shared.openai.logprobs import chat_logprobs, completion_logprobs
 from shared.openai.requests import ChatCompletionRequest, CompletionRequest
@@ -34,8 +35,9 @@ _PASSED_IF_SET = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"
 # Features that would change the output if silently ignored: refused rather than dropped.
 _UNSUPPORTED = {
     "use_beam_search": "beam search",
-    "guided_json": "guided decoding", "guided_regex": "guided decoding", "guided_choice": "guided decoding",
-    "guided_grammar": "guided decoding", "structural_tag": "guided decoding",
+    "guided_json": "guided_* (use structured_outputs)", "guided_regex": "guided_* (use structured_outputs)",
+    "guided_choice": "guided_* (use structured_outputs)", "guided_grammar": "guided_* (use structured_outputs)",
+    "structural_tag": "structural tags",
     "logits_processors": "logits processors",
 }
 
@@ -66,6 +68,8 @@ def to_sampling_params(req: AnyRequest, *, defaults: Mapping[str, Any] | None = 
         logit_bias=_logit_bias(req.logit_bias),
         allowed_token_ids=req.allowed_token_ids,
         bad_words=list(req.bad_words or []),
+        structured_output=StructuredOutput.from_request((req.model_extra or {}).get("response_format"),
+                                                        (req.model_extra or {}).get("structured_outputs")),
         skip_special_tokens=False if chat else req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
         n=req.n,
@@ -142,10 +146,6 @@ def _refuse_unsupported(req: AnyRequest) -> None:
                              "leave it unset", param="skip_special_tokens")
     if extra.get("best_of") not in (None, 1):
         raise InvalidRequest("best_of: only /v1/completions takes best_of", param="best_of")
-    response_format = extra.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        raise InvalidRequest("response_format: only {\"type\": \"text\"} is supported (no guided decoding)",
-                             param="response_format")
 
 
 def _as_request_field(exc: InvalidSamplingParams, req: AnyRequest) -> InvalidSamplingParams:

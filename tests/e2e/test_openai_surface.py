@@ -232,3 +232,53 @@ def test_logit_bias_allowed_token_ids_bad_words_equal_offline(client, offline, s
             text = client.completions.create(**kwargs).choices[0].text
         assert text == expected, body_fields or logit_bias
         assert text != free.output.text
+
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                          "maximum": 9}},
+          "required": ["ok", "n"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_structured_output_equals_offline_and_validates(client, offline, stream):
+    pytest.importorskip("xgrammar")
+    import json
+
+    import jsonschema
+
+    from shared.structured_output import StructuredOutput
+    messages = [{"role": "user", "content": "Give me JSON."}]
+    cases = [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}}},
+         StructuredOutput("json", json.dumps(SCHEMA))),
+        ({"response_format": {"type": "json_object"}}, StructuredOutput("json_object", "")),
+        ({"extra_body": {"structured_outputs": {"regex": "[a-c]{3}-[0-9]{2}"}}},
+         StructuredOutput("regex", "[a-c]{3}-[0-9]{2}")),
+        ({"extra_body": {"structured_outputs": {"choice": ["yes", "no", "maybe"]}}},
+         StructuredOutput("choice", json.dumps(["yes", "no", "maybe"]))),
+    ]
+    for fields, spec in cases:
+        params = SamplingParams(temperature=0, max_tokens=40, structured_output=spec, skip_special_tokens=False)
+        expected = offline.chat(messages, params, thinking=False)[0].output.text
+        kwargs = dict(model="kimi-k3", messages=messages, max_tokens=40, temperature=0, reasoning_effort="none",
+                      **fields)
+        if stream:
+            text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+                stream=True, **kwargs) if c.choices)
+        else:
+            text = client.chat.completions.create(**kwargs).choices[0].message.content
+        assert text == expected, fields
+        if spec.kind == "json":
+            jsonschema.validate(json.loads(text), SCHEMA)
+    got = client.completions.create(model="kimi-k3", prompt=PROMPTS[0], max_tokens=40, temperature=0,
+                                    extra_body={"structured_outputs": {"json": SCHEMA}})
+    jsonschema.validate(json.loads(got.choices[0].text), SCHEMA)
+    assert got.choices[0].finish_reason == "stop"
+
+
+def test_bad_structured_outputs_are_400s(fleet):
+    for extra in ({"structured_outputs": {"regex": "([a-"}}, {"structured_outputs": {"regex": "a", "choice": ["b"]}},
+                  {"response_format": {"type": "xml"}}):
+        resp = httpx.post(fleet.r.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3, **extra}, timeout=20)
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["param"].split(".")[0] in ("structured_outputs", "response_format")
