@@ -112,7 +112,7 @@ def test_stop_token_ids_checked_against_the_vocabulary():
 
 @pytest.mark.parametrize("fields, param", [
     ({"logprobs_processors_x": None, "logits_processors": ["x"]}, "logits_processors"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
     ({"best_of": 2}, "best_of"),
     ({"guided_json": {"type": "object"}}, "guided_json"),
     ({"use_beam_search": True}, "use_beam_search"),
