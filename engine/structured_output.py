@@ -21,9 +21,18 @@ class GrammarCompiler:
 
     @cached_property
     def _compiler(self):
+        """Text grammars: special tokens can never be chosen (they are not text)."""
+        return self._make(with_specials=False)
+
+    @cached_property
+    def _xtml_compiler(self):
+        """K3 structure grammars (forced tool calls): special tokens match their names."""
+        return self._make(with_specials=True)
+
+    def _make(self, with_specials: bool):
         import xgrammar as xgr
         tok = self.tokenizer
-        vocab = [tok.token_bytes(i) if not tok.is_special(i) else b"" for i in range(tok.vocab_size)]
+        vocab = [tok.token_bytes(i) if with_specials or not tok.is_special(i) else b"" for i in range(tok.vocab_size)]
         info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=self.vocab_size, stop_token_ids=[tok.eos_id])
         return xgr.GrammarCompiler(info, max_threads=1)
 
@@ -45,6 +54,8 @@ class GrammarCompiler:
             return c.compile_json_schema('{"type": "object"}', any_whitespace=False)   # OpenAI: an object
         if spec.kind == "regex":
             return c.compile_regex(spec.value)
+        if spec.kind == "xtml":
+            return self._xtml_compiler.compile_grammar(spec.value)
         if spec.kind == "choice":
             alternatives = " | ".join(json.dumps(choice) for choice in json.loads(spec.value))
             return c.compile_grammar(f"root ::= {alternatives}")

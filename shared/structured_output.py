@@ -9,7 +9,7 @@ from typing import Any
 
 from shared.errors import InvalidRequest
 
-KINDS = ("json", "json_object", "regex", "choice", "grammar")
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "xtml")   # xtml: K3 structure (forced tool calls)
 
 
 @dataclass(frozen=True)

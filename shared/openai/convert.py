@@ -17,6 +17,7 @@ from shared.errors import InvalidRequest, InvalidSamplingParams
 from shared.sampling_params import SamplingParams
 from shared.structured_output import StructuredOutput
 from shared.prompt.chat import THINKING_EFFORTS
+from shared.prompt.tool_grammar import forced_tool_call_grammar
 from shared.openai.logprobs import chat_logprobs, completion_logprobs
 from shared.openai.requests import ChatCompletionRequest, CompletionRequest
 from shared.openai.shaping import ChatDeltaShaper, ShapedMessage, shape_chat_message
@@ -68,8 +69,7 @@ def to_sampling_params(req: AnyRequest, *, defaults: Mapping[str, Any] | None = 
         logit_bias=_logit_bias(req.logit_bias),
         allowed_token_ids=req.allowed_token_ids,
         bad_words=list(req.bad_words or []),
-        structured_output=StructuredOutput.from_request((req.model_extra or {}).get("response_format"),
-                                                        (req.model_extra or {}).get("structured_outputs")),
+        structured_output=_structured_output(req, chat),
         skip_special_tokens=False if chat else req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
         n=req.n,
@@ -82,6 +82,46 @@ def to_sampling_params(req: AnyRequest, *, defaults: Mapping[str, Any] | None = 
     except InvalidSamplingParams as exc:
         raise _as_request_field(exc, req) from None
     return params
+
+
+def _structured_output(req: AnyRequest, chat: bool) -> StructuredOutput | None:
+    """From response_format / structured_outputs, or, for a forced tool call (tool_choice
+    "required" or a named function), the grammar of a K3 tool call of the allowed tools."""
+    extra = req.model_extra or {}
+    spec = StructuredOutput.from_request(extra.get("response_format"), extra.get("structured_outputs"))
+    forced = _forced_tool(req) if chat else None
+    if forced is None:
+        return spec
+    if spec is not None:
+        raise InvalidRequest("tool_choice: a forced tool call cannot be combined with response_format or "
+                             "structured_outputs", param="tool_choice")
+    tools = [t.model_dump(mode="json", exclude_none=True) for t in req.tools or []]
+    thinking = _thinking(req.chat_template_kwargs or {}) and req.reasoning_effort != "none"
+    name = None if forced == "required" else forced
+    return StructuredOutput("xtml", forced_tool_call_grammar(tools, thinking=thinking, name=name))
+
+
+def _forced_tool(req: ChatCompletionRequest) -> str | None:
+    """"required", the forced function's name, or None (auto / none). Unknown names are a 400."""
+    choice = req.tool_choice
+    if choice in (None, "none", "auto"):
+        return None
+    if choice == "required":
+        return "required"
+    name = _choice_name(choice)
+    names = [t.function.name for t in req.tools or []]
+    if name not in names:
+        raise InvalidRequest(f"tool_choice: no tool named {name!r} in tools", param="tool_choice")
+    return name
+
+
+def _choice_name(choice: Any) -> str | None:
+    function = getattr(choice, "function", None)
+    if function is None and isinstance(choice, dict):
+        function = choice.get("function")
+    if isinstance(function, dict):
+        return function.get("name")
+    return getattr(function, "name", None)
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -173,9 +213,7 @@ def render_options(req: ChatCompletionRequest) -> dict[str, Any]:
     hides them). Forced tool use ("required", a named function) needs constrained decoding, which
     this server does not have, so it is refused.
     """
-    if req.tool_choice not in (None, "none", "auto"):
-        raise InvalidRequest('tool_choice: only "auto" and "none" are supported (forcing a tool call '
-                             "needs constrained decoding)", param="tool_choice")
+    _forced_tool(req)                       # a named function must be one of the tools
     kwargs = req.chat_template_kwargs or {}
     thinking = _thinking(kwargs) and req.reasoning_effort != "none"     # vLLM: "none" turns thinking off
     tools = [tool.model_dump(mode="json", exclude_none=True) for tool in req.tools or []]

@@ -282,3 +282,51 @@ def test_bad_structured_outputs_are_400s(fleet):
         resp = httpx.post(fleet.r.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3, **extra}, timeout=20)
         assert resp.status_code == 400, resp.text
         assert resp.json()["error"]["param"].split(".")[0] in ("structured_outputs", "response_format")
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+CLOCK = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_tool_calls_always_parse_and_equal_offline(client, offline, stream):
+    pytest.importorskip("xgrammar")
+    import json
+
+    from shared.openai.convert import shape_chat_message
+    from shared.prompt.tool_grammar import forced_tool_call_grammar
+    from shared.structured_output import StructuredOutput
+    tools = [WEATHER, CLOCK]
+    asks = ["What is the weather in Paris?", "Time please.", "Hello!"]
+    for ask, choice, temperature in [(asks[0], "required", 0.0), (asks[1], "required", 1.0),
+                                     (asks[2], {"type": "function", "function": {"name": "get_weather"}}, 0.0)]:
+        messages = [{"role": "user", "content": ask}]
+        name = None if choice == "required" else choice["function"]["name"]
+        grammar = forced_tool_call_grammar(tools, thinking=True, name=name)
+        params = SamplingParams(temperature=temperature, seed=11, max_tokens=120, skip_special_tokens=False,
+                                structured_output=StructuredOutput("xtml", grammar))
+        text = offline.chat(messages, params, tools=tools)[0].output.text
+        expected = shape_chat_message(text, thinking=True, tools_requested=True).tool_calls
+        kwargs = dict(model="kimi-k3", messages=messages, tools=tools, tool_choice=choice, max_tokens=120,
+                      temperature=temperature, seed=11)
+        if stream:
+            calls: dict[int, dict] = {}
+            finish = None
+            for chunk in client.chat.completions.create(stream=True, **kwargs):
+                for c in chunk.choices:
+                    finish = c.finish_reason or finish
+                    for d in c.delta.tool_calls or []:
+                        call = calls.setdefault(d.index, {"name": "", "arguments": ""})
+                        call["name"] += (d.function.name or "") if d.function else ""
+                        call["arguments"] += (d.function.arguments or "") if d.function else ""
+            got = [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())]
+        else:
+            message = client.chat.completions.create(**kwargs).choices[0]
+            finish = message.finish_reason
+            got = [(c.function.name, json.loads(c.function.arguments)) for c in message.message.tool_calls]
+        assert got and finish == "tool_calls"
+        assert got == [(c.function.name, json.loads(c.function.arguments)) for c in expected]
+        if name:
+            assert {n for n, _ in got} == {name}

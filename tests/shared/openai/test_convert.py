@@ -153,8 +153,7 @@ def test_the_effort_text_lists_exactly_the_accepted_values():
     ({"reasoning_effort": "minimal"}, "reasoning_effort"),
     ({"chat_template_kwargs": {"thinking_effort": "extreme"}}, "chat_template_kwargs.thinking_effort"),
     ({"reasoning_effort": "low", "chat_template_kwargs": {"thinking_effort": "max"}}, "reasoning_effort"),
-    ({"tools": [WEATHER_TOOL], "tool_choice": "required"}, "tool_choice"),
-    ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+    ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
      "tool_choice"),
 ])
 def test_render_options_refusals(fields, param):
@@ -248,3 +247,12 @@ def test_those_fields_at_their_defaults_pass():
     to_sampling_params(chat(add_generation_prompt=True, continue_final_message=False, include_reasoning=True,
                             return_token_ids=False, skip_special_tokens=False, cache_salt=None))
     to_sampling_params(completion(skip_special_tokens=True, stream=True, stream_options={"include_usage": True}))
+
+
+def test_forced_tool_choice_becomes_a_tool_call_grammar():
+    forced = to_sampling_params(chat(tools=[WEATHER_TOOL], tool_choice="required")).structured_output
+    assert forced.kind == "xtml" and 'get_weather' in forced.value
+    named = chat(tools=[WEATHER_TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert to_sampling_params(named).structured_output.kind == "xtml"
+    both = chat(tools=[WEATHER_TOOL], tool_choice="required", response_format={"type": "json_object"})
+    assert rejected(to_sampling_params, both)[:2] == (400, "tool_choice")
