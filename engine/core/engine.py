@@ -34,7 +34,7 @@ from engine.structured_output import GrammarCompiler
 from engine.token_constraints import bad_words_token_ids
 from shared.sampling_params import SamplingParams
 from shared.prompt.tokenizer import KimiTokenizer
-from shared.hashing import block_hashes, root_hash
+from shared.hashing import block_hashes, root_hash, salted_root
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,8 @@ class LLMEngine:
         req.max_tokens = min(1, max_tokens) if export_state else max_tokens
         req.images = [] if imported else encode_images(self.model, inputs.images, len(req.prompt_token_ids),
                                                         self.tokenizer.media_pad_id, req.prompt_token_ids)
-        req.block_hashes = block_hashes(req.prompt_token_ids, self.config.block_size, self.hash_root,
+        req.block_hashes = block_hashes(req.prompt_token_ids, self.config.block_size,
+                                        salted_root(self.hash_root, params.cache_salt),
                                         [img.span for img in req.images])
         req.generator = torch.Generator().manual_seed(
             params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_source)))

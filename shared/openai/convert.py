@@ -70,6 +70,7 @@ def to_sampling_params(req: AnyRequest, *, defaults: Mapping[str, Any] | None = 
         allowed_token_ids=req.allowed_token_ids,
         bad_words=list(req.bad_words or []),
         structured_output=_structured_output(req, chat),
+        cache_salt=req.cache_salt,
         skip_special_tokens=False if chat else req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
         n=req.n,
@@ -168,7 +169,6 @@ _ONLY_DEFAULT = {
     "return_token_ids": (False, "token ids are not returned; use /tokenize or logprobs"),
     "truncate_prompt_tokens": (None, "prompts are never truncated; an over-long prompt is a 400"),
     "thinking_token_budget": (None, "a thinking budget is not supported"),
-    "cache_salt": (None, "salted prefix caching is not supported"),
 }
 
 

@@ -50,6 +50,7 @@ class SamplingRequest(RequestModel):
     logit_bias: dict[str, Float] | None = None  # OpenAI: token id (as text) -> bias in [-100, 100]
     allowed_token_ids: list[Int] | None = None  # vLLM
     bad_words: list[str] | None = None          # vLLM
+    cache_salt: str | None = Field(default=None, min_length=1)  # vLLM: only requests with the same salt share cache
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> SamplingRequest:

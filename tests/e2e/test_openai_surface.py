@@ -205,7 +205,7 @@ def test_continuous_usage_stats_count_tokens_on_every_chunk(fleet, endpoint, bod
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 5
 
 
-@pytest.mark.parametrize("field, value", [("cache_salt", "tenant"), ("add_generation_prompt", False),
+@pytest.mark.parametrize("field, value", [("include_reasoning", False), ("add_generation_prompt", False),
                                           ("thinking_token_budget", 64)])
 def test_fields_this_server_cannot_honour_are_refused_by_name(fleet, field, value):
     body = {"model": "kimi-k3", "messages": [{"role": "user", "content": "hi"}], field: value}
@@ -330,3 +330,17 @@ def test_forced_tool_calls_always_parse_and_equal_offline(client, offline, strea
         assert got == [(c.function.name, json.loads(c.function.arguments)) for c in expected]
         if name:
             assert {n for n, _ in got} == {name}
+
+
+def test_cache_salt_isolates_prefix_hits_through_the_router(fleet):
+    prompt = "A long shared system prompt that several tenants send " * 4
+
+    def cached(salt):
+        body = {"model": "kimi-k3", "prompt": prompt, "max_tokens": 1, "temperature": 0, "cache_salt": salt}
+        resp = httpx.post(fleet.r.url + "/v1/completions", json=body, timeout=60)
+        assert resp.status_code == 200, resp.text
+        return resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached("t1") == 0
+    assert cached("t2") == 0
+    assert cached("t1") > 0

@@ -234,8 +234,6 @@ def test_sampling_errors_are_engine_typed():
     (completion, {"return_token_ids": True}, "return_token_ids"),
     (completion, {"truncate_prompt_tokens": 5}, "truncate_prompt_tokens"),
     (chat, {"thinking_token_budget": 100}, "thinking_token_budget"),
-    (chat, {"cache_salt": "tenant-a"}, "cache_salt"),
-    (completion, {"cache_salt": "tenant-a"}, "cache_salt"),
     (chat, {"skip_special_tokens": True}, "skip_special_tokens"),
 ])
 def test_fields_that_would_be_ignored_are_refused_by_name(make, fields, param):
