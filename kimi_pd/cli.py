@@ -70,6 +70,11 @@ def _up(args: argparse.Namespace) -> int:
     return up(model, args.port, args.prefill_workers, args.decode_workers, args.redis_url, Path(args.log_dir), [])
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from kimi_pd.bench.cli import run_bench
+    return run_bench(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kimi-pd", description="Disaggregated prefill/decode serving for Kimi-K3.",
                                      allow_abbrev=False)
@@ -117,6 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
     upp.add_argument("--redis-url", default=None, help="use this store instead of starting an embedded one")
     upp.add_argument("--log-dir", default="logs")
     upp.set_defaults(func=_up)
+
+    from kimi_pd.bench.cli import add_bench_args
+    bench = sub.add_parser("bench", help="benchmark an OpenAI-compatible endpoint (vllm bench serve semantics)",
+                           allow_abbrev=False)
+    add_bench_args(bench)
+    bench.set_defaults(func=_bench)
 
     from worker.flags import add_worker_args
     for role, help_text in (("prefill", "a prefill worker (computes prompts, hands state to decode workers)"),

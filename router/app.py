@@ -1,28 +1,34 @@
-"""The router service: OpenAI endpoints in front of the P/D fleet, /health, /ready, /metrics, admin.
+"""The router service: OpenAI endpoints in front of the P/D fleet, /health, /ready, /metrics, admin, /dashboard.
 
-Clients created once in the lifespan (one pooled httpx client, the store, background loops) and
-kept on app.state; routes only compose them.
+Clients created once in the lifespan (aiohttp for the request path, httpx for health and admin
+calls, the store, background loops) and kept on app.state; routes only compose them. The two
+OpenAI POST endpoints are served through `router.fast_path` (past FastAPI's routing layers).
 """
 from __future__ import annotations
 
 import asyncio
 import hmac
 import itertools
+import json
 import logging
 from contextlib import asynccontextmanager
+from typing import Any
 
 import httpx
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from router import health_checker
+from router.dashboard import install as install_dashboard
+from router.fast_path import FastPath
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator, Trace
 from router.placement.pipeline import build_pipeline
 from router.registry import WorkerRegistry
 from router.settings import RouterSettings
-from router.upstream import UpstreamError
+from router.upstream import UpstreamError, make_session
 from shared.openai.errors import Unauthorized, ModelNotFound, OpenAIError, error_response
 from shared.openai.convert import to_sampling_params
 from shared.openai import tokenize as tokenize_api
@@ -45,17 +51,19 @@ def create_app(settings: RouterSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         stop = asyncio.Event()
-        client = httpx.AsyncClient(limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100))
+        client = httpx.AsyncClient(limits=httpx.Limits(max_connections=100, max_keepalive_connections=20))
+        session = make_session()                     # the request path: aiohttp (C parser), pooled
         store = make_store(settings.store_url, settings.namespace) if settings.store_url else None
         registry = WorkerRegistry(settings, store)
         metrics = RouterMetrics()
-        pipeline = build_pipeline(scorers=dict(settings.scorer_weights))
+        pipeline = build_pipeline(**settings.pipeline_spec())
         app.state.settings, app.state.registry, app.state.metrics = settings, registry, metrics
         app.state.tokenizer = KimiTokenizer.from_dir(settings.model)
         model_config = ModelConfig.from_file(settings.model)
         app.state.vision_config = model_config.vision_config
         app.state.max_model_len = model_config.text_config.max_position_embeddings
-        app.state.orchestrator = Orchestrator(settings, registry, client, pipeline, metrics, settings.admin_token)
+        app.state.orchestrator = Orchestrator(settings, registry, client, pipeline, metrics, settings.admin_token,
+                                              session)
         await registry.refresh()
         await health_checker.check_once(client, registry, settings.connect_timeout_s)
         tasks = [asyncio.create_task(registry.run(stop)),
@@ -66,6 +74,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
         await client.aclose()
+        await session.close()
         if store is not None:
             await store.close()
 
@@ -80,6 +89,8 @@ def create_app(settings: RouterSettings) -> FastAPI:
                               ("/v1/models/{model_id:path}", _model, ["GET"]), ("/tokenize", _tokenize, ["POST"]),
                               ("/detokenize", _detokenize, ["POST"]), ("/tokenizer_info", _tokenizer_info, ["GET"])):
         app.add_api_route(path, fn, methods=methods)
+    install_dashboard(app, _check_admin, _ready_state)        # /dashboard (page) and /dashboard/state (admin token)
+    app.add_middleware(FastPath, routes={"/v1/chat/completions": _chat, "/v1/completions": _completions})
     return app
 
 
@@ -146,11 +157,13 @@ async def _tokenizer_info(request: Request) -> JSONResponse:
     return JSONResponse(tokenize_api.tokenizer_info(st.tokenizer, st.max_model_len))
 
 
-async def _serve(request: Request, endpoint: str, req, prepare) -> Response:
+async def _serve(request: Request, endpoint: str, req, prepare, body_bytes: int) -> Response:
     st = request.app.state
     _check_model(request, req.model)
     to_sampling_params(req)                      # reject bad parameters here, before any worker is busy
-    prepared = await asyncio.to_thread(prepare)
+    # a small prompt renders and tokenises in less time than a hop to a thread costs; big ones must not
+    # stall the event loop (bodies are bounded by max_request_bytes)
+    prepared = prepare() if body_bytes <= INLINE_PREPARE_BYTES else await asyncio.to_thread(prepare)
     trace = Trace(f"{endpoint}-{req.request_id or request.headers.get('x-request-id') or ''}-{next(_ids)}", endpoint)
     outcome = "error"
     try:
@@ -163,22 +176,43 @@ async def _serve(request: Request, endpoint: str, req, prepare) -> Response:
         st.metrics.requests.labels(endpoint=endpoint, decision=trace.decision, outcome=outcome).inc()
 
 
+INLINE_PREPARE_BYTES = 16 << 10
+
+
+async def _bounded_body(request: Request) -> tuple[Any, int]:
+    """The parsed JSON body and its size, refused with a 413 before it is parsed, rendered or
+    tokenised when it is larger than `max_request_bytes`: placement tokenises every prompt, and a
+    5 MB prompt cost 25 s of router CPU before a worker refused it."""
+    limit = request.app.state.settings.max_request_bytes
+    declared = request.headers.get("content-length", "")
+    if (declared.isdigit() and int(declared) > limit) or len(body := await request.body()) > limit:
+        raise OpenAIError(f"request body larger than {limit} bytes", status=413, type="invalid_request_error",
+                          code="request_too_large")
+    try:
+        return orjson.loads(body), len(body)
+    except orjson.JSONDecodeError as exc:
+        raise json.JSONDecodeError("malformed JSON or not UTF-8", "", 0) from exc
+
+
 async def _chat(request: Request) -> Response:
     _check_client(request)
-    req = ChatCompletionRequest.model_validate(await read_json_body(request))
+    body, size = await _bounded_body(request)
+    req = ChatCompletionRequest.model_validate(body)
     st = request.app.state
 
     def one(sub: ChatCompletionRequest):
-        return _serve(request, "chat", sub, lambda: prepare_chat(sub, st.tokenizer, st.vision_config))
+        return _serve(request, "chat", sub, lambda: prepare_chat(sub, st.tokenizer, st.vision_config), size)
     return await (fan_out(req, one) if needs_fan_out(req) else one(req))
 
 
 async def _completions(request: Request) -> Response:
     _check_client(request)
-    req = CompletionRequest.model_validate(await read_json_body(request))
+    body, size = await _bounded_body(request)
+    req = CompletionRequest.model_validate(body)
 
     def one(sub: CompletionRequest):
-        return _serve(request, "completions", sub, lambda: prepare_completion(sub, request.app.state.tokenizer))
+        return _serve(request, "completions", sub, lambda: prepare_completion(sub, request.app.state.tokenizer),
+                      size)
     return await (fan_out(req, one) if needs_fan_out(req) else one(req))
 
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 
+REDIS_URL_ENV = "KIMI_PD_REDIS_URL"
 _UNITS = {"": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
           "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
 ACCEPTED_PARSERS = ("kimi_k3",)
@@ -40,10 +42,11 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-transport", default="tcp", choices=["tcp", "mooncake", "torch-dist"])
     p.add_argument("--kv-host", default="127.0.0.1")
     p.add_argument("--kv-port", type=int, default=0)
-    p.add_argument("--kv-streams", type=int, default=4)
+    p.add_argument("--kv-streams", type=int, default=2, help="parallel TCP streams per pull (2 x 8 MiB chunks measured best on 2 cores)")
     p.add_argument("--kv-lease-s", type=float, default=30.0)
     p.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"])
-    p.add_argument("--redis-url", default=None, help="state store (registration, load, KV events)")
+    p.add_argument("--redis-url", default=os.environ.get(REDIS_URL_ENV) or None,
+                   help=f"state store (registration, load, KV events; default ${REDIS_URL_ENV}, which keeps a password off argv)")
     p.add_argument("--namespace", default="default")
     p.add_argument("--heartbeat-s", type=float, default=1.0)
     p.add_argument("--log-level", default="info")
