@@ -1,6 +1,7 @@
 """vLLM-like offline API: `LLM(model=DIR, ...).generate(prompts, params)` and `.chat(messages, params)`."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import fields
 from typing import Any, Sequence
@@ -36,9 +37,11 @@ class LLM:
                                                             and isinstance(prompts[0], int)):
             prompts = [prompts]
         params_list = self._params_for(len(prompts), params)
-        ids = [self.engine.add_request(f"llm-{next(self._ids)}", self._to_input(p), sp)
-               for p, sp in zip(prompts, params_list)]
-        return self._run(ids)
+        # n sequences per prompt: n engine requests (sequence i seeded seed + i, as the servers do)
+        ids = [[self.engine.add_request(f"llm-{next(self._ids)}", self._to_input(p), sp.for_sequence(i))
+                for i in range(sp.n)] for p, sp in zip(prompts, params_list)]
+        finals = dict(zip([i for group in ids for i in group], self._run([i for group in ids for i in group])))
+        return [_gather([finals[i] for i in group]) for group in ids]
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              params: SamplingParams | Sequence[SamplingParams] | None = None, **render_options: Any) -> list[RequestOutput]:
@@ -81,3 +84,12 @@ class LLM:
                 if out.finished:
                     final[out.request_id] = out
         return [final[i] for i in ids]
+
+
+def _gather(outs: list[RequestOutput]) -> RequestOutput:
+    """One RequestOutput per prompt, its n sequences as `outputs` (index 0..n-1), vLLM's shape."""
+    first = outs[0]
+    if len(outs) == 1:
+        return first
+    first.outputs = [dataclasses.replace(o.output, index=i) for i, o in enumerate(outs)]
+    return first

@@ -6,6 +6,7 @@
         │
         ├─► penalties (repetition: prompt+output; presence/frequency: output)
         ├─► min_tokens: stop ids (eos unless ignore_eos, stop_token_ids) at -inf
+        ├─► token constraints: allowed_token_ids, bad_words, logit_bias (engine.token_constraints)
         ├─► greedy rows: argmax, done
         └─► random rows: temperature ► top-k ► top-p ► min-p ► exponential race with the row's generator
 
@@ -16,11 +17,13 @@ same tokens whatever else is in the batch, and in whatever order.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from engine.token_constraints import apply_token_constraints
 from shared.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -34,6 +37,8 @@ class SamplingState:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     generator: torch.Generator | None = None    # None: torch's default generator
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    grammar: Any = None                         # engine.structured_output.RequestGrammar, if constrained
 
     @classmethod
     def create(cls, params: SamplingParams, prompt_token_ids: list[int],
@@ -63,6 +68,7 @@ def sample(logits: Tensor, requests: Sequence[SamplingState], eos_token_ids: Ite
     raw_logprobs = torch.log_softmax(logits, dim=-1)
     processed = apply_penalties(logits, requests)
     processed = apply_min_tokens(processed, requests, set(eos_token_ids))
+    processed = apply_token_constraints(processed, requests)
     token_ids = _choose(processed, requests)
     return _output(raw_logprobs, token_ids, requests)
 

@@ -31,6 +31,8 @@ from router.upstream import UpstreamError, make_session
 from shared.openai.ids import header_request_id
 from shared.openai.errors import Unauthorized, ModelNotFound, OpenAIError, error_response
 from shared.openai.convert import to_sampling_params
+from shared.openai import tokenize as tokenize_api
+from shared.openai.fanout import fan_out, needs_fan_out
 from shared.openai.requests import ChatCompletionRequest, CompletionRequest
 from shared.openai.responses import ModelCard, ModelList
 from shared.http import (ClientDisconnected, bearer_token, install_error_handlers, parse_json, read_body,
@@ -59,7 +61,9 @@ def create_app(settings: RouterSettings) -> FastAPI:
         pipeline = build_pipeline(**settings.pipeline_spec())
         app.state.settings, app.state.registry, app.state.metrics = settings, registry, metrics
         app.state.tokenizer = KimiTokenizer.from_dir(settings.model)
-        app.state.vision_config = ModelConfig.from_file(settings.model).vision_config
+        model_config = ModelConfig.from_file(settings.model)
+        app.state.vision_config = model_config.vision_config
+        app.state.max_model_len = model_config.text_config.max_position_embeddings
         app.state.orchestrator = Orchestrator(settings, registry, client, pipeline, metrics, settings.admin_token,
                                               session)
         await registry.refresh()
@@ -84,7 +88,9 @@ def create_app(settings: RouterSettings) -> FastAPI:
                               ("/v1/completions", _completions, ["POST"]), ("/health", _health, ["GET"]),
                               ("/ready", _ready, ["GET"]), ("/metrics", _metrics, ["GET"]),
                               ("/admin/workers", _list_workers, ["GET"]), ("/admin/workers", _add_worker, ["POST"]),
-                              ("/admin/workers/{worker_id:path}/drain", _drain_worker, ["POST"])):
+                              ("/admin/workers/{worker_id:path}/drain", _drain_worker, ["POST"]),
+                              ("/v1/models/{model_id:path}", _model, ["GET"]), ("/tokenize", _tokenize, ["POST"]),
+                              ("/detokenize", _detokenize, ["POST"]), ("/tokenizer_info", _tokenizer_info, ["GET"])):
         app.add_api_route(path, fn, methods=methods)
     install_dashboard(app, _check_admin, _ready_state)        # /dashboard (page) and /dashboard/state (admin token)
     app.add_middleware(FastPath, routes={"/v1/chat/completions": _chat, "/v1/completions": _completions})
@@ -116,10 +122,42 @@ def _check_model(request: Request, model: str | None) -> None:
         raise ModelNotFound(model)
 
 
+def _card(request: Request) -> ModelCard:
+    st = request.app.state
+    return ModelCard(id=st.settings.served_model_name, owned_by="kimi-pd", root=st.settings.model,
+                     max_model_len=st.max_model_len)
+
+
 async def _models(request: Request) -> JSONResponse:
     _check_client(request)
-    card = ModelCard(id=request.app.state.settings.served_model_name, owned_by="kimi-pd")
-    return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
+    return JSONResponse(ModelList(data=[_card(request)]).model_dump(mode="json"))
+
+
+async def _model(request: Request, model_id: str) -> JSONResponse:
+    _check_client(request)
+    _check_model(request, model_id)
+    return JSONResponse(_card(request).model_dump(mode="json"))
+
+
+async def _tokenize(request: Request) -> JSONResponse:
+    _check_client(request)
+    st = request.app.state
+    req = tokenize_api.TokenizeRequest.model_validate(await read_json_body(request))
+    _check_model(request, req.model)
+    return JSONResponse(tokenize_api.tokenize(req, st.tokenizer, st.max_model_len, st.vision_config))
+
+
+async def _detokenize(request: Request) -> JSONResponse:
+    _check_client(request)
+    req = tokenize_api.DetokenizeRequest.model_validate(await read_json_body(request))
+    _check_model(request, req.model)
+    return JSONResponse(tokenize_api.detokenize(req, request.app.state.tokenizer))
+
+
+async def _tokenizer_info(request: Request) -> JSONResponse:
+    _check_client(request)
+    st = request.app.state
+    return JSONResponse(tokenize_api.tokenizer_info(st.tokenizer, st.max_model_len))
 
 
 async def _serve(request: Request, endpoint: str, req, prepare, body_bytes: int) -> Response:
@@ -164,15 +202,21 @@ async def _chat(request: Request) -> Response:
     body, size = await _bounded_body(request)
     req = ChatCompletionRequest.model_validate(body)
     st = request.app.state
-    return await _serve(request, "chat", req, lambda: prepare_chat(req, st.tokenizer, st.vision_config), size)
+
+    def one(sub: ChatCompletionRequest):
+        return _serve(request, "chat", sub, lambda: prepare_chat(sub, st.tokenizer, st.vision_config), size)
+    return await (fan_out(req, one) if needs_fan_out(req) else one(req))
 
 
 async def _completions(request: Request) -> Response:
     _check_client(request)
     body, size = await _bounded_body(request)
     req = CompletionRequest.model_validate(body)
-    return await _serve(request, "completions", req, lambda: prepare_completion(req, request.app.state.tokenizer),
-                        size)
+
+    def one(sub: CompletionRequest):
+        return _serve(request, "completions", sub, lambda: prepare_completion(sub, request.app.state.tokenizer),
+                      size)
+    return await (fan_out(req, one) if needs_fan_out(req) else one(req))
 
 
 async def _health(request: Request) -> JSONResponse:

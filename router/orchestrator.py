@@ -106,7 +106,7 @@ class Orchestrator:
     def _context(self, trace: Trace, prepared: PreparedPrompt, states, role: str) -> RoutingContext:
         return build_context(trace.request_id, prepared.token_ids, states, self.registry.index,
                              model=self.s.served_model_name, role=role, now=time.time(),
-                             images=prepared.image_spans())
+                             images=prepared.image_spans(), cache_salt=prepared.cache_salt)
 
     def _pick(self, ctx: RoutingContext, states: list[WorkerState], exclude: set[str]) -> WorkerState:
         candidates = [w for w in states if w.worker_id not in exclude]

@@ -42,6 +42,12 @@ def root_hash(model_id: str, cache_salt: str | None = None) -> int:
     return _digest(HASH_VERSION.encode(), model_id.encode(), (cache_salt or "").encode())
 
 
+def salted_root(root: int, cache_salt: str | None) -> int:
+    """vLLM's `cache_salt`: a request's chain starts from its salt, so only requests with the same
+    salt share cached blocks (router and engine derive it the same way)."""
+    return root if not cache_salt else _digest(root.to_bytes(8, "big"), b"cache_salt", cache_salt.encode())
+
+
 def image_content_hash(rgb_bytes: bytes, width: int, height: int) -> bytes:
     """Hash of an image's decoded RGB pixels (not its file encoding), so router and engine agree."""
     return hashlib.sha256(struct.pack("<II", width, height) + rgb_bytes).digest()

@@ -12,12 +12,14 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from shared.errors import InvalidSamplingParams
+from shared.structured_output import StructuredOutput
 
 # Below this temperature a request is greedy (vLLM's _SAMPLING_EPS).
 GREEDY_TEMPERATURE = 1e-5
 # vLLM's default max_logprobs; also OpenAI's top_logprobs limit.
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+MAX_N = 128                 # sequences per prompt (n, best_of)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
@@ -49,9 +51,10 @@ _FLOAT_RANGES = {
 # name -> (allowed range, None allowed, hint appended to the message)
 _INT_RANGES: dict[str, tuple[_Interval, bool, str]] = {
     "top_k": (_Interval(-1, _INF, hi_open=True), False, " (0 or -1 disables top-k)"),
-    "max_tokens": (_Interval(1, _INF, hi_open=True), True, ""),
+    "max_tokens": (_Interval(0, _INF, hi_open=True), True, " (0: score the prompt only)"),
     "min_tokens": (_Interval(0, _INF, hi_open=True), False, ""),
     "logprobs": (_Interval(0, MAX_LOGPROBS), True, " (the number of top alternatives to return)"),
+    "prompt_logprobs": (_Interval(0, MAX_LOGPROBS), True, " (the number of top alternatives per prompt token)"),
     "seed": (_Interval(INT64_MIN, INT64_MAX), True, ""),
 }
 _BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
@@ -75,13 +78,25 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None         # top-n alternatives besides the sampled token
+    prompt_logprobs: int | None = None  # per prompt token: its logprob and rank, plus top-n alternatives
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    n: int = 1
+    n: int = 1                          # sequences per prompt; `LLM` and the servers fan them out
+    logit_bias: dict[int, float] | None = None      # added to the token's logit before choosing ([-100, 100])
+    allowed_token_ids: list[int] | None = None      # only these ids may be chosen
+    bad_words: list[str] = field(default_factory=list)   # never completed (as is and after a space)
+    structured_output: StructuredOutput | None = None     # the output must match it (json, regex, ...)
+    cache_salt: str | None = None       # prefix-cache isolation: only equal salts share blocks
+
+    def for_sequence(self, index: int) -> SamplingParams:
+        """The params of sequence `index` of n: one sequence, its own seed (seed + index) when seeded."""
+        from dataclasses import replace
+        return replace(self, n=1, seed=None if self.seed is None else self.seed + index)
 
     def __post_init__(self) -> None:
         self.stop = _as_list(self.stop)
         self.stop_token_ids = _as_list(self.stop_token_ids)
+        self.bad_words = _as_list(self.bad_words)
 
     @property
     def is_greedy(self) -> bool:
@@ -104,6 +119,7 @@ class SamplingParams:
         _check_min_tokens(self.min_tokens, self.max_tokens)
         _check_stop(self.stop)
         _check_stop_token_ids(self.stop_token_ids, vocab_size)
+        _check_token_constraints(self, vocab_size)
 
 
 def _as_list(value: Any) -> Any:
@@ -148,8 +164,8 @@ def _check_bool(name: str, value: Any) -> None:
 
 
 def _check_n(n: Any) -> None:
-    if not _is_int(n) or n != 1:
-        _fail("n", f"must be 1 (only one completion per request is supported), got {n!r}")
+    if not _is_int(n) or not 1 <= n <= MAX_N:
+        _fail("n", f"must be an integer in [1, {MAX_N}], got {n!r}")
 
 
 def _check_min_tokens(min_tokens: int, max_tokens: int | None) -> None:
@@ -173,3 +189,27 @@ def _check_stop_token_ids(ids: Any, vocab_size: int) -> None:
     bad = [i for i in ids if not _is_int(i) or not 0 <= i < vocab_size]
     if bad:
         _fail("stop_token_ids", f"must contain only token ids in [0, {vocab_size}), got {bad!r}")
+
+
+MAX_LOGIT_BIAS = 100.0
+
+
+def _check_token_constraints(params: SamplingParams, vocab_size: int) -> None:
+    bias = params.logit_bias
+    if bias is not None:
+        if not isinstance(bias, dict):
+            _fail("logit_bias", f"must map token ids to numbers, got {bias!r}")
+        for token, value in bias.items():
+            if not _is_int(token) or not 0 <= token < vocab_size:
+                _fail("logit_bias", f"keys must be token ids in [0, {vocab_size}), got {token!r}")
+            if not (_is_int(value) or isinstance(value, float)) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                _fail("logit_bias", f"values must be numbers in [-100, 100], got {value!r}")
+    allowed = params.allowed_token_ids
+    if allowed is not None:
+        if not isinstance(allowed, list) or not allowed:
+            _fail("allowed_token_ids", f"must be a non-empty list of token ids, got {allowed!r}")
+        bad = [i for i in allowed if not _is_int(i) or not 0 <= i < vocab_size]
+        if bad:
+            _fail("allowed_token_ids", f"must contain only token ids in [0, {vocab_size}), got {bad[:8]!r}")
+    if not isinstance(params.bad_words, list) or not all(isinstance(w, str) and w for w in params.bad_words):
+        _fail("bad_words", f"must be a list of non-empty strings, got {params.bad_words!r}")

@@ -22,6 +22,8 @@ from shared.kv_transfer_params import KVTransferParams
 from shared.openai.convert import to_sampling_params
 from shared.openai.ids import header_request_id
 from shared.openai.errors import Unauthorized, ModelNotFound, OpenAIError, error_from_exception
+from shared.openai import tokenize as tokenize_api
+from shared.openai.fanout import fan_out, needs_fan_out
 from shared.openai.prompts import prepare_chat, prepare_completion
 from shared.openai.requests import ChatCompletionRequest, CompletionRequest
 from shared.openai.responses import ModelCard, ModelList
@@ -49,6 +51,10 @@ def create_app(runtime: WorkerRuntime) -> FastAPI:
     app.add_api_route("/v1/models", _models, methods=["GET"])
     app.add_api_route("/v1/chat/completions", _chat, methods=["POST"])
     app.add_api_route("/v1/completions", _completions, methods=["POST"])
+    app.add_api_route("/v1/models/{model_id:path}", _model, methods=["GET"])
+    app.add_api_route("/tokenize", _tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", _detokenize, methods=["POST"])
+    app.add_api_route("/tokenizer_info", _tokenizer_info, methods=["GET"])
     app.add_api_route("/health", _health, methods=["GET"])
     app.add_api_route("/metrics", _metrics, methods=["GET"])
     app.add_api_route("/admin/drain", _drain, methods=["POST"])
@@ -88,16 +94,57 @@ def _check_model(rt: WorkerRuntime, model: str | None) -> str:
     return served
 
 
+def _card(rt: WorkerRuntime) -> ModelCard:
+    return ModelCard(id=rt.settings.served_model_name, owned_by="kimi-pd", root=rt.engine.engine.config.model,
+                     max_model_len=rt.engine.engine.max_model_len)
+
+
 async def _models(request: Request) -> JSONResponse:
     _check_api_key(request)
-    card = ModelCard(id=_rt(request).settings.served_model_name, owned_by="kimi-pd")
-    return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
+    return JSONResponse(ModelList(data=[_card(_rt(request))]).model_dump(mode="json"))
+
+
+async def _model(request: Request, model_id: str) -> JSONResponse:
+    _check_api_key(request)
+    rt = _rt(request)
+    _check_model(rt, model_id)
+    return JSONResponse(_card(rt).model_dump(mode="json"))
+
+
+async def _tokenize(request: Request) -> JSONResponse:
+    _check_api_key(request)
+    rt = _rt(request)
+    req = tokenize_api.TokenizeRequest.model_validate(await read_json_body(request, rt.settings.max_request_bytes))
+    _check_model(rt, req.model)
+    body = await asyncio.to_thread(tokenize_api.tokenize, req, rt.tokenizer, rt.engine.engine.max_model_len,
+                                   rt.model_config.vision_config)
+    return JSONResponse(body)
+
+
+async def _detokenize(request: Request) -> JSONResponse:
+    _check_api_key(request)
+    rt = _rt(request)
+    req = tokenize_api.DetokenizeRequest.model_validate(await read_json_body(request, rt.settings.max_request_bytes))
+    _check_model(rt, req.model)
+    return JSONResponse(tokenize_api.detokenize(req, rt.tokenizer))
+
+
+async def _tokenizer_info(request: Request) -> JSONResponse:
+    _check_api_key(request)
+    rt = _rt(request)
+    return JSONResponse(tokenize_api.tokenizer_info(rt.tokenizer, rt.engine.engine.max_model_len))
 
 
 async def _chat(request: Request) -> Response:
     _check_api_key(request)
+    req = ChatCompletionRequest.model_validate(await read_json_body(request, _rt(request).settings.max_request_bytes))
+    if needs_fan_out(req):
+        return await fan_out(req, lambda sub: _chat_one(request, sub))
+    return await _chat_one(request, req)
+
+
+async def _chat_one(request: Request, req: ChatCompletionRequest) -> Response:
     rt = _rt(request)
-    req = ChatCompletionRequest.model_validate(await read_json_body(request, rt.settings.max_request_bytes))
     model = _check_model(rt, req.model)
     params = to_sampling_params(req, vocab_size=rt.model_config.text_config.vocab_size)
     prepared = await asyncio.to_thread(prepare_chat, req, rt.tokenizer, rt.model_config.vision_config)
@@ -108,8 +155,14 @@ async def _chat(request: Request) -> Response:
 
 async def _completions(request: Request) -> Response:
     _check_api_key(request)
+    req = CompletionRequest.model_validate(await read_json_body(request, _rt(request).settings.max_request_bytes))
+    if needs_fan_out(req):
+        return await fan_out(req, lambda sub: _completion_one(request, sub))
+    return await _completion_one(request, req)
+
+
+async def _completion_one(request: Request, req: CompletionRequest) -> Response:
     rt = _rt(request)
-    req = CompletionRequest.model_validate(await read_json_body(request, rt.settings.max_request_bytes))
     model = _check_model(rt, req.model)
     params = to_sampling_params(req, vocab_size=rt.model_config.text_config.vocab_size)
     prepared = prepare_completion(req, rt.tokenizer)

@@ -8,6 +8,7 @@ from typing import Any
 from engine.core.outputs import RequestOutput
 from shared.prompt.tokenizer import KimiTokenizer
 from shared.openai.convert import ChatDeltaShaper, chat_logprobs, completion_logprobs, shape_chat_message
+from shared.openai.logprobs import concat_logprobs, echo_logprobs, prompt_logprobs_body
 from shared.openai.requests import ChatCompletionRequest, CompletionRequest
 from shared.openai.responses import (ChatCompletion, ChatCompletionChoice, ChatCompletionChunk,
                                      ChatCompletionChunkChoice, ChatCompletionMessage, Completion, CompletionChoice,
@@ -30,6 +31,21 @@ def usage_of(out: RequestOutput, result: LegResult) -> Usage:
     return Usage.of(len(out.prompt_token_ids), len(out.output.token_ids), result.num_cached_tokens)
 
 
+def _prompt_logprobs(req, out: RequestOutput, tokenizer: KimiTokenizer):
+    """vLLM's `prompt_logprobs` body when the request asked for them."""
+    if req.prompt_logprobs is None or out.prompt_logprobs is None:
+        return None
+    return prompt_logprobs_body(out.prompt_logprobs, _token_text(tokenizer))
+
+
+def _echo_text(req: CompletionRequest, out: RequestOutput, tokenizer: KimiTokenizer) -> str:
+    return req.prompt if isinstance(req.prompt, str) else tokenizer.decode(out.prompt_token_ids)
+
+
+def _echo_logprobs(req: CompletionRequest, out: RequestOutput, tokenizer: KimiTokenizer):
+    return echo_logprobs(out.prompt_token_ids, out.prompt_logprobs, req.logprobs or 0, _token_text(tokenizer))
+
+
 def chat_completion(req: ChatCompletionRequest, model: str, prepared: PreparedPrompt, out: RequestOutput,
                     result: LegResult, tokenizer: KimiTokenizer) -> ChatCompletion:
     o = out.output
@@ -42,15 +58,20 @@ def chat_completion(req: ChatCompletionRequest, model: str, prepared: PreparedPr
                                   finish_reason=shaped.finish_reason or o.finish_reason, stop_reason=o.stop_reason,
                                   **({"token_ids": list(o.token_ids)} if req.return_token_ids else {}))
     return ChatCompletion(model=model, choices=[choice], usage=usage_of(out, result),
-                          kv_transfer_params=_wire(result))
+                          prompt_logprobs=_prompt_logprobs(req, out, tokenizer), kv_transfer_params=_wire(result))
 
 
 def completion(req: CompletionRequest, model: str, out: RequestOutput, result: LegResult,
                tokenizer: KimiTokenizer) -> Completion:
     o = out.output
-    logprobs = (completion_logprobs(o.token_ids, o.logprobs, o.top_logprobs, _token_text(tokenizer))
+    prefix = _echo_text(req, out, tokenizer) if req.echo else ""
+    logprobs = (completion_logprobs(o.token_ids, o.logprobs, o.top_logprobs, _token_text(tokenizer),
+                                    text_offset=len(prefix))
                 if req.logprobs is not None else None)
-    choice = CompletionChoice(text=o.text, logprobs=logprobs, finish_reason=o.finish_reason, stop_reason=o.stop_reason,
+    if req.echo and logprobs is not None:
+        logprobs = concat_logprobs(_echo_logprobs(req, out, tokenizer), logprobs)
+    choice = CompletionChoice(text=prefix + o.text, logprobs=logprobs, finish_reason=o.finish_reason,
+                              stop_reason=o.stop_reason, prompt_logprobs=_prompt_logprobs(req, out, tokenizer),
                               **({"token_ids": list(o.token_ids)} if req.return_token_ids else {}))
     return Completion(model=model, choices=[choice], usage=usage_of(out, result),
                       kv_transfer_params=_wire(result))
@@ -88,14 +109,18 @@ async def chat_stream(req: ChatCompletionRequest, model: str, prepared: Prepared
 
     def chunk(delta: DeltaMessage, **choice: Any) -> bytes:
         return sse_event(ChatCompletionChunk(id=chunk_id, model=model,
-                                             choices=[ChatCompletionChunkChoice(delta=delta, **choice, **ids.take())]))
+                                             choices=[ChatCompletionChunkChoice(delta=delta, **choice, **ids.take())],
+                                             usage=_running_usage(req, last, result)))
 
+    last: RequestOutput | None = None
     if resume is None:
         yield chunk(DeltaMessage(role="assistant", content=""))
-    last = None
     async for out in _closing(outputs):
         if last is None and resume is not None:
             shaper.feed(_resumed_text(out))             # the client has seen these deltas already
+        if last is None and req.prompt_logprobs is not None:
+            yield sse_event(ChatCompletionChunk(id=chunk_id, model=model, choices=[],
+                                                prompt_logprobs=_prompt_logprobs(req, out, tokenizer)))
         last = out
         ids.add(out)
         delta = shaper.feed(out.new_text) if out.new_text else None
@@ -123,7 +148,8 @@ async def completion_stream(req: CompletionRequest, model: str, outputs: AsyncIt
     chunk_id = resume.response_id if resume is not None and resume.response_id else random_id("cmpl")
     offset, last, ids = 0, None, _TokenIds(req.return_token_ids)
     async for out in _closing(outputs):
-        if last is None and resume is not None:
+        first = last is None
+        if first and resume is not None:
             offset = len(_resumed_text(out))
         last = out
         ids.add(out)
@@ -133,15 +159,35 @@ async def completion_stream(req: CompletionRequest, model: str, outputs: AsyncIt
             o = out.output
             logprobs = completion_logprobs(o.token_ids[-n:], o.logprobs[-n:], o.top_logprobs[-n:],
                                            _token_text(tokenizer), text_offset=offset)
-        offset += len(out.new_text)
+        text = out.new_text
+        if first and req.echo:                  # the prompt (and its logprobs) open the stream
+            prefix = _echo_text(req, out, tokenizer)
+            if logprobs is not None or req.logprobs is not None:
+                shifted = completion_logprobs(out.new_token_ids, out.output.logprobs[-n:] if n else [],
+                                              out.output.top_logprobs[-n:] if n else [], _token_text(tokenizer),
+                                              text_offset=len(prefix))
+                logprobs = concat_logprobs(_echo_logprobs(req, out, tokenizer), shifted)
+            text = prefix + text
+        offset += len(text)
         finish = out.output.finish_reason if out.finished else None
-        if out.new_text or logprobs is not None or finish:
-            choice = CompletionChoice(text=out.new_text, logprobs=logprobs, finish_reason=finish,
-                                      stop_reason=out.output.stop_reason if finish else None, **ids.take())
-            yield sse_event(CompletionChunk(id=chunk_id, model=model, choices=[choice]))
+        scores = _prompt_logprobs(req, out, tokenizer) if first else None
+        if text or logprobs is not None or finish or scores is not None:
+            choice = CompletionChoice(text=text, logprobs=logprobs, finish_reason=finish,
+                                      stop_reason=out.output.stop_reason if finish else None, prompt_logprobs=scores,
+                                      **ids.take())
+            yield sse_event(CompletionChunk(id=chunk_id, model=model, choices=[choice],
+                                            usage=_running_usage(req, out, result)))
     if req.include_usage:
         yield sse_event(CompletionChunk(id=chunk_id, model=model, choices=[], usage=usage_of(last, result)))
     yield SSE_DONE
+
+
+def _running_usage(req, out: RequestOutput | None, result: LegResult) -> Usage | None:
+    """vLLM's `stream_options.continuous_usage_stats`: usage so far on every chunk."""
+    options = req.stream_options
+    if options is None or not options.continuous_usage_stats:
+        return None
+    return usage_of(out, result) if out is not None else Usage.of(0, 0)
 
 
 async def _closing(outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:

@@ -78,8 +78,8 @@ class HybridCacheManager:
 
     # ---- lookups ------------------------------------------------------------------------------
     def prefix_hit(self, req: Request) -> PrefixHit:
-        if not self.config.enable_prefix_caching or req.imported is not None:
-            return PrefixHit.none()
+        if not self.config.enable_prefix_caching or req.imported is not None or req.wants_prompt_logprobs:
+            return PrefixHit.none()             # prompt logprobs need every prompt position's logits
         max_blocks = (req.num_prompt_tokens - 1) // self.block_size
         blocks: list[int] = []
         for h in req.block_hashes[:max_blocks]:

@@ -21,7 +21,7 @@ from engine.dtypes import TORCH_DTYPE_NAMES, torch_dtype
 from engine.core.cache_manager import HybridCacheManager, budget_cache
 from engine.core.inputs import EngineInput, Resume, encode_images, validate_tokens
 from engine.core.model_runner import ModelRunner
-from engine.core.outputs import CompletionOutput, RequestOutput
+from engine.core.outputs import CompletionOutput, PromptLogprob, RequestOutput
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.core.state_export import ExportedState, StateIdentity
@@ -30,9 +30,11 @@ from shared.errors import InvalidRequest, InvalidTokenIds, RequestTooLarge
 from engine.model.kda import KDAOptions
 from engine.model.kimi_k3 import ModelOptions
 from engine.sampler import SamplingState, sample
+from engine.structured_output import GrammarCompiler
+from engine.token_constraints import bad_words_token_ids
 from shared.sampling_params import SamplingParams
 from shared.prompt.tokenizer import KimiTokenizer
-from shared.hashing import block_hashes, root_hash
+from shared.hashing import block_hashes, root_hash, salted_root
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +90,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.cache_config, self.identity)
         self.hash_root = root_hash(config.model_id or config_hash)
         self.eos_token_ids = {self.tokenizer.eos_id}
+        self.grammars = GrammarCompiler(self.tokenizer, text.vocab_size)   # compiles on first use
         self.requests: dict[str, Request] = {}
         self.held: dict[str, float] = {}                       # request id -> lease expiry (monotonic)
         self._pending_outputs: list[RequestOutput] = []        # produced outside a step (imported first tokens)
@@ -110,21 +113,30 @@ class LLMEngine:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         inputs = prompt if isinstance(prompt, EngineInput) else EngineInput(list(prompt))
         params.validate(self.model.config.text_config.vocab_size)
+        if params.n != 1:
+            raise InvalidRequest("the engine runs one sequence per request (LLM and the servers fan n out)",
+                                 param="n")
         validate_tokens(inputs.prompt_token_ids, self.model.config.text_config.vocab_size, self.max_model_len)
         max_tokens = self._resolve_max_tokens(len(inputs.prompt_token_ids), params)
         if imported is not None:
             self._check_import(inputs.prompt_token_ids, imported)
         req = Request(request_id, list(inputs.prompt_token_ids), params, export_state=export_state, imported=imported)
-        req.max_tokens = 1 if export_state else max_tokens
+        if req.wants_prompt_logprobs:
+            req.prompt_logprobs = [None] * req.num_prompt_tokens
+        req.max_tokens = min(1, max_tokens) if export_state else max_tokens
         req.images = [] if imported else encode_images(self.model, inputs.images, len(req.prompt_token_ids),
                                                         self.tokenizer.media_pad_id, req.prompt_token_ids)
-        req.block_hashes = block_hashes(req.prompt_token_ids, self.config.block_size, self.hash_root,
+        req.block_hashes = block_hashes(req.prompt_token_ids, self.config.block_size,
+                                        salted_root(self.hash_root, params.cache_salt),
                                         [img.span for img in req.images])
         req.generator = torch.Generator().manual_seed(
             params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_source)))
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, params, self.eos_token_ids)
         if inputs.resume is not None:
             self._resume(req, inputs.resume, vocab_size=self.model.config.text_config.vocab_size)
+        req.bad_words_token_ids = bad_words_token_ids(params.bad_words, self.tokenizer.encode)
+        if params.structured_output is not None:
+            req.grammar = self.grammars.matcher(params.structured_output)
         self.requests[request_id] = req
         if imported is not None:
             self._pending_outputs.append(self._adopt_first_token(req, imported))
@@ -173,7 +185,20 @@ class LLMEngine:
         self.identity.check_compatible(state.identity)
 
     def _adopt_first_token(self, req: Request, state: ExportedState) -> RequestOutput:
+        """The prefill worker's first token (and prompt logprobs) become this request's own."""
         req.num_cached_tokens = state.num_cached_tokens
+        if req.wants_prompt_logprobs:
+            raw = state.extra.get("prompt_logprobs")
+            if raw is None:
+                raise InvalidRequest("imported state carries no prompt logprobs", param="prompt_logprobs")
+            req.prompt_logprobs = [None if e is None else PromptLogprob.from_wire(e) for e in raw]
+        if req.max_tokens == 0:
+            self._finish(req, "length", None)
+            return self._output(req, "", [])
+        if not req.params.is_greedy:
+            # the prefill worker drew this token's noise from the same seed: skip that draw, so a
+            # seeded request samples the same tokens disaggregated as on one engine
+            torch.empty(self.model.config.text_config.vocab_size).exponential_(generator=req.generator)
         return self._append_token(req, state.first_token_id, state.first_logprob, state.first_top_logprobs)
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -194,8 +219,14 @@ class LLMEngine:
             raise KeyError(f"no held state for request {request_id!r}")
         parts = self.runner.export_state(req)
         top = req.output_top_logprobs[0] if req.output_top_logprobs else None
-        return ExportedState(request_id, list(req.prompt_token_ids), req.output_token_ids[0], req.output_logprobs[0],
-                             self.identity, num_cached_tokens=req.num_cached_tokens, first_top_logprobs=top, **parts)
+        extra = {}
+        if req.prompt_logprobs is not None:       # they travel with the state to the decode worker
+            extra["prompt_logprobs"] = [None if e is None else e.to_wire() for e in req.prompt_logprobs]
+        first_token = req.output_token_ids[0] if req.output_token_ids else -1     # -1: max_tokens=0
+        first_logprob = req.output_logprobs[0] if req.output_logprobs else 0.0
+        return ExportedState(request_id, list(req.prompt_token_ids), first_token, first_logprob,
+                             self.identity, num_cached_tokens=req.num_cached_tokens, first_top_logprobs=top,
+                             extra=extra, **parts)
 
     def release_export(self, request_id: str, reason: str = "released") -> bool:
         """Free a held prefill state. True if something was held (frees exactly once)."""
@@ -225,22 +256,43 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.seqs:
             return pending
-        logits = self.runner.execute(out)
-        sampling = []
+        logits, prompt_logits = self.runner.execute_with_prompt_logits(out)
+        for index, (start, chunk_logits) in prompt_logits.items():
+            record_prompt_logprobs(out.seqs[index].req, start, chunk_logits)
+        sampling, scored_only = [], []
         for s in out.seqs:
             s.req.num_computed_tokens += s.num_new_tokens
             s.req.first_scheduled_time = s.req.first_scheduled_time or time.monotonic()
             self.cache.commit(s.req)
             if s.samples:
                 sampling.append(s.req)
+        if any(r.max_tokens == 0 for r in sampling):
+            # max_tokens=0 (prompt scoring): the prompt is computed, nothing is generated
+            keep = [i for i, r in enumerate(sampling) if r.max_tokens > 0]
+            scored_only = [r for r in sampling if r.max_tokens == 0]
+            sampling = [sampling[i] for i in keep]
+            logits = logits[keep]
+        pending += [self._finish_scored_only(req) for req in scored_only]
+        if not sampling:
+            return pending
         states = [SamplingState(params=r.params, prompt_token_ids=r.prompt_token_ids,
-                                output_token_ids=r.output_token_ids, generator=r.generator) for r in sampling]
+                                output_token_ids=r.output_token_ids, generator=r.generator,
+                                bad_words_token_ids=r.bad_words_token_ids, grammar=r.grammar) for r in sampling]
         result = sample(logits, states, self.eos_token_ids)
         return pending + [self._append_token(req, tok, lp, top) for req, tok, lp, top in
                           zip(sampling, result.token_ids, result.logprobs, result.top_logprobs)]
 
+    def _finish_scored_only(self, req: Request) -> RequestOutput:
+        if req.export_state:
+            self._hold(req, "length", None)
+        else:
+            self._finish(req, "length", None)
+        return self._output(req, "", [])
+
     def _append_token(self, req: Request, token: int, logprob: float, top) -> RequestOutput:
         req.output_token_ids.append(token)
+        if req.grammar is not None:
+            req.grammar.accept(token)
         req.output_logprobs.append(logprob)
         req.output_top_logprobs.append(top)
         step = req.detokenizer.add(token)
@@ -258,6 +310,8 @@ class LLMEngine:
     def _stop_check(self, req: Request, stopped) -> tuple[str | None, int | str | None]:
         if stopped is not None:
             return ("stop", stopped.value)
+        if req.grammar is not None and req.grammar.terminated:
+            return ("stop", None)                   # the structured output is complete
         if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
             return ("length", None)
         return (None, None)
@@ -279,8 +333,10 @@ class LLMEngine:
         completion = CompletionOutput(0, req.text, list(req.output_token_ids), list(req.output_logprobs),
                                       list(req.output_top_logprobs), req.finish_reason, req.stop_reason)
         queued = None if req.first_scheduled_time is None else req.first_scheduled_time - req.arrival_time
+        prompt_done = req.imported is not None or req.num_computed_tokens >= req.num_prompt_tokens
+        scored = req.prompt_logprobs if prompt_done else None
         return RequestOutput(req.request_id, req.prompt_token_ids, [completion], finished,
-                             req.num_cached_tokens, new_text, new_tokens, queued)
+                             req.num_cached_tokens, new_text, new_tokens, queued, scored)
 
     # ---- checks ---------------------------------------------------------------------------------
     def check_integrity(self) -> None:
@@ -291,3 +347,18 @@ class LLMEngine:
         for r in self.requests.values():
             if r.status in (RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.PREEMPTED) and r not in live:
                 raise AssertionError(f"request {r.request_id} is {r.status.value} but in no queue")
+
+
+def record_prompt_logprobs(req: Request, start: int, logits: torch.Tensor) -> None:
+    """Score prompt tokens start+1 .. start+k from the logits at positions start .. start+k-1 (raw,
+    as vLLM reports them). A recomputed chunk (after preemption) writes the same values again."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    targets = torch.tensor(req.prompt_token_ids[start + 1:start + 1 + logits.shape[0]], device=logits.device)
+    chosen = logprobs.gather(1, targets.unsqueeze(1))
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    n = req.params.prompt_logprobs or 0
+    top_values, top_ids = logprobs.topk(n, dim=-1) if n else (None, None)
+    chosen_l, ranks_l = chosen.squeeze(1).tolist(), ranks.tolist()
+    tops = list(zip(top_ids.tolist(), top_values.tolist())) if n else [([], [])] * len(chosen_l)
+    for i, (token_id, lp, rank, (ids, values)) in enumerate(zip(targets.tolist(), chosen_l, ranks_l, tops)):
+        req.prompt_logprobs[start + 1 + i] = PromptLogprob(token_id, lp, rank, list(zip(ids, values)))

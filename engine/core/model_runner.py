@@ -74,9 +74,17 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Run the step; returns logits [num sampling seqs, vocab] in `out.seqs` order (fp32)."""
+        return self.execute_with_prompt_logits(out)[0]
+
+    @torch.inference_mode()
+    def execute_with_prompt_logits(self, out: SchedulerOutput) -> tuple[torch.Tensor, dict[int, tuple[int, torch.Tensor]]]:
+        """`execute`, plus, for each seq (by index in `out.seqs`) whose request wants prompt logprobs,
+        `(first position, logits [k, vocab])`: the logits at prompt positions p..p+k-1 of this chunk,
+        which score prompt tokens p+1..p+k (the last prompt position's logits are its sampling row)."""
         ids, slices, logits_rows, mm_embeds, mm_pos = [], [], [], [], []
+        prompt_rows: dict[int, tuple[int, list[int]]] = {}
         flat = 0
-        for s in out.seqs:
+        for index, s in enumerate(out.seqs):
             self._prepare(s)
             lo, hi = s.num_computed_before, s.num_computed_before + s.num_new_tokens
             ids.extend(s.req.token_at(p) for p in range(lo, hi))
@@ -84,13 +92,23 @@ class ModelRunner:
                                         torch.tensor(s.req.blocks, device=self.device),
                                         reset_kda_state=lo == 0, snapshots=s.snapshots))
             self._gather_images(s.req, lo, hi, flat, mm_embeds, mm_pos)
+            scored_hi = min(hi, s.req.num_prompt_tokens - 1)
+            if s.req.wants_prompt_logprobs and lo < scored_hi:
+                prompt_rows[index] = (lo, list(range(flat, flat + scored_hi - lo)))
             flat += s.num_new_tokens
             if s.samples:
                 logits_rows.append(flat - 1)
-        batch = ForwardBatch(slices, self.cache, torch.tensor(logits_rows, dtype=torch.long, device=self.device),
+        num_sampling = len(logits_rows)
+        extra = [row for _, rows in prompt_rows.values() for row in rows]
+        batch = ForwardBatch(slices, self.cache, torch.tensor(logits_rows + extra, dtype=torch.long, device=self.device),
                              torch.cat(mm_embeds) if mm_embeds else None,
                              torch.tensor(mm_pos, device=self.device) if mm_pos else None)
-        return self.model(torch.tensor(ids, device=self.device), batch)
+        logits = self.model(torch.tensor(ids, device=self.device), batch)
+        prompt_logits, at = {}, num_sampling
+        for index, (start, rows) in prompt_rows.items():
+            prompt_logits[index] = (start, logits[at:at + len(rows)])
+            at += len(rows)
+        return logits[:num_sampling], prompt_logits
 
     def _prepare(self, s: ScheduledSeq) -> None:
         if s.import_state:

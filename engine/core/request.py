@@ -60,6 +60,13 @@ class Request:
     text: str = ""
     first_scheduled_time: float | None = None
     num_preemptions: int = 0
+    prompt_logprobs: list[Any] | None = None   # PromptLogprob per position (0: None) when asked for
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    grammar: Any = None                 # structured output matcher (engine.structured_output)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -5,13 +5,13 @@ from collections.abc import Mapping, Sequence
 
 from router.placement.prefix_index import PrefixQuery
 from router.placement.types import HashKey, RoutingContext, WorkerState
-from shared.hashing import ImageSpan, block_hashes
+from shared.hashing import ImageSpan, block_hashes, salted_root
 from shared.workers import Role
 
 
 def build_context(request_id: str, token_ids: Sequence[int], workers: Sequence[WorkerState],
                   index: PrefixQuery, *, model: str, role: Role, now: float,
-                  images: Sequence[ImageSpan] = ()) -> RoutingContext:
+                  images: Sequence[ImageSpan] = (), cache_salt: str | None = None) -> RoutingContext:
     """Context for one request over the workers serving `model`.
 
     The prompt is hashed once per distinct (hash_root, block_size) among those workers, since
@@ -20,7 +20,8 @@ def build_context(request_id: str, token_ids: Sequence[int], workers: Sequence[W
     """
     serving = [w for w in workers if w.info.model_id == model]
     keys = {HashKey.of(w.info) for w in serving}
-    hashes = {k: tuple(block_hashes(token_ids, k.block_size, k.hash_root, images)) for k in keys}
+    hashes = {k: tuple(block_hashes(token_ids, k.block_size, salted_root(k.hash_root, cache_salt), images))
+              for k in keys}
     return context_from_hashes(request_id, len(token_ids), hashes, serving, index, model=model, role=role, now=now)
 
 

@@ -8,13 +8,16 @@ to a 400.
 """
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Mapping
 from typing import Any
 
 from shared.errors import InvalidRequest, InvalidSamplingParams
 from shared.sampling_params import SamplingParams
+from shared.structured_output import StructuredOutput
 from shared.prompt.chat import THINKING_EFFORTS
+from shared.prompt.tool_grammar import forced_tool_call_grammar
 from shared.openai.logprobs import chat_logprobs, completion_logprobs
 from shared.openai.requests import ChatCompletionRequest, CompletionRequest
 from shared.openai.shaping import ChatDeltaShaper, ShapedMessage, shape_chat_message
@@ -32,10 +35,11 @@ _PASSED_IF_SET = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"
                   "frequency_penalty", "seed", "stop_token_ids")
 # Features that would change the output if silently ignored: refused rather than dropped.
 _UNSUPPORTED = {
-    "logit_bias": "logit_bias", "prompt_logprobs": "prompt_logprobs", "use_beam_search": "beam search",
-    "guided_json": "guided decoding", "guided_regex": "guided decoding", "guided_choice": "guided decoding",
-    "guided_grammar": "guided decoding", "structural_tag": "guided decoding",
-    "allowed_token_ids": "allowed_token_ids", "bad_words": "bad_words", "logits_processors": "logits processors",
+    "use_beam_search": "beam search",
+    "guided_json": "guided_* (use structured_outputs)", "guided_regex": "guided_* (use structured_outputs)",
+    "guided_choice": "guided_* (use structured_outputs)", "guided_grammar": "guided_* (use structured_outputs)",
+    "structural_tag": "structural tags",
+    "logits_processors": "logits processors",
 }
 
 
@@ -61,15 +65,83 @@ def to_sampling_params(req: AnyRequest, *, defaults: Mapping[str, Any] | None = 
         min_tokens=req.min_tokens,
         ignore_eos=req.ignore_eos,
         logprobs=((req.top_logprobs or 0) if req.logprobs else None) if chat else req.logprobs,
+        prompt_logprobs=_prompt_logprobs(req, chat),
+        logit_bias=_logit_bias(req.logit_bias),
+        allowed_token_ids=req.allowed_token_ids,
+        bad_words=list(req.bad_words or []),
+        structured_output=_structured_output(req, chat),
+        cache_salt=req.cache_salt,
         skip_special_tokens=False if chat else req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
         n=req.n,
     )
     try:
         params.validate(vocab_size if vocab_size is not None else sys.maxsize)
+        if params.max_tokens == 0 and not (req.prompt_logprobs is not None or getattr(req, "echo", False)):
+            raise InvalidSamplingParams("max_tokens must be at least 1 unless echo or prompt_logprobs is set "
+                                        "(0 scores the prompt only)", param="max_tokens")
     except InvalidSamplingParams as exc:
         raise _as_request_field(exc, req) from None
     return params
+
+
+def _structured_output(req: AnyRequest, chat: bool) -> StructuredOutput | None:
+    """From response_format / structured_outputs, or, for a forced tool call (tool_choice
+    "required" or a named function), the grammar of a K3 tool call of the allowed tools."""
+    extra = req.model_extra or {}
+    spec = StructuredOutput.from_request(extra.get("response_format"), extra.get("structured_outputs"))
+    forced = _forced_tool(req) if chat else None
+    if forced is None:
+        return spec
+    if spec is not None:
+        raise InvalidRequest("tool_choice: a forced tool call cannot be combined with response_format or "
+                             "structured_outputs", param="tool_choice")
+    tools = [t.model_dump(mode="json", exclude_none=True) for t in req.tools or []]
+    thinking = _thinking(req.chat_template_kwargs or {}) and req.reasoning_effort != "none"
+    name = None if forced == "required" else forced
+    return StructuredOutput("xtml", forced_tool_call_grammar(tools, thinking=thinking, name=name))
+
+
+def _forced_tool(req: ChatCompletionRequest) -> str | None:
+    """"required", the forced function's name, or None (auto / none). Unknown names are a 400."""
+    choice = req.tool_choice
+    if choice in (None, "none", "auto"):
+        return None
+    if choice == "required":
+        return "required"
+    name = _choice_name(choice)
+    names = [t.function.name for t in req.tools or []]
+    if name not in names:
+        raise InvalidRequest(f"tool_choice: no tool named {name!r} in tools", param="tool_choice")
+    return name
+
+
+def _choice_name(choice: Any) -> str | None:
+    function = getattr(choice, "function", None)
+    if function is None and isinstance(choice, dict):
+        function = choice.get("function")
+    if isinstance(function, dict):
+        return function.get("name")
+    return getattr(function, "name", None)
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's JSON keys are strings: token ids as text."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        if not key.lstrip("-").isdigit():
+            raise InvalidRequest(f"logit_bias: keys must be token ids, got {key!r}", param="logit_bias")
+        out[int(key)] = value
+    return out
+
+
+def _prompt_logprobs(req: AnyRequest, chat: bool) -> int | None:
+    """vLLM's `prompt_logprobs`; a completion with `echo` and `logprobs` scores its prompt too."""
+    wanted = [req.prompt_logprobs] + ([] if chat or not req.echo else [req.logprobs])
+    given = [n for n in wanted if n is not None]
+    return max(given) if given else None
 
 
 def _checked_defaults(defaults: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -87,17 +159,32 @@ def _stop_list(stop: str | list[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop or [])
 
 
+# vLLM fields that change the output when set to anything but their default: refused (400 naming the
+# field) rather than silently ignored. name -> (the harmless default, why it is refused)
+_ONLY_DEFAULT = {
+    "add_generation_prompt": (True, "the K3 template always opens the assistant turn"),
+    "continue_final_message": (False, "continuing a final assistant message is not supported"),
+    "include_reasoning": (True, "reasoning is always returned in reasoning_content; turn thinking off with "
+                                "chat_template_kwargs.thinking=false or reasoning_effort=\"none\""),
+    "truncate_prompt_tokens": (None, "prompts are never truncated; an over-long prompt is a 400"),
+    "thinking_token_budget": (None, "a thinking budget is not supported"),
+}
+
+
 def _refuse_unsupported(req: AnyRequest) -> None:
     extra = req.model_extra or {}
     for name, feature in _UNSUPPORTED.items():
         if extra.get(name) not in (None, False, [], {}):
             raise InvalidRequest(f"{name}: {feature} is not supported by this server", param=name)
+    for name, (default, why) in _ONLY_DEFAULT.items():
+        if name in extra and extra[name] is not None and extra[name] != default:
+            raise InvalidRequest(f"{name}: only {json.dumps(default)} is supported ({why})", param=name)
+    if isinstance(req, ChatCompletionRequest) and "skip_special_tokens" in req.model_fields_set \
+            and req.skip_special_tokens:
+        raise InvalidRequest("skip_special_tokens: chat content keeps K3's special tokens here; send false, or "
+                             "leave it unset", param="skip_special_tokens")
     if extra.get("best_of") not in (None, 1):
-        raise InvalidRequest("best_of: must be 1 (one completion per request)", param="best_of")
-    response_format = extra.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        raise InvalidRequest("response_format: only {\"type\": \"text\"} is supported (no guided decoding)",
-                             param="response_format")
+        raise InvalidRequest("best_of: only /v1/completions takes best_of", param="best_of")
 
 
 def _as_request_field(exc: InvalidSamplingParams, req: AnyRequest) -> InvalidSamplingParams:
@@ -125,11 +212,9 @@ def render_options(req: ChatCompletionRequest) -> dict[str, Any]:
     hides them). Forced tool use ("required", a named function) needs constrained decoding, which
     this server does not have, so it is refused.
     """
-    if req.tool_choice not in (None, "none", "auto"):
-        raise InvalidRequest('tool_choice: only "auto" and "none" are supported (forcing a tool call '
-                             "needs constrained decoding)", param="tool_choice")
+    _forced_tool(req)                       # a named function must be one of the tools
     kwargs = req.chat_template_kwargs or {}
-    thinking = _thinking(kwargs)
+    thinking = _thinking(kwargs) and req.reasoning_effort != "none"     # vLLM: "none" turns thinking off
     tools = [tool.model_dump(mode="json", exclude_none=True) for tool in req.tools or []]
     return {
         "tools": tools if req.tools_requested else None,
@@ -152,7 +237,7 @@ def _thinking(kwargs: Mapping[str, Any]) -> bool:
 
 def _effort(kwargs: Mapping[str, Any], reasoning_effort: str | None) -> str | None:
     given = {name: value for name, value in (("chat_template_kwargs.thinking_effort", kwargs.get("thinking_effort")),
-                                             ("reasoning_effort", reasoning_effort)) if value is not None}
+                                             ("reasoning_effort", reasoning_effort)) if value not in (None, "none")}
     for name, value in given.items():
         if value not in THINKING_EFFORTS:
             raise InvalidRequest(f"{name}: must be one of {', '.join(THINKING_EFFORTS)}, got {value!r}", param=name)

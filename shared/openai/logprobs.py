@@ -68,3 +68,49 @@ def _top_dict(top: Sequence[tuple[int, float]], sampled: str, sampled_logprob: f
     for text, logprob in [*((token_text(i), lp) for i, lp in top), (sampled, sampled_logprob)]:
         entries[text] = max(entries.get(text, LOGPROB_FLOOR), _finite(logprob))
     return entries
+
+
+# (token_id, logprob, rank, top [(id, logprob), ...]) per prompt position, None at position 0
+PromptScores = Sequence[tuple[int, float, int, Sequence[tuple[int, float]]] | None]
+
+
+def prompt_logprobs_body(scores: PromptScores, token_text: TokenText) -> list[dict[str, dict] | None]:
+    """vLLM's `prompt_logprobs`: per position None (the first) or {token id: {logprob, rank,
+    decoded_token}} holding the prompt token and its top-n alternatives (ranks 1..n)."""
+    body: list[dict[str, dict] | None] = []
+    for entry in scores:
+        if entry is None:
+            body.append(None)
+            continue
+        token_id, logprob, rank, top = entry
+        ranked = {i: (lp, r) for r, (i, lp) in enumerate(top, start=1)}
+        ranked[token_id] = (logprob, rank)
+        body.append({str(i): {"logprob": _finite(lp), "rank": r, "decoded_token": token_text(i)}
+                     for i, (lp, r) in ranked.items()})
+    return body
+
+
+def echo_logprobs(prompt_ids: Sequence[int], scores: PromptScores, top_n: int, token_text: TokenText) -> CompletionLogprobs:
+    """The prompt part of an echoed completion's logprobs: the first token has none (null), the
+    others their logprob and, with `top_n`, that many alternatives plus the token itself."""
+    out = CompletionLogprobs()
+    offset = 0
+    for token_id, entry in zip(prompt_ids, scores, strict=True):
+        text = token_text(token_id)
+        out.tokens.append(text)
+        out.text_offset.append(offset)
+        offset += len(text)
+        if entry is None:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            continue
+        _, logprob, _, top = entry
+        out.token_logprobs.append(_finite(logprob))
+        out.top_logprobs.append(_top_dict(list(top)[:top_n], text, logprob, token_text))
+    return out
+
+
+def concat_logprobs(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
+    """`b` after `a` (b's offsets are already absolute)."""
+    return CompletionLogprobs(tokens=a.tokens + b.tokens, token_logprobs=a.token_logprobs + b.token_logprobs,
+                              top_logprobs=a.top_logprobs + b.top_logprobs, text_offset=a.text_offset + b.text_offset)

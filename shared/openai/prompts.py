@@ -13,9 +13,10 @@ def prepare_chat(req: ChatCompletionRequest, tokenizer: KimiTokenizer, vision: V
     images = [decode_image_url(url) for url in image_urls(req)]
     prepared = render_prompt(tokenizer, chat_messages(req), images, vision, **options)
     prepared.tools_requested = req.tools_requested
+    prepared.cache_salt = req.cache_salt
     return prepared
 
 
 def prepare_completion(req: CompletionRequest, tokenizer: KimiTokenizer) -> PreparedPrompt:
     ids = tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
-    return PreparedPrompt(ids)
+    return PreparedPrompt(ids, cache_salt=req.cache_salt)

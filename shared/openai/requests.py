@@ -65,6 +65,12 @@ class SamplingRequest(RequestModel):
     request_id: str | None = None
     return_token_ids: Bool = False              # vLLM: each choice (and stream chunk) carries its token ids
     kimi_pd_resume: ResumeSpec | None = None    # internal (router -> decode worker); clients' are dropped
+    prompt_logprobs: Int | None = None          # vLLM: per prompt token logprob, rank and top-n
+    logit_bias: dict[str, Float] | None = None  # OpenAI: token id (as text) -> bias in [-100, 100]
+    allowed_token_ids: list[Int] | None = None  # vLLM
+    bad_words: list[str] | None = None          # vLLM
+    cache_salt: str | None = Field(default=None, min_length=1)  # vLLM: only requests with the same salt share cache
+
 
     @field_validator("request_id")
     @classmethod
@@ -116,45 +122,55 @@ class ChatCompletionRequest(SamplingRequest):
         return bool(self.tools) and self.tool_choice != "none"
 
 
-_PROMPT_SHAPES = "a string, a list of token ids, or a one-element list of either"
+_PROMPT_SHAPES = "a string, a list of token ids, or a list of either"
+MAX_PROMPTS = 256                               # prompts of one /v1/completions request
 
 
 def _is_token_ids(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in value)
 
 
-def _check_prompt(prompt: Any) -> str | list[int]:
-    """The one prompt of a request; a one-element batch is unwrapped."""
-    if isinstance(prompt, list) and prompt and all(isinstance(x, (str, list)) for x in prompt):
-        if len(prompt) != 1:
-            raise invalid(f"must be a single prompt; batches are not supported, got {len(prompt)} prompts")
-        prompt = prompt[0]
+def _check_one(prompt: Any, where: str | None) -> str | list[int]:
     if not isinstance(prompt, str) and not _is_token_ids(prompt):
-        raise invalid(f"must be {_PROMPT_SHAPES}")
+        raise invalid(f"must be {_PROMPT_SHAPES}", where)
     if not prompt:
-        raise invalid("must not be empty")
+        raise invalid("must not be empty", where)
     return prompt
 
 
+def _check_prompt(prompt: Any) -> str | list[int] | list[str] | list[list[int]]:
+    """One prompt, or a batch (a list of strings or of token-id lists); a one-element batch is unwrapped."""
+    if isinstance(prompt, list) and prompt and all(isinstance(x, (str, list)) for x in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise invalid(f"may hold at most {MAX_PROMPTS} prompts, got {len(prompt)}")
+        if len(prompt) == 1:
+            return _check_one(prompt[0], None)
+        return [_check_one(p, f"[{i}]") for i, p in enumerate(prompt)]
+    return _check_one(prompt, None)
+
+
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[int]                     # normalised: a one-element batch is unwrapped
+    prompt: str | list[int] | list[str] | list[list[int]]   # a one-element batch is unwrapped
     max_tokens: Int | None = 16                 # OpenAI's and vLLM's default for completions
     logprobs: Int | None = None
-    echo: Bool = False
+    echo: Bool = False                          # the prompt (and, with logprobs, its logprobs) first
     suffix: str | None = None
     best_of: Int | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, prompt: Any) -> str | list[int]:
+    def _prompt_shape(cls, prompt: Any) -> Any:
         return _check_prompt(prompt)
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, echo: bool) -> bool:
-        if echo:
-            raise invalid("not supported; prepend the prompt on the client side")
-        return echo
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts, one or many."""
+        p = self.prompt
+        return list(p) if isinstance(p, list) and p and not isinstance(p[0], int) else [p]
+
+    @property
+    def is_batch(self) -> bool:
+        return len(self.prompts) > 1
 
     @field_validator("suffix")
     @classmethod
@@ -163,10 +179,18 @@ class CompletionRequest(SamplingRequest):
             raise invalid("not supported (the model has no fill-in-the-middle mode)")
         return suffix
 
-    @field_validator("best_of")
-    @classmethod
-    def _no_best_of(cls, best_of: int | None) -> int | None:
-        if best_of not in (None, 1):
-            raise invalid(f"must be 1 (one completion per request), got {best_of}")
-        return best_of
+    @model_validator(mode="after")
+    def _check_completion(self) -> CompletionRequest:
+        if self.best_of is not None:
+            if self.best_of < self.n:
+                raise invalid(f"must be at least n ({self.n}), got {self.best_of}", "best_of")
+            if self.stream and self.best_of > 1:
+                raise invalid("is not supported with stream (the best sequences are known only at the end)",
+                              "best_of")
+        return self
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences generated per prompt: best_of if given, else n."""
+        return self.best_of or self.n
 

@@ -89,6 +89,7 @@ class ChatCompletion(OpenAIModel):
     choices: list[ChatCompletionChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None      # vLLM extra
     kv_transfer_params: dict[str, Any] | None = None
 
 
@@ -132,6 +133,7 @@ class ChatCompletionChunk(OpenAIModel):
     model: str
     choices: list[ChatCompletionChunkChoice]
     usage: Usage | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None      # vLLM extra, once, before the content
     kv_transfer_params: dict[str, Any] | None = None
 
 
@@ -143,6 +145,7 @@ class CompletionChoice(OpenAIModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None      # vLLM extra
 
 
 class Completion(OpenAIModel):

@@ -66,7 +66,7 @@ from typing import Any
 
 from shared.prompt.tokenizer import KimiTokenizer
 
-THINKING_EFFORTS = ("low", "high", "max")
+THINKING_EFFORTS = ("low", "medium", "high", "max")   # exactly the values THINKING_EFFORT_BODY lists
 DEFAULT_THINKING_EFFORT = "max"
 ROLES = ("system", "developer", "user", "assistant", "tool")
 IMAGE_PART_TYPES = ("image_url", "image")

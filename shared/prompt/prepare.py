@@ -34,6 +34,7 @@ class PreparedPrompt:
     images: list[ImageItem] = field(default_factory=list)
     thinking: bool = False
     tools_requested: bool = False
+    cache_salt: str | None = None        # salts the prefix hashes (router placement and engine cache)
 
     def image_spans(self) -> list[ImageSpan]:
         return [ImageSpan(i.start, i.length, content_hash(i.image)) for i in self.images]

@@ -48,8 +48,18 @@ def no_forward(llm: LLM) -> Iterator[None]:
         raise AssertionError("the model ran a forward where only bookkeeping was expected")
 
     runner = llm.engine.runner
-    runner.execute = forbidden
+    runner.execute = runner.execute_with_prompt_logits = forbidden
     try:
         yield
     finally:
-        del runner.execute
+        del runner.execute, runner.execute_with_prompt_logits
+
+
+def bannable_word(tokenizer, ids: list[int]) -> str:
+    """Text of some of `ids` that encodes back to exactly those ids (longest first)."""
+    for length in (2, 1):
+        for i in range(len(ids) - length + 1):
+            piece = ids[i:i + length]
+            if tokenizer.encode(tokenizer.decode(piece)) == piece:
+                return tokenizer.decode(piece)
+    raise AssertionError("no round-tripping piece")

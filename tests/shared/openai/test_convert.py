@@ -86,7 +86,7 @@ def test_server_defaults_fill_only_omitted_fields():
 
 
 @pytest.mark.parametrize("request_, param, words", [
-    (chat(n=2), "n", "must be 1"),
+    (chat(n=0), "n", "must be an integer in [1, 128]"),
     (chat(temperature=-1), "temperature", "temperature must be"),
     (chat(top_p=0), "top_p", "top_p must be"),
     (chat(seed=2**64), "seed", "seed must be"),
@@ -96,7 +96,8 @@ def test_server_defaults_fill_only_omitted_fields():
     (chat(min_tokens=5, max_tokens=2), "min_tokens", "at most max_tokens"),
     (chat(stop=[""]), "stop", "non-empty"),
     (completion(logprobs=21), "logprobs", "logprobs must be"),
-    (completion(n=3), "n", "must be 1"),
+    (completion(n=129), "n", "must be an integer in [1, 128]"),
+    (completion(max_tokens=0), "max_tokens", "unless echo or prompt_logprobs"),
 ])
 def test_out_of_range_values_name_the_request_field(request_, param, words):
     status, got_param, message = rejected(to_sampling_params, request_)
@@ -110,9 +111,8 @@ def test_stop_token_ids_checked_against_the_vocabulary():
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"logit_bias": {"50256": -100}}, "logit_bias"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"logprobs_processors_x": None, "logits_processors": ["x"]}, "logits_processors"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
     ({"best_of": 2}, "best_of"),
     ({"guided_json": {"type": "object"}}, "guided_json"),
     ({"use_beam_search": True}, "use_beam_search"),
@@ -122,7 +122,7 @@ def test_unsupported_features_are_refused_not_ignored(fields, param):
 
 
 def test_harmless_settings_of_unsupported_features_pass():
-    to_sampling_params(chat(response_format={"type": "text"}, logit_bias={}, prompt_logprobs=0, best_of=1))
+    to_sampling_params(chat(response_format={"type": "text"}, logit_bias={}, best_of=1))
 
 
 # ---- render_options / chat_messages --------------------------------------------------------------
@@ -136,14 +136,24 @@ def test_render_options_defaults_and_aliases():
             "tools": None, "thinking": False, "thinking_effort": None}
 
 
+def test_reasoning_effort_none_turns_thinking_off_and_medium_is_accepted():
+    assert render_options(chat(reasoning_effort="none")) == {"tools": None, "thinking": False, "thinking_effort": None}
+    assert render_options(chat(reasoning_effort="medium"))["thinking_effort"] == "medium"
+
+
+def test_the_effort_text_lists_exactly_the_accepted_values():
+    import re
+    from shared.prompt.chat import THINKING_EFFORT_BODY, THINKING_EFFORTS
+    assert tuple(re.findall(r"`(\w+)`", THINKING_EFFORT_BODY.split("\n")[0])[1:]) == THINKING_EFFORTS
+
+
 @pytest.mark.parametrize("fields, param", [
     ({"chat_template_kwargs": {"thinking": "no"}}, "chat_template_kwargs.thinking"),
     ({"chat_template_kwargs": {"thinking": True, "enable_thinking": False}}, "chat_template_kwargs.enable_thinking"),
-    ({"reasoning_effort": "medium"}, "reasoning_effort"),
+    ({"reasoning_effort": "minimal"}, "reasoning_effort"),
     ({"chat_template_kwargs": {"thinking_effort": "extreme"}}, "chat_template_kwargs.thinking_effort"),
     ({"reasoning_effort": "low", "chat_template_kwargs": {"thinking_effort": "max"}}, "reasoning_effort"),
-    ({"tools": [WEATHER_TOOL], "tool_choice": "required"}, "tool_choice"),
-    ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+    ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
      "tool_choice"),
 ])
 def test_render_options_refusals(fields, param):
@@ -214,3 +224,31 @@ def test_completion_logprobs_shape():
 def test_sampling_errors_are_engine_typed():
     with pytest.raises(InvalidSamplingParams):
         to_sampling_params(chat(top_k=-2))
+
+
+@pytest.mark.parametrize("make, fields, param", [
+    (chat, {"add_generation_prompt": False}, "add_generation_prompt"),
+    (chat, {"continue_final_message": True}, "continue_final_message"),
+    (chat, {"include_reasoning": False}, "include_reasoning"),
+    (completion, {"truncate_prompt_tokens": 5}, "truncate_prompt_tokens"),
+    (chat, {"thinking_token_budget": 100}, "thinking_token_budget"),
+    (chat, {"skip_special_tokens": True}, "skip_special_tokens"),
+])
+def test_fields_that_would_be_ignored_are_refused_by_name(make, fields, param):
+    status, got, message = rejected(to_sampling_params, make(**fields))
+    assert (status, got) == (400, param) and message.startswith(param)
+
+
+def test_those_fields_at_their_defaults_pass():
+    to_sampling_params(chat(add_generation_prompt=True, continue_final_message=False, include_reasoning=True,
+                            return_token_ids=False, skip_special_tokens=False, cache_salt=None))
+    to_sampling_params(completion(skip_special_tokens=True, stream=True, stream_options={"include_usage": True}))
+
+
+def test_forced_tool_choice_becomes_a_tool_call_grammar():
+    forced = to_sampling_params(chat(tools=[WEATHER_TOOL], tool_choice="required")).structured_output
+    assert forced.kind == "xtml" and 'get_weather' in forced.value
+    named = chat(tools=[WEATHER_TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert to_sampling_params(named).structured_output.kind == "xtml"
+    both = chat(tools=[WEATHER_TOOL], tool_choice="required", response_format={"type": "json_object"})
+    assert rejected(to_sampling_params, both)[:2] == (400, "tool_choice")

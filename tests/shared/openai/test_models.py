@@ -161,13 +161,13 @@ def test_invalid_chat_requests_name_the_field(payload, param):
 @pytest.mark.parametrize("payload, param, words", [
     ({"model": "m"}, "prompt", "Field required"),
     ({"prompt": ""}, "prompt", "must not be empty"),
-    ({"prompt": ["a", "b"]}, "prompt", "batches are not supported"),
-    ({"prompt": [[1], [2]]}, "prompt", "batches are not supported"),
+    ({"prompt": ["a", ""]}, "prompt[1]", "must not be empty"),
+    ({"prompt": ["a"] * 257}, "prompt", "at most 256 prompts"),
     ({"prompt": [True, 2]}, "prompt", "a list of token ids"),
     ({"prompt": [["a"]]}, "prompt", "a list of token ids"),
-    ({"prompt": "x", "echo": True}, "echo", "not supported"),
     ({"prompt": "x", "suffix": "end"}, "suffix", "not supported"),
-    ({"prompt": "x", "best_of": 3}, "best_of", "must be 1"),
+    ({"prompt": "x", "best_of": 1, "n": 2}, "best_of", "at least n"),
+    ({"prompt": "x", "best_of": 2, "stream": True}, "best_of", "not supported with stream"),
     ({"prompt": "x", "logprobs": True}, "logprobs", "valid integer"),  # chat's bool is not completions' int
 ])
 def test_invalid_completion_requests_name_the_field(payload, param, words):

@@ -382,7 +382,7 @@ def test_control_token_text_elsewhere_is_plain_text() -> None:
          r"image 2 has no entry"),
         ([{"role": "user", "content": [{"type": "image"}]}], {"image_token_counts": [2, 2]}, "2 image_token_counts"),
         ([{"role": "user", "content": [{"type": "image"}]}], {"image_token_counts": [0]}, "positive int"),
-        ([{"role": "user", "content": "x"}], {"thinking_effort": "medium"}, "thinking_effort must be one of"),
+        ([{"role": "user", "content": "x"}], {"thinking_effort": "minimal"}, "thinking_effort must be one of"),
         ([{"role": "user", "content": "x"}], {"tools": "nope"}, "tools must be a list"),
     ],
 )

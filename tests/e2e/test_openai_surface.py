@@ -1,0 +1,346 @@
+"""The OpenAI surface vLLM users and evaluation harnesses rely on, through the router with P/D,
+with the official `openai` client: equal to the offline `LLM` (greedy, and seeded sampling), streamed
+and not. Prompt logprobs (echo, prompt_logprobs, max_tokens=0), n / best_of / lists of prompts,
+the tokenizer endpoints and the model cards."""
+from __future__ import annotations
+
+import math
+
+import httpx
+import openai
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.e2e.fleet import Fleet, metric
+from tests.engine.core.helpers import bannable_word
+
+pytestmark = pytest.mark.timeout(300)
+TOL = 1e-4
+PROMPTS = ["The lighthouse keeper counted the boats", "Rain fell on the quiet town", "A b c d e f g"]
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory, e2e_model):
+    with Fleet(tmp_path_factory.mktemp("surface"), e2e_model) as f:
+        p, d = f.worker("prefill", "p0"), f.worker("decode", "d0")
+        for proc in (p, d):
+            f.wait(proc)
+        r = f.router("r0", "--prefill", p.url, "--decode", d.url, "--disagg-threshold", "0")
+        f.wait(r, "/ready")
+        f.p, f.d, f.r = p, d, r
+        yield f
+
+
+@pytest.fixture(scope="module")
+def offline(e2e_model):
+    return LLM(str(e2e_model), block_size=4, kda_chunk_size=8, cache_memory_bytes=8 << 20)
+
+
+@pytest.fixture(scope="module")
+def client(fleet):
+    return openai.OpenAI(base_url=fleet.r.url + "/v1", api_key="unused", timeout=60, max_retries=0)
+
+
+def _greedy(**kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, **kw)
+
+
+def _close(a: float | None, b: float | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and math.isclose(a, b, abs_tol=TOL))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_logprobs_equal_offline_prompt_logprobs(fleet, client, offline, stream):
+    """lm-eval's loglikelihood request: echo + logprobs=1 + max_tokens=1, a batch of token prompts."""
+    prompts = [offline.tokenizer.encode(p) for p in PROMPTS]
+    expected = offline.generate(prompts, _greedy(max_tokens=1, logprobs=1, prompt_logprobs=1))
+    if stream:
+        chunks = list(client.completions.create(model="kimi-k3", prompt=prompts, max_tokens=1, temperature=0,
+                                                logprobs=1, echo=True, stream=True))
+        by_index: dict[int, list] = {}
+        for chunk in chunks:
+            for choice in chunk.choices:
+                by_index.setdefault(choice.index, []).append(choice)
+        texts = {i: "".join(c.text for c in cs) for i, cs in by_index.items()}
+        token_logprobs = {i: [lp for c in cs if c.logprobs for lp in c.logprobs.token_logprobs]
+                          for i, cs in by_index.items()}
+    else:
+        got = client.completions.create(model="kimi-k3", prompt=prompts, max_tokens=1, temperature=0,
+                                        logprobs=1, echo=True)
+        texts = {c.index: c.text for c in got.choices}
+        token_logprobs = {c.index: c.logprobs.token_logprobs for c in got.choices}
+        for c, ids in zip(sorted(got.choices, key=lambda c: c.index), prompts):
+            top = c.logprobs.top_logprobs
+            assert top[0] is None and all(len(t) in (1, 2) for t in top[1:])
+    assert sorted(texts) == [0, 1, 2]
+    for i, (ids, out) in enumerate(zip(prompts, expected)):
+        assert texts[i] == PROMPTS[i] + out.output.text
+        want = [None] + [e.logprob for e in out.prompt_logprobs[1:]] + out.output.logprobs
+        assert len(token_logprobs[i]) == len(ids) + 1
+        assert all(_close(a, b) for a, b in zip(token_logprobs[i], want)), (token_logprobs[i], want)
+
+
+def test_max_tokens_zero_with_echo_scores_the_prompt_only(fleet, offline):
+    ids = offline.tokenizer.encode(PROMPTS[0])
+    body = {"model": "kimi-k3", "prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 0, "temperature": 0}
+    got = httpx.post(fleet.r.url + "/v1/completions", json=body, timeout=60)
+    assert got.status_code == 200, got.text
+    assert got.headers["x-kimi-pd-decision"] == "prefill-decode"
+    choice = got.json()["choices"][0]
+    expected = offline.generate(ids, _greedy(max_tokens=0, prompt_logprobs=0))[0]
+    assert choice["text"] == PROMPTS[0] and choice["finish_reason"] == "length"
+    assert got.json()["usage"]["completion_tokens"] == 0
+    want = [None] + [e.logprob for e in expected.prompt_logprobs[1:]]
+    assert all(_close(a, b) for a, b in zip(choice["logprobs"]["token_logprobs"], want, strict=True))
+    refused = httpx.post(fleet.r.url + "/v1/completions", json={**body, "echo": False}, timeout=10)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_prompt_logprobs_on_chat_and_completions(fleet, offline, stream):
+    messages = [{"role": "user", "content": "Name three colours."}]
+    rendered = offline.render(messages, thinking=True)
+    expected = offline.generate(rendered, _greedy(max_tokens=3, ignore_eos=True, prompt_logprobs=2))[0]
+    body = {"model": "kimi-k3", "messages": messages, "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+            "prompt_logprobs": 2, "stream": stream}
+    if stream:
+        with httpx.stream("POST", fleet.r.url + "/v1/chat/completions", json=body, timeout=60) as resp:
+            assert resp.status_code == 200
+            events = [httpx.Response(200, content=line[6:]).json() for line in resp.iter_lines()
+                      if line.startswith("data: {")]
+        scores = next(e["prompt_logprobs"] for e in events if e.get("prompt_logprobs"))
+    else:
+        got = httpx.post(fleet.r.url + "/v1/chat/completions", json=body, timeout=60)
+        assert got.status_code == 200, got.text
+        scores = got.json()["prompt_logprobs"]
+    assert scores[0] is None and len(scores) == len(rendered.prompt_token_ids)
+    for entry, want, token in zip(scores[1:], expected.prompt_logprobs[1:], rendered.prompt_token_ids[1:]):
+        assert _close(entry[str(token)]["logprob"], want.logprob) and entry[str(token)]["rank"] == want.rank
+        assert {int(k) for k in entry} == {token, *(i for i, _ in want.top)}
+    completion = httpx.post(fleet.r.url + "/v1/completions", timeout=60, json={
+        "model": "kimi-k3", "prompt": PROMPTS[1], "max_tokens": 2, "temperature": 0, "prompt_logprobs": 0}).json()
+    ref = offline.generate(PROMPTS[1], _greedy(max_tokens=2, prompt_logprobs=0))[0]
+    pl = completion["choices"][0]["prompt_logprobs"]
+    assert [None if e is None else _only(e)[0] for e in pl] == [None] + [e.token_id for e in ref.prompt_logprobs[1:]]
+
+
+def _only(entry: dict) -> tuple[int, dict]:
+    assert len(entry) == 1
+    key, value = next(iter(entry.items()))
+    return int(key), value
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_and_prompt_lists_equal_offline(client, offline, stream):
+    params = SamplingParams(temperature=0.9, seed=7, n=2, max_tokens=6, ignore_eos=True)
+    expected = offline.generate(PROMPTS[:2], params)
+    kwargs = dict(model="kimi-k3", prompt=PROMPTS[:2], n=2, temperature=0.9, seed=7, max_tokens=6,
+                  extra_body={"ignore_eos": True})
+    if stream:
+        texts: dict[int, str] = {}
+        for chunk in client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs):
+            for c in chunk.choices:
+                texts[c.index] = texts.get(c.index, "") + c.text
+            if chunk.usage is not None:
+                assert chunk.usage.completion_tokens == 24
+    else:
+        got = client.completions.create(**kwargs)
+        texts = {c.index: c.text for c in got.choices}
+        assert got.usage.completion_tokens == 24
+    assert texts == {i * 2 + j: expected[i].outputs[j].text for i in range(2) for j in range(2)}
+    assert texts[0] != texts[1]                             # the two sequences really sample apart
+
+
+def test_chat_n_and_best_of(client, offline):
+    messages = [{"role": "user", "content": "Say something."}]
+    expected = offline.chat(messages, SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=5, ignore_eos=True,
+                                                     skip_special_tokens=False))   # chat keeps K3's markers
+    got = client.chat.completions.create(model="kimi-k3", messages=messages, n=3, temperature=1.0, seed=3,
+                                         max_tokens=5, extra_body={"ignore_eos": True})
+    assert [c.index for c in got.choices] == [0, 1, 2]
+    assert [(c.message.reasoning_content or "") + (c.message.content or "") for c in got.choices] == \
+        [o.text for o in expected[0].outputs]
+    greedy = offline.generate(PROMPTS[2], _greedy(max_tokens=4, ignore_eos=True))[0].output.text
+    best = client.completions.create(model="kimi-k3", prompt=PROMPTS[2], best_of=3, n=1, temperature=0,
+                                     max_tokens=4, extra_body={"ignore_eos": True})
+    assert [c.text for c in best.choices] == [greedy] and best.choices[0].logprobs is None
+
+
+def test_tokenizer_endpoints_and_model_cards(fleet, offline):
+    for url in (fleet.r.url, fleet.d.url):
+        tok = httpx.post(url + "/tokenize", json={"prompt": PROMPTS[0], "return_token_strs": True}).json()
+        ids = offline.tokenizer.encode(PROMPTS[0])
+        assert tok["tokens"] == ids and tok["count"] == len(ids) and "".join(tok["token_strs"]) == PROMPTS[0]
+        messages = [{"role": "user", "content": "hi"}]
+        chat = httpx.post(url + "/tokenize", json={"messages": messages}).json()
+        assert chat["tokens"] == offline.render(messages, thinking=True).prompt_token_ids
+        assert httpx.post(url + "/detokenize", json={"tokens": ids}).json() == {"prompt": PROMPTS[0]}
+        info = httpx.get(url + "/tokenizer_info").json()
+        assert info["eos_token"] == offline.tokenizer.eos_token and info["model_max_length"] > 0
+        bad = httpx.post(url + "/detokenize", json={"tokens": [10**9]})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+        cards = httpx.get(url + "/v1/models").json()["data"]
+        assert cards[0]["max_model_len"] == offline.engine.max_model_len and cards[0]["root"]
+        assert httpx.get(url + "/v1/models/kimi-k3").json()["id"] == "kimi-k3"
+        assert httpx.get(url + "/v1/models/other").status_code == 404
+
+
+def test_no_prefill_state_left_held(fleet):
+    assert metric(fleet.p.url, "kimi_pd_kv_held_leases") == 0
+
+
+@pytest.mark.parametrize("endpoint, body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/completions", {"prompt": PROMPTS[0]}),
+])
+def test_continuous_usage_stats_count_tokens_on_every_chunk(fleet, endpoint, body):
+    body = {"model": "kimi-k3", **body, "max_tokens": 5, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", fleet.r.url + endpoint, json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        events = [httpx.Response(200, content=line[6:]).json() for line in resp.iter_lines()
+                  if line.startswith("data: {")]
+    counts = [e["usage"]["completion_tokens"] for e in events if e.get("choices")]
+    assert counts == sorted(counts) and counts[-1] == 5 and all(e.get("usage") for e in events)
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 5
+
+
+@pytest.mark.parametrize("field, value", [("include_reasoning", False), ("add_generation_prompt", False),
+                                          ("thinking_token_budget", 64)])
+def test_fields_this_server_cannot_honour_are_refused_by_name(fleet, field, value):
+    body = {"model": "kimi-k3", "messages": [{"role": "user", "content": "hi"}], field: value}
+    resp = httpx.post(fleet.r.url + "/v1/chat/completions", json=body, timeout=10)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == field
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logit_bias_allowed_token_ids_bad_words_equal_offline(client, offline, stream):
+    ids = offline.tokenizer.encode(PROMPTS[0])
+    free = offline.generate(ids, _greedy(max_tokens=6, ignore_eos=True))[0]
+    word = bannable_word(offline.tokenizer, free.output.token_ids)
+    cases = [({"logit_bias": {str(free.output.token_ids[0]): -100}}, {"logit_bias": {free.output.token_ids[0]: -100}}),
+             ({"allowed_token_ids": [5, 17, 300]}, {"allowed_token_ids": [5, 17, 300]}),
+             ({"bad_words": [word]}, {"bad_words": [word]})]
+    for body_fields, params in cases:
+        expected = offline.generate(ids, _greedy(max_tokens=6, ignore_eos=True, **params))[0].output.text
+        logit_bias = body_fields.pop("logit_bias", None)
+        kwargs = dict(model="kimi-k3", prompt=PROMPTS[0], max_tokens=6, temperature=0, logit_bias=logit_bias,
+                      extra_body={"ignore_eos": True, **body_fields})
+        if stream:
+            text = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices)
+        else:
+            text = client.completions.create(**kwargs).choices[0].text
+        assert text == expected, body_fields or logit_bias
+        assert text != free.output.text
+
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                          "maximum": 9}},
+          "required": ["ok", "n"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_structured_output_equals_offline_and_validates(client, offline, stream):
+    pytest.importorskip("xgrammar")
+    import json
+
+    import jsonschema
+
+    from shared.structured_output import StructuredOutput
+    messages = [{"role": "user", "content": "Give me JSON."}]
+    cases = [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}}},
+         StructuredOutput("json", json.dumps(SCHEMA))),
+        ({"response_format": {"type": "json_object"}}, StructuredOutput("json_object", "")),
+        ({"extra_body": {"structured_outputs": {"regex": "[a-c]{3}-[0-9]{2}"}}},
+         StructuredOutput("regex", "[a-c]{3}-[0-9]{2}")),
+        ({"extra_body": {"structured_outputs": {"choice": ["yes", "no", "maybe"]}}},
+         StructuredOutput("choice", json.dumps(["yes", "no", "maybe"]))),
+    ]
+    for fields, spec in cases:
+        params = SamplingParams(temperature=0, max_tokens=40, structured_output=spec, skip_special_tokens=False)
+        expected = offline.chat(messages, params, thinking=False)[0].output.text
+        kwargs = dict(model="kimi-k3", messages=messages, max_tokens=40, temperature=0, reasoning_effort="none",
+                      **fields)
+        if stream:
+            text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+                stream=True, **kwargs) if c.choices)
+        else:
+            text = client.chat.completions.create(**kwargs).choices[0].message.content
+        assert text == expected, fields
+        if spec.kind == "json":
+            jsonschema.validate(json.loads(text), SCHEMA)
+    got = client.completions.create(model="kimi-k3", prompt=PROMPTS[0], max_tokens=40, temperature=0,
+                                    extra_body={"structured_outputs": {"json": SCHEMA}})
+    jsonschema.validate(json.loads(got.choices[0].text), SCHEMA)
+    assert got.choices[0].finish_reason == "stop"
+
+
+def test_bad_structured_outputs_are_400s(fleet):
+    for extra in ({"structured_outputs": {"regex": "([a-"}}, {"structured_outputs": {"regex": "a", "choice": ["b"]}},
+                  {"response_format": {"type": "xml"}}):
+        resp = httpx.post(fleet.r.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3, **extra}, timeout=20)
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["param"].split(".")[0] in ("structured_outputs", "response_format")
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+CLOCK = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_tool_calls_always_parse_and_equal_offline(client, offline, stream):
+    pytest.importorskip("xgrammar")
+    import json
+
+    from shared.openai.convert import shape_chat_message
+    from shared.prompt.tool_grammar import forced_tool_call_grammar
+    from shared.structured_output import StructuredOutput
+    tools = [WEATHER, CLOCK]
+    asks = ["What is the weather in Paris?", "Time please.", "Hello!"]
+    for ask, choice, temperature in [(asks[0], "required", 0.0), (asks[1], "required", 1.0),
+                                     (asks[2], {"type": "function", "function": {"name": "get_weather"}}, 0.0)]:
+        messages = [{"role": "user", "content": ask}]
+        name = None if choice == "required" else choice["function"]["name"]
+        grammar = forced_tool_call_grammar(tools, thinking=True, name=name)
+        params = SamplingParams(temperature=temperature, seed=11, max_tokens=120, skip_special_tokens=False,
+                                structured_output=StructuredOutput("xtml", grammar))
+        text = offline.chat(messages, params, tools=tools)[0].output.text
+        expected = shape_chat_message(text, thinking=True, tools_requested=True).tool_calls
+        kwargs = dict(model="kimi-k3", messages=messages, tools=tools, tool_choice=choice, max_tokens=120,
+                      temperature=temperature, seed=11)
+        if stream:
+            calls: dict[int, dict] = {}
+            finish = None
+            for chunk in client.chat.completions.create(stream=True, **kwargs):
+                for c in chunk.choices:
+                    finish = c.finish_reason or finish
+                    for d in c.delta.tool_calls or []:
+                        call = calls.setdefault(d.index, {"name": "", "arguments": ""})
+                        call["name"] += (d.function.name or "") if d.function else ""
+                        call["arguments"] += (d.function.arguments or "") if d.function else ""
+            got = [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())]
+        else:
+            message = client.chat.completions.create(**kwargs).choices[0]
+            finish = message.finish_reason
+            got = [(c.function.name, json.loads(c.function.arguments)) for c in message.message.tool_calls]
+        assert got and finish == "tool_calls"
+        assert got == [(c.function.name, json.loads(c.function.arguments)) for c in expected]
+        if name:
+            assert {n for n, _ in got} == {name}
+
+
+def test_cache_salt_isolates_prefix_hits_through_the_router(fleet):
+    prompt = "A long shared system prompt that several tenants send " * 4
+
+    def cached(salt):
+        body = {"model": "kimi-k3", "prompt": prompt, "max_tokens": 1, "temperature": 0, "cache_salt": salt}
+        resp = httpx.post(fleet.r.url + "/v1/completions", json=body, timeout=60)
+        assert resp.status_code == 200, resp.text
+        return resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached("t1") == 0
+    assert cached("t2") == 0
+    assert cached("t1") > 0
