@@ -12,6 +12,14 @@ _DTYPES = ("float32", "bfloat16")
 
 
 def _checkpoint_create(args: argparse.Namespace) -> int:
+    if args.draft:
+        if not args.target:
+            raise ValueError("--draft needs --target DIR (the checkpoint the draft speculates for)")
+        from engine.spec_decode.checkpoint import create_draft_checkpoint
+        print(create_draft_checkpoint(args.target, args.out, block=args.block or 7, seed=args.seed))
+        return 0
+    if args.target or args.block is not None:
+        raise ValueError("--target and --block describe a draft: add --draft")
     from engine.checkpoint.create import create_checkpoint
     out = create_checkpoint(args.preset, args.out, seed=args.seed, quant=args.quant, progress=not args.quiet)
     print(out)
@@ -82,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--seed", type=int, default=0)
     create.add_argument("--out", required=True)
     create.add_argument("--quiet", action="store_true", help="no progress bar")
+    create.add_argument("--draft", action="store_true", help="a random DSpark draft (k3_dspark layout) for --target")
+    create.add_argument("--target", help="with --draft: the target checkpoint directory")
+    create.add_argument("--block", type=int, choices=(7, 5), default=None,
+                        help="with --draft: Block7 or Block5 draft (its num_speculative_tokens default)")
     create.set_defaults(func=_checkpoint_create)
     quant = ckpt.add_parser("quantize", help="bf16/fp32 checkpoint -> ModelSlim W4A8 checkpoint", allow_abbrev=False)
     quant.add_argument("--src", required=True)

@@ -75,7 +75,10 @@ class KimiDeltaAttention(nn.Module):
         decode = [i for i, s in enumerate(batch.slices) if s.num_new_tokens == 1 and not s.snapshots]
         if decode:
             self._decode_step(decode, qkv, g, beta, conv_w, batch, out)
-        decode_set = set(decode)
+        verify = [i for i, s in enumerate(batch.slices) if s.spec_slots]
+        if verify:
+            self._verify_steps(verify, qkv, g, beta, conv_w, batch, out)
+        decode_set = set(decode) | set(verify)
         for i, s in enumerate(batch.slices):
             if i not in decode_set and s.num_new_tokens:
                 self._sequence(s, batch.token_offsets[i], qkv, g, beta, conv_w, cache, out)
@@ -101,6 +104,31 @@ class KimiDeltaAttention(nn.Module):
                                    rec_store[slots], self.head_dim ** -0.5)
         rec_store[slots] = new_rec
         out[rows] = o[:, 0]
+
+    def _verify_steps(self, idx: list[int], qkv, g, beta, conv_w, batch: ForwardBatch, out) -> None:
+        """Speculative verification: token t of every verifying slice in one decode step, t = 0, 1, ...;
+        the state after each token but the last is kept in the slice's per-position slot. The same
+        step functions as plain decoding run, so a rolled-back state equals plain decoding's exactly."""
+        conv_store = batch.cache.kda_conv[self.layer_id]
+        rec_store = batch.cache.kda_recurrent[self.layer_id]
+        for t in range(max(batch.slices[i].num_new_tokens for i in idx)):
+            live = [i for i in idx if batch.slices[i].num_new_tokens > t]
+            rows = torch.tensor([batch.token_offsets[i] + t for i in live], device=qkv.device)
+            slots = torch.tensor([batch.slices[i].kda_slot for i in live], device=qkv.device)
+            mixed, new_conv = causal_conv_step(qkv[rows], conv_w, conv_store[slots])
+            conv_store[slots] = new_conv
+            q, k, v = self._split_qkv(mixed)
+            o, new_rec = kda_recurrent(q[:, None], k[:, None], v[:, None], g[rows][:, None], beta[rows][:, None],
+                                       rec_store[slots], self.head_dim ** -0.5)
+            rec_store[slots] = new_rec
+            out[rows] = o[:, 0]
+            keep = [(j, batch.slices[i].spec_slots[t]) for j, i in enumerate(live)
+                    if t < len(batch.slices[i].spec_slots)]
+            if keep:
+                src = torch.tensor([j for j, _ in keep], device=qkv.device)
+                dst = torch.tensor([s for _, s in keep], device=qkv.device)
+                conv_store[dst] = new_conv[src]
+                rec_store[dst] = new_rec[src]
 
     def _sequence(self, s: SequenceSlice, start: int, qkv, g, beta, conv_w,
                   cache: HybridCacheTensors, out) -> None:
