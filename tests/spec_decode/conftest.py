@@ -5,6 +5,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine.checkpoint.create import create_checkpoint
@@ -13,6 +14,15 @@ from engine.spec_decode.checkpoint import create_draft_checkpoint
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 SETTINGS = dict(block_size=4, kda_chunk_size=8, max_num_seqs=8, max_num_batched_tokens=512,
                 cache_memory_bytes=4 << 20, snapshot_interval_blocks=2)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The tiny model's tensors are too small for intra-op threads on 2 shared cores (restored after)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")
