@@ -74,7 +74,13 @@ def _router(args: argparse.Namespace) -> int:
 def _up(args: argparse.Namespace) -> int:
     from kimi_pd.up import up
     model = str(_ensure_model(args.model).resolve())
-    return up(model, args.port, args.prefill_workers, args.decode_workers, args.redis_url, Path(args.log_dir), [])
+    extra = []
+    if args.speculative_config:
+        from engine.spec_decode.config import SpeculativeConfig
+        SpeculativeConfig.parse(args.speculative_config)            # refuse a bad config before starting anything
+        extra = ["--speculative-config", args.speculative_config]
+    return up(model, args.port, args.prefill_workers, args.decode_workers, args.redis_url, Path(args.log_dir), [],
+              extra)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -127,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     upp.add_argument("--decode-workers", type=int, default=1)
     upp.add_argument("--redis-url", default=None, help="use this store instead of starting an embedded one")
     upp.add_argument("--log-dir", default="logs")
+    upp.add_argument("--speculative-config", default=None,
+                     help="DSpark JSON (see the worker flag); decode workers speculate, prefill workers "
+                          "write the draft's prompt context rows into the state they hand over")
     upp.set_defaults(func=_up)
 
     from shared.serving.cli import add_worker_args

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import re
 
 import uvicorn
@@ -36,7 +35,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--cache-memory", type=parse_bytes, default="256MiB", help="KV/state cache budget")
     p.add_argument("--kda-chunk-size", type=int, default=64)
-    p.add_argument("--speculative-config", default=None, help="JSON; DSpark drafts are not supported yet")
+    p.add_argument("--speculative-config", default=None,
+                   help='JSON, vLLM\'s fields: {"method": "dspark", "model": DRAFT_DIR, "num_speculative_tokens": 7, '
+                        '"draft_sample_method": "greedy"|"probabilistic", "max_model_len": N, ...}')
     p.add_argument("--tokenizer-mode", default="kimi_k3", choices=["auto", "kimi_k3"])
     p.add_argument("--reasoning-parser", default="kimi_k3", choices=ACCEPTED_PARSERS)
     p.add_argument("--tool-call-parser", default="kimi_k3", choices=ACCEPTED_PARSERS)
@@ -55,16 +56,15 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
 
 
 def settings_from_args(args: argparse.Namespace, role: str, model_dir: str) -> WorkerSettings:
-    if args.speculative_config:
-        json.loads(args.speculative_config)
-        raise ValueError("--speculative-config: DSpark speculative decoding is not implemented in this build")
+    from engine.spec_decode.config import SpeculativeConfig
+    speculative = SpeculativeConfig.parse(args.speculative_config)     # a bad config stops start-up here
     secret = secret_from_env(TRANSFER_SECRET_ENV) or ""
     engine = EngineConfig(model=model_dir, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                           enable_prefix_caching=args.enable_prefix_caching, block_size=args.block_size,
                           device=args.device, dtype=args.dtype, cache_memory_bytes=args.cache_memory,
                           kda_chunk_size=args.kda_chunk_size, export_lease_s=args.kv_lease_s + 30.0,
-                          model_id=args.served_model_name)
+                          model_id=args.served_model_name, speculative_config=speculative)
     extra = {"worker_id": args.worker_id} if args.worker_id else {}
     return WorkerSettings(role=role, engine=engine, host=args.host, port=args.port,
                           served_model_name=args.served_model_name, advertise_url=args.advertise_url,

@@ -34,12 +34,20 @@ class WorkerRuntime:
     puller: StatePuller | None = None
     presence: WorkerPresence | None = None
     draining: bool = False
+    spec_metrics: object | None = None          # decode_worker.spec_metrics.SpecDecodeMetrics when speculating
 
     @classmethod
     def build(cls, settings: WorkerSettings) -> "WorkerRuntime":
         settings.validate()
         engine = AsyncEngine(engine=LLMEngine(settings.engine))
-        return cls(settings, engine, WorkerMetrics())
+        runtime = cls(settings, engine, WorkerMetrics())
+        spec = engine.engine.spec
+        if spec is not None:
+            from decode_worker.spec_metrics import SpecDecodeMetrics
+            runtime.spec_metrics = SpecDecodeMetrics(runtime.metrics.registry, spec.num_speculative_tokens)
+            log.info("speculative decoding: dspark draft %s, %d tokens, %s drafts", spec.model,
+                     spec.num_speculative_tokens, spec.draft_sample_method)
+        return runtime
 
     @property
     def tokenizer(self):
