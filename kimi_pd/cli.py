@@ -26,6 +26,15 @@ def _checkpoint_create(args: argparse.Namespace) -> int:
     return 0
 
 
+def _checkpoint_train_draft(args: argparse.Namespace) -> int:
+    from engine.spec_decode.train import DraftTrainConfig, train_draft
+    out = args.out or f"{str(args.target).rstrip('/')}-dspark"
+    cfg = DraftTrainConfig(block=args.block, steps=args.steps, num_sequences=args.sequences, seed=args.seed)
+    result = train_draft(args.target, out, cfg, progress=not args.quiet)
+    print(json.dumps({"out": str(out), **{k: v for k, v in result.items() if k != "config"}}))
+    return 0
+
+
 def _checkpoint_quantize(args: argparse.Namespace) -> int:
     from engine.checkpoint.quantize import quantize_checkpoint
     print(quantize_checkpoint(args.src, args.out, progress=not args.quiet))
@@ -101,6 +110,16 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--block", type=int, choices=(7, 5), default=None,
                         help="with --draft: Block7 or Block5 draft (its num_speculative_tokens default)")
     create.set_defaults(func=_checkpoint_create)
+    distil = ckpt.add_parser("train-draft", help="distil a DSpark draft from a target's own features and greedy "
+                                                 "answers", allow_abbrev=False)
+    distil.add_argument("--target", required=True, help="the target checkpoint directory")
+    distil.add_argument("--out", default=None, help="draft directory (default: TARGET-dspark)")
+    distil.add_argument("--block", type=int, choices=(7, 5), default=7)
+    distil.add_argument("--steps", type=int, default=1200)
+    distil.add_argument("--sequences", type=int, default=384, help="prompts the target answers for the data")
+    distil.add_argument("--seed", type=int, default=0)
+    distil.add_argument("--quiet", action="store_true")
+    distil.set_defaults(func=_checkpoint_train_draft)
     quant = ckpt.add_parser("quantize", help="bf16/fp32 checkpoint -> ModelSlim W4A8 checkpoint", allow_abbrev=False)
     quant.add_argument("--src", required=True)
     quant.add_argument("--out", required=True)

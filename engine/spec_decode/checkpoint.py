@@ -36,8 +36,9 @@ def default_target_layers(num_layers: int) -> list[int]:
 
 def draft_config_for(target: ModelConfig, block: int, num_layers: int = 2, seed: int = 0) -> DraftConfig:
     text: TextConfig = target.text_config
-    from engine.presets import GENERATED_BPE_RANKS
-    mask = min(GENERATED_BPE_RANKS + _MASK_SPECIAL_OFFSET, text.vocab_size - 1)
+    from engine.tokenizer.special_tokens import NUM_SPECIAL_TOKENS
+    # the special tokens sit above the BPE ranks: a reserved one is the MASK (never in a prompt)
+    mask = text.vocab_size - NUM_SPECIAL_TOKENS + _MASK_SPECIAL_OFFSET
     layers = default_target_layers(text.num_hidden_layers)
     return DraftConfig(
         hidden_size=text.hidden_size, num_hidden_layers=num_layers, num_attention_heads=text.num_attention_heads,
