@@ -65,3 +65,13 @@ def test_bad_speculative_config_is_a_startup_error(e2e_model, config, message):
                           env={**__import__("os").environ, "KIMI_PD_TRANSFER_SECRET": "x" * 32})
     assert done.returncode == 2, done.stderr[-2000:]
     assert message in done.stderr
+
+
+def test_streamed_speculative_answer_concatenates_to_the_whole(fleet):
+    from tests.e2e.test_equivalence import stream_text
+    body = {"model": "kimi-k3", "messages": [{"role": "user", "content": PROMPTS[1]}], "max_tokens": MAX_TOKENS,
+            "temperature": 0, "ignore_eos": True}
+    whole = httpx.post(fleet.r.url + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
+    text, events = stream_text(fleet.r.url + "/v1/chat/completions", body)
+    assert text == (whole.get("reasoning_content") or "") + (whole.get("content") or "")
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
