@@ -185,3 +185,33 @@ def test_bad_speculative_configs_fail_at_startup(tiny_dir, draft7, tmp_path):
             LLMEngine(EngineConfig(model=str(tiny_dir), speculative_config=cfg, **SETTINGS))
     with pytest.raises(SpecConfigError, match="not valid JSON"):
         LLMEngine(EngineConfig(model=str(tiny_dir), speculative_config="{method", **SETTINGS))
+
+
+def test_logprobs_and_penalties_under_speculation_equal_plain(tiny_dir, draft7, plain):
+    """Verification applies plain sampling's per-position processing: penalties see the accepted drafts,
+    reported logprobs are the raw target distribution of each emitted token."""
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2, repetition_penalty=1.3,
+                            frequency_penalty=0.5)
+    want = make_llm(tiny_dir).generate(PROMPTS[:2], params)
+    llm = make_llm(tiny_dir, speculative_config=spec(draft7))
+    penalised_refs = {tuple(p): p + w.output.token_ids for p, w in zip(PROMPTS[:2], want)}
+    oracle_drafts(llm, penalised_refs, wrong_at=lambda step: (step * 5) % 8)
+    got = llm.generate(PROMPTS[:2], params)
+    assert tokens(got) == tokens(want) != plain[:2]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(torch.tensor(g.output.logprobs), torch.tensor(w.output.logprobs), atol=1e-4, rtol=0)
+        assert [[t for t, _ in top] for top in g.output.top_logprobs] == \
+               [[t for t, _ in top] for top in w.output.top_logprobs]
+    assert llm.engine.spec_stats.num_accepted_tokens > 0
+
+
+def test_stop_inside_an_accepted_block_equals_plain(tiny_dir, draft7, plain):
+    stop_at = plain[0][5]
+    params = SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[stop_at], min_tokens=2)
+    want = make_llm(tiny_dir).generate(PROMPTS[:1], params)[0].output
+    llm = make_llm(tiny_dir, speculative_config=spec(draft7))
+    oracle_drafts(llm, references(plain), wrong_at=lambda step: None)
+    got = llm.generate(PROMPTS[:1], params)[0].output
+    assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason == "stop"
+    assert len(got.token_ids) <= 6
+    llm.engine.check_integrity()
