@@ -30,8 +30,9 @@ _MASK_SPECIAL_OFFSET = 253
 
 
 def default_target_layers(num_layers: int) -> list[int]:
-    """Early, middle and late target layers (0-based), like K3's drafts read low/mid/high features."""
-    return sorted({min(1, num_layers - 1), num_layers // 2, max(0, num_layers - 2)})
+    """Early, middle and last target layers (0-based): low/mid/high features, the last closest to the
+    next-token distribution the draft must match."""
+    return sorted({min(1, num_layers - 1), num_layers // 2, num_layers - 1})
 
 
 def draft_config_for(target: ModelConfig, block: int, num_layers: int = 2, seed: int = 0) -> DraftConfig:
