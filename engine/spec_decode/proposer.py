@@ -8,6 +8,7 @@ one forward that needs them, so nothing past the verified length is ever stored.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,8 @@ import torch
 from engine.spec_decode.checkpoint import draft_identity, load_draft
 from engine.spec_decode.config import DraftConfig, SpeculativeConfig
 from engine.spec_decode.verify import sample_draft
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -42,6 +45,10 @@ class DSparkProposer:
         text = target_model.config.text_config
         self.model, self.cfg = load_draft(spec.model, text, dtype, device)
         self.draft_id = draft_identity(spec.model)
+        made_for = self.cfg.extra.get("kimi_pd_target")
+        if made_for and made_for != target_model.config.identity_hash():
+            log.warning("draft %s was made for another target (%s, this is %s): outputs stay exact, "
+                        "acceptance will be low", spec.model, made_for, target_model.config.identity_hash())
         self.spec = spec
         self.num_spec = spec.num_speculative_tokens
         self.block_size = block_size
