@@ -215,3 +215,15 @@ def test_stop_inside_an_accepted_block_equals_plain(tiny_dir, draft7, plain):
     assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason == "stop"
     assert len(got.token_ids) <= 6
     llm.engine.check_integrity()
+
+
+def test_probabilistic_drafts_are_seeded_and_reproducible(tiny_dir, draft7):
+    cfg = spec(draft7, draft_sample_method="probabilistic")
+    hot = [SamplingParams(temperature=0.9, max_tokens=16, ignore_eos=True, seed=s) for s in (1, 2, 3)]
+    first = make_llm(tiny_dir, speculative_config=cfg)
+    outs = tokens(first.generate(PROMPTS[:3], hot))
+    alone = [tokens(make_llm(tiny_dir, speculative_config=cfg).generate([p], [sp]))[0]
+             for p, sp in zip(PROMPTS[:3], hot)]
+    assert outs == alone
+    assert first.engine.spec_stats.num_drafts > 0
+    first.engine.check_integrity()
