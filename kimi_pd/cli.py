@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     distil.add_argument("--target", required=True, help="the target checkpoint directory")
     distil.add_argument("--out", default=None, help="draft directory (default: TARGET-dspark)")
     distil.add_argument("--block", type=int, choices=(7, 5), default=7)
-    distil.add_argument("--steps", type=int, default=1200)
+    distil.add_argument("--steps", type=int, default=1000)
     distil.add_argument("--sequences", type=int, default=384, help="prompts the target answers for the data")
     distil.add_argument("--seed", type=int, default=0)
     distil.add_argument("--quiet", action="store_true")

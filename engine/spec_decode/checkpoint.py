@@ -7,9 +7,9 @@ them has them ignored, as vLLM does.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
-import uuid
 from pathlib import Path
 
 import torch
@@ -52,14 +52,23 @@ def draft_config_for(target: ModelConfig, block: int, num_layers: int = 2, seed:
         extra={"kimi_pd_target": target.identity_hash(), "kimi_pd_seed": seed})
 
 
+def weights_digest(tensors: dict[str, torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        digest.update(name.encode())
+        digest.update(tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
 def save_draft(model: DSparkDraftModel, cfg: DraftConfig, out: str | Path, note: str) -> Path:
-    """Write config.json (with a fresh weights id, so two drafts of one shape never pass as equal) + weights."""
+    """Write config.json (with a weights id from the tensors' digest, so two drafts of one shape never
+    pass as equal, and retraining from the same seed names the same weights) + weights."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    config = cfg.to_dict()
-    config["kimi_pd_weights_id"] = f"{note}-{uuid.uuid4().hex[:12]}"
-    (out / "config.json").write_text(json.dumps(config, indent=2))
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    config = cfg.to_dict()
+    config["kimi_pd_weights_id"] = f"{note}-{weights_digest(tensors)}"
+    (out / "config.json").write_text(json.dumps(config, indent=2))
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     return out
 

@@ -38,7 +38,7 @@ class DraftTrainConfig:
     num_layers: int = 2
     num_sequences: int = 384
     max_new_tokens: int = 160
-    steps: int = 1200
+    steps: int = 1000
     batch_sequences: int = 8
     anchors_per_sequence: int = 12
     lr: float = 2e-3
