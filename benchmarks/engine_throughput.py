@@ -19,7 +19,7 @@ import torch
 from engine.checkpoint.create import create_checkpoint
 from engine.core.cache_manager import bytes_per_slot
 from engine.core.engine import EngineConfig, LLMEngine
-from engine.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams
 
 
 def measure_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:

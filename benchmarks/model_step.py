@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from engine.checkpoint.init import init_weights
-from engine.config import torch_dtype
+from engine.dtypes import torch_dtype
 from engine.model.kimi_k3 import KimiK3ForConditionalGeneration
 from engine.model.sequence_runner import SequenceRunner
 from engine.presets import preset_config

@@ -1,10 +1,12 @@
 """A model-free OpenAI-compatible worker that speaks vLLM's P/D protocol, for router benchmarks and tests.
 
-Run: `python -m benchmarks.stub_worker --port P --role prefill|decode|both [--tokens N] [--token-delay-ms D]`.
+Run: `python -m benchmarks.stub_worker --port P --role prefill|decode|both [--tokens N] [--token-delay-ms D]
+[--first-token-delay-ms F]` (a streamed reply's first token comes F + D ms after the request, each later
+one D ms after the previous: known TTFT and TPOT for checking benchmark clients).
 
 Serves `/health`, `/v1/models`, `/v1/chat/completions` and `/v1/completions` (streamed or not) with
 canned content of N short words, one word per token, and `/stats` (legs served, by kind). Like a
-real worker (shared/serving/legs.py) it reads `kv_transfer_params`:
+real worker (worker/legs.py) it reads `kv_transfer_params`:
 
 - `do_remote_decode` (prefill leg, roles prefill/both): one token, never streamed, plus top-level
   `kv_transfer_params` with `do_remote_prefill` and the `remote_*` fields a decode worker needs;
@@ -41,6 +43,7 @@ class StubSettings:
     role: str = "both"
     tokens: int = 16                  # completion length when max_tokens does not cap it
     token_delay_s: float = 0.0        # simulated time per generated token
+    first_token_delay_s: float = 0.0  # extra time before the first token (a simulated prefill)
     served_model_name: str = "kimi-k3"
     host: str = "127.0.0.1"           # advertised as remote_host in prefill replies
     port: int = 0                     # advertised as remote_port in prefill replies
@@ -197,8 +200,9 @@ class Stub:
             yield event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}])
         for i in range(leg.num_tokens):
-            if self.s.token_delay_s:
-                await asyncio.sleep(self.s.token_delay_s)
+            delay = self.s.token_delay_s + (self.s.first_token_delay_s if i == 0 else 0.0)
+            if delay:
+                await asyncio.sleep(delay)
             last = i == leg.num_tokens - 1
             yield event([choice(token_text(i), leg.finish_reason if last and not chat else None)])
         if chat or leg.num_tokens == 0:
@@ -226,8 +230,8 @@ class Stub:
             headers["x-kv-pull-seconds"] = "0.000000"
         if leg.stream:
             return StreamingResponse(self.chunks(leg), media_type="text/event-stream", headers=headers)
-        if self.s.token_delay_s and leg.num_tokens:
-            await asyncio.sleep(self.s.token_delay_s * leg.num_tokens)
+        if (self.s.token_delay_s or self.s.first_token_delay_s) and leg.num_tokens:
+            await asyncio.sleep(self.s.first_token_delay_s + self.s.token_delay_s * leg.num_tokens)
         return Response(_dumps(self.whole(leg)), media_type="application/json", headers=headers)
 
     async def health(self, request: Request) -> JSONResponse:
@@ -267,6 +271,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--role", choices=ROLES, default="both")
     p.add_argument("--tokens", type=int, default=16, help="completion tokens (words) per request")
     p.add_argument("--token-delay-ms", type=float, default=0.0, help="simulated time per token")
+    p.add_argument("--first-token-delay-ms", type=float, default=0.0, help="extra time before the first token")
     p.add_argument("--served-model-name", default="kimi-k3")
     p.add_argument("--log-level", default="warning")
     return p.parse_args(argv)
@@ -277,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(argv)
     settings = StubSettings(role=args.role, tokens=args.tokens, token_delay_s=args.token_delay_ms / 1000,
+                            first_token_delay_s=args.first_token_delay_ms / 1000,
                             served_model_name=args.served_model_name, host=args.host, port=args.port)
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     return 0

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from engine.core.state_export import ExportedState, StateMismatch
 from kv_transfer.errors import TransferError
-from kv_transfer.interface import KVReceiver, KVTransferParams
+from kv_transfer.interface import KVReceiver
+from shared.kv_transfer_params import KVTransferParams
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +29,7 @@ class StatePuller:
     def __init__(self, receiver: KVReceiver, policy: str) -> None:
         self.receiver, self.policy = receiver, policy
 
-    async def pull(self, raw_params: dict, prompt_token_ids: list[int]) -> PullResult:
-        params = KVTransferParams.from_dict(raw_params)
+    async def pull(self, params: KVTransferParams, prompt_token_ids: list[int]) -> PullResult:
         start = time.perf_counter()
         try:
             payload = await self.receiver.pull(params)

@@ -5,11 +5,11 @@ __all__ = ["LLM", "SamplingParams"]
 
 
 def __getattr__(name: str):
-    """Lazy exports, so `import engine.config` does not load the whole runtime."""
+    """Lazy exports, so `import shared.model_config` does not load the whole runtime."""
     if name == "LLM":
         from engine.llm import LLM
         return LLM
     if name == "SamplingParams":
-        from engine.sampling_params import SamplingParams
+        from shared.sampling_params import SamplingParams
         return SamplingParams
     raise AttributeError(name)

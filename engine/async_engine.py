@@ -20,8 +20,8 @@ from engine.core.engine import EngineConfig, LLMEngine
 from engine.core.inputs import EngineInput
 from engine.core.outputs import RequestOutput
 from engine.core.state_export import ExportedState
-from engine.errors import EngineDead
-from engine.sampling_params import SamplingParams
+from shared.errors import EngineDead
+from shared.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 _DONE = object()

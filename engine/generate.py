@@ -6,7 +6,7 @@ from typing import Any
 
 from engine.core.outputs import RequestOutput
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams
 
 
 def generate_one(model_dir: str | Path, prompt: str, images: list[Any] | None = None, max_tokens: int = 32,

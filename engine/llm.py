@@ -1,16 +1,16 @@
 """vLLM-like offline API: `LLM(model=DIR, ...).generate(prompts, params)` and `.chat(messages, params)`."""
 from __future__ import annotations
 
-import base64
 import itertools
 from dataclasses import fields
 from typing import Any, Sequence
 
 from engine.core.engine import EngineConfig, LLMEngine
-from engine.core.inputs import EngineInput, ImageItem
+from engine.core.inputs import EngineInput
 from engine.core.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.tokenizer.chat import render_chat
+from shared.sampling_params import SamplingParams
+from shared.prompt.images import decode_image_part
+from shared.prompt.prepare import image_parts, render_prompt
 
 PromptLike = str | list[int] | dict[str, Any] | EngineInput
 
@@ -47,14 +47,11 @@ class LLM:
         return self.generate([self.render(c, **render_options) for c in conversations], params)
 
     def render(self, messages: list[dict[str, Any]], **render_options: Any) -> EngineInput:
-        from engine.model.image_processing import num_image_tokens
-        images = [decode_image_part(part) for m in messages if isinstance(m.get("content"), list)
-                  for part in m["content"] if part.get("type") in ("image", "image_url")]
-        vcfg = self.engine.model.config.vision_config
-        counts = [num_image_tokens(vcfg, img.height, img.width) for img in images] if images else None
-        rendered = render_chat(self.tokenizer, messages, image_token_counts=counts, **render_options)
-        items = [ImageItem(start, n, img) for (start, n), img in zip(rendered.image_spans, images)]
-        return EngineInput(rendered.token_ids, items)
+        """The same rendering the servers do (`shared.prompt.prepare`), images from content parts."""
+        images = [decode_image_part(part) for part in image_parts(messages)]
+        prepared = render_prompt(self.tokenizer, messages, images, self.engine.model.config.vision_config,
+                                 **render_options)
+        return EngineInput(prepared.token_ids, prepared.images)
 
     def _to_input(self, prompt: PromptLike) -> EngineInput:
         if isinstance(prompt, EngineInput):
@@ -84,14 +81,3 @@ class LLM:
                 if out.finished:
                     final[out.request_id] = out
         return [final[i] for i in ids]
-
-
-def decode_image_part(part: dict[str, Any]):
-    """A PIL image from an OpenAI content part: {"type": "image", "image": PIL} or a data: URL."""
-    from engine.model.image_processing import load_image
-    if part.get("type") == "image" and "image" in part:
-        return part["image"]
-    url = (part.get("image_url") or {}).get("url", "") if isinstance(part.get("image_url"), dict) else part.get("image_url", "")
-    if not isinstance(url, str) or not url.startswith("data:") or ";base64," not in url:
-        raise ValueError("images must be given as data: URLs with base64 content (no network fetches)")
-    return load_image(base64.b64decode(url.split(";base64,", 1)[1], validate=True))

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.config import ModelConfig
-from engine.tokenizer.special_tokens import NUM_SPECIAL_TOKENS, special_id
+from shared.model_config import ModelConfig
+from shared.prompt.special_tokens import NUM_SPECIAL_TOKENS, special_id
 
-# BPE ranks of the tokenizer the generated checkpoints ship (engine/tokenizer/data).
+# BPE ranks of the tokenizer the generated checkpoints ship (shared/prompt/data).
 GENERATED_BPE_RANKS = 1024
 GENERATED_VOCAB = GENERATED_BPE_RANKS + NUM_SPECIAL_TOKENS
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from engine.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
 

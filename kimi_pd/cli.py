@@ -54,7 +54,7 @@ def _ensure_model(path: str | None) -> Path:
 
 def _generate(args: argparse.Namespace) -> int:
     from engine.generate import generate_one
-    from engine.model.image_processing import load_image
+    from shared.prompt.images import load_image
 
     images = [load_image(path) for path in args.image]
     result = generate_one(_ensure_model(args.model), args.prompt, images, args.max_tokens, args.temperature,
@@ -68,10 +68,11 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _worker(role: str):
+def _worker(command: str):
     def run(args: argparse.Namespace) -> int:
-        from shared.serving.cli import run_worker
-        return run_worker(args, role, str(_ensure_model(args.model)))
+        from kimi_pd.roles import COMMANDS
+        from worker.cli import run_worker
+        return run_worker(args, COMMANDS[command], str(_ensure_model(args.model)))
     return run
 
 
@@ -90,6 +91,11 @@ def _up(args: argparse.Namespace) -> int:
         extra = ["--speculative-config", args.speculative_config]
     return up(model, args.port, args.prefill_workers, args.decode_workers, args.redis_url, Path(args.log_dir), [],
               extra)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from kimi_pd.bench.cli import run_bench
+    return run_bench(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -157,13 +163,19 @@ def build_parser() -> argparse.ArgumentParser:
                           "write the draft's prompt context rows into the state they hand over")
     upp.set_defaults(func=_up)
 
-    from shared.serving.cli import add_worker_args
+    from kimi_pd.bench.cli import add_bench_args
+    bench = sub.add_parser("bench", help="benchmark an OpenAI-compatible endpoint (vllm bench serve semantics)",
+                           allow_abbrev=False)
+    add_bench_args(bench)
+    bench.set_defaults(func=_bench)
+
+    from worker.flags import add_worker_args
     for role, help_text in (("prefill", "a prefill worker (computes prompts, hands state to decode workers)"),
                             ("decode", "a decode worker (pulls prefill state, generates, streams)"),
                             ("worker", "a colocated worker (prefill and decode in one engine)")):
         worker = sub.add_parser(role, help=help_text, allow_abbrev=False)
         add_worker_args(worker)
-        worker.set_defaults(func=_worker("both" if role == "worker" else role))
+        worker.set_defaults(func=_worker(role))
     return parser
 
 

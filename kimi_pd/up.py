@@ -9,16 +9,16 @@ from __future__ import annotations
 import os
 import secrets
 import signal
-import socket
-import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
+from kimi_pd.processes import Processes, free_port
+
 READY_TIMEOUT_S = 180.0
+KIMI_PD = [sys.executable, "-m", "kimi_pd"]
 
 
 def redact(url: str) -> str:
@@ -28,42 +28,7 @@ def redact(url: str) -> str:
     return url if not parts.password else url.replace(f":{parts.password}@", ":***@")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Fleet:
-    procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
-    store: object | None = None
-
-    def spawn(self, name: str, argv: list[str], env: dict[str, str], log_dir: Path) -> None:
-        log = open(log_dir / f"{name}.log", "ab")
-        proc = subprocess.Popen([sys.executable, "-m", "kimi_pd", *argv], env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        self.procs.append((name, proc))
-
-    def dead(self) -> list[str]:
-        return [f"{name} (exit {p.returncode})" for name, p in self.procs if p.poll() is not None]
-
-    def stop(self, grace_s: float = 15.0) -> None:
-        for _, p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for _, p in self.procs:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(5)
-        if self.store is not None:
-            self.store.stop()
-
-
-def wait_ready(url: str, fleet: Fleet, timeout_s: float) -> None:
+def wait_ready(url: str, fleet: Processes, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if fleet.dead():
@@ -81,7 +46,7 @@ def up(model_dir: str, port: int, num_prefill: int, num_decode: int, redis_url: 
        extra_worker_args: list[str], speculative_args: list[str] | None = None) -> int:
     """speculative_args (`--speculative-config JSON`) go to every worker: decode workers speculate; prefill
     workers run the draft's context projection so the prompt's draft rows travel with the state."""
-    fleet = Fleet()
+    fleet, store = Processes(), None
     stopping = {"flag": False}
 
     def on_signal(signum, frame):
@@ -93,18 +58,19 @@ def up(model_dir: str, port: int, num_prefill: int, num_decode: int, redis_url: 
     try:
         if redis_url is None:
             from shared.store.embedded import EmbeddedValkey
-            fleet.store = EmbeddedValkey()
-            fleet.store.start()
-            redis_url = fleet.store.url
+            store = EmbeddedValkey()
+            store.start()
+            redis_url = store.url
         env = {**os.environ, "KIMI_PD_TRANSFER_SECRET": os.environ.get("KIMI_PD_TRANSFER_SECRET") or secrets.token_hex(24),
                "KIMI_PD_ADMIN_TOKEN": os.environ.get("KIMI_PD_ADMIN_TOKEN") or secrets.token_hex(16)}
         common = ["--model", model_dir, "--redis-url", redis_url, *extra_worker_args, *(speculative_args or [])]
         for role, count in (("prefill", num_prefill), ("decode", num_decode)):
             for i in range(count):
-                fleet.spawn(f"{role}-{i}", [role, *common, "--port", str(free_port()), "--worker-id", f"{role}-{i}"],
-                            env, log_dir)
-        fleet.spawn("router", ["router", "--model", model_dir, "--redis-url", redis_url, "--port", str(port)],
-                    env, log_dir)
+                name = f"{role}-{i}"
+                fleet.spawn(name, [*KIMI_PD, role, *common, "--port", str(free_port()), "--worker-id", name],
+                            env, log_dir / f"{name}.log")
+        fleet.spawn("router", [*KIMI_PD, "router", "--model", model_dir, "--redis-url", redis_url, "--port", str(port)],
+                    env, log_dir / "router.log")
         url = f"http://127.0.0.1:{port}"
         wait_ready(url, fleet, READY_TIMEOUT_S)
         print(f"kimi-pd is up: {url}  ({num_prefill} prefill + {num_decode} decode workers, "
@@ -121,3 +87,5 @@ def up(model_dir: str, port: int, num_prefill: int, num_decode: int, redis_url: 
         return 0
     finally:
         fleet.stop()
+        if store is not None:
+            store.stop()

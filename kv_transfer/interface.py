@@ -16,47 +16,18 @@ Invariants every transport keeps:
 from __future__ import annotations
 
 import abc
-import dataclasses
 import importlib
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from kv_transfer.errors import ConfigError
 from kv_transfer.metrics import TransferMetrics
 from kv_transfer.payload import ModelIdentity, TransferPayload
+from shared.kv_transfer_params import INTERFACE_VERSION, KVTransferParams  # noqa: F401 - the transports use both
 
-INTERFACE_VERSION = 1
 FREE_REASONS = ("released", "expired", "aborted", "shutdown")
 OnFree = Callable[[str, str], None]
-
-
-@dataclass
-class KVTransferParams:
-    """vLLM's `kv_transfer_params` fields, plus ours (`transport`, `interface_version`, `state_bytes`)."""
-
-    do_remote_prefill: bool = False
-    do_remote_decode: bool = False
-    remote_engine_id: str | None = None
-    remote_request_id: str | None = None
-    remote_host: str | None = None
-    remote_port: int | None = None
-    remote_block_ids: list[int] | None = None
-    remote_num_tokens: int | None = None
-    remote_blocks_expiry_time: float | None = None
-    transport: str | None = None
-    interface_version: int = INTERFACE_VERSION
-    state_bytes: int | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> KVTransferParams:
-        """Build from a JSON dict; unknown fields are ignored, as the protocol requires."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in raw.items() if k in known})
 
 
 @dataclass(frozen=True)

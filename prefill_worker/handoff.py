@@ -11,8 +11,9 @@ import logging
 
 from engine.async_engine import AsyncEngine
 from engine.core.state_export import ExportedState
-from kv_transfer.interface import KVSender, KVTransferParams
+from kv_transfer.interface import KVSender
 from kv_transfer.payload import TransferPayload
+from shared.kv_transfer_params import KVTransferParams
 
 log = logging.getLogger(__name__)
 

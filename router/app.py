@@ -1,4 +1,4 @@
-"""The router service: OpenAI endpoints in front of the P/D fleet, /health, /ready, /metrics, admin.
+"""The router service: OpenAI endpoints in front of the P/D fleet, /health, /ready, /metrics, admin, /dashboard.
 
 Clients created once in the lifespan (one pooled httpx client, the store, background loops) and
 kept on app.state; routes only compose them.
@@ -16,22 +16,22 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from engine.config import ModelConfig
-from engine.tokenizer.tokenizer import KimiTokenizer
 from router import health_checker
+from router.dashboard import install as install_dashboard
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator, Trace
 from router.placement.pipeline import build_pipeline
 from router.registry import WorkerRegistry
 from router.settings import RouterSettings
 from router.upstream import UpstreamError
-from shared.openai.errors import AuthenticationFailed, ModelNotFound, OpenAIError, error_response
+from shared.openai.errors import Unauthorized, ModelNotFound, OpenAIError, error_response
 from shared.openai.convert import to_sampling_params
 from shared.openai.requests import ChatCompletionRequest, CompletionRequest
 from shared.openai.responses import ModelCard, ModelList
-from shared.serving.app import install_error_handlers, read_json_body
-from shared.serving.disconnect import until_disconnect
-from shared.serving.prompts import prepare_chat, prepare_completion
+from shared.http import bearer_token, install_error_handlers, read_json_body, until_disconnect
+from shared.model_config import ModelConfig
+from shared.openai.prompts import prepare_chat, prepare_completion
+from shared.prompt.tokenizer import KimiTokenizer
 from shared.store.factory import make_store
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
         pipeline = build_pipeline(scorers=dict(settings.scorer_weights))
         app.state.settings, app.state.registry, app.state.metrics = settings, registry, metrics
         app.state.tokenizer = KimiTokenizer.from_dir(settings.model)
-        app.state.model_config = ModelConfig.from_file(settings.model)
+        app.state.vision_config = ModelConfig.from_file(settings.model).vision_config
         app.state.orchestrator = Orchestrator(settings, registry, client, pipeline, metrics, settings.admin_token)
         await registry.refresh()
         await health_checker.check_once(client, registry, settings.connect_timeout_s)
@@ -75,6 +75,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
                               ("/admin/workers", _list_workers, ["GET"]), ("/admin/workers", _add_worker, ["POST"]),
                               ("/admin/workers/{worker_id:path}/drain", _drain_worker, ["POST"])):
         app.add_api_route(path, fn, methods=methods)
+    install_dashboard(app, _check_admin, _ready_state)        # /dashboard (page) and /dashboard/state (admin token)
     return app
 
 
@@ -86,20 +87,16 @@ async def _upstream_error(request: Request, exc: UpstreamError) -> JSONResponse:
     return JSONResponse(body.model_dump(mode="json"), status_code=exc.status)
 
 
-def _bearer(request: Request) -> str:
-    return request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-
-
 def _check_client(request: Request) -> None:
     keys = request.app.state.settings.api_keys
-    if keys and not any(hmac.compare_digest(_bearer(request).encode(), k.encode()) for k in keys):
-        raise AuthenticationFailed("Incorrect API key provided.", code="invalid_api_key")
+    if keys and not any(hmac.compare_digest(bearer_token(request).encode(), k.encode()) for k in keys):
+        raise Unauthorized("Incorrect API key provided.", code="invalid_api_key")
 
 
 def _check_admin(request: Request) -> None:
     token = request.app.state.settings.admin_token
-    if not token or not hmac.compare_digest(_bearer(request).encode(), token.encode()):
-        raise AuthenticationFailed("admin endpoints need the admin token", code="invalid_admin_token")
+    if not token or not hmac.compare_digest(bearer_token(request).encode(), token.encode()):
+        raise Unauthorized("admin endpoints need the admin token", code="invalid_admin_token")
 
 
 def _check_model(request: Request, model: str | None) -> None:
@@ -134,7 +131,7 @@ async def _chat(request: Request) -> Response:
     _check_client(request)
     req = ChatCompletionRequest.model_validate(await read_json_body(request))
     st = request.app.state
-    return await _serve(request, "chat", req, lambda: prepare_chat(req, st.tokenizer, st.model_config))
+    return await _serve(request, "chat", req, lambda: prepare_chat(req, st.tokenizer, st.vision_config))
 
 
 async def _completions(request: Request) -> Response:

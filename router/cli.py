@@ -8,6 +8,7 @@ from router.settings import RouterSettings
 
 API_KEYS_ENV = "KIMI_PD_API_KEYS"          # comma-separated client keys (optional)
 ADMIN_TOKEN_ENV = "KIMI_PD_ADMIN_TOKEN"
+REDIS_URL_ENV = "KIMI_PD_REDIS_URL"          # the store URL (may hold a password), if no --redis-url
 WORKER_API_KEY_ENV = "KIMI_PD_WORKER_API_KEY"  # the key workers expect (their KIMI_PD_API_KEY), if any
 
 
@@ -20,7 +21,8 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode", action="append", default=[], metavar="URL", help="static decode worker")
     p.add_argument("--worker", action="append", default=[], metavar="URL", help="static colocated worker")
     p.add_argument("--block-size", type=int, default=16, help="block size of static workers")
-    p.add_argument("--redis-url", default=None, help="state store: discover workers, load, KV events")
+    p.add_argument("--redis-url", default=os.environ.get(REDIS_URL_ENV) or None,
+                   help=f"state store: discover workers, load, KV events (default ${REDIS_URL_ENV})")
     p.add_argument("--namespace", default="default")
     p.add_argument("--disagg-threshold", type=int, default=32,
                    help="decode-only when fewer prompt tokens than this are uncached on the decode worker")

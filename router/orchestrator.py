@@ -14,7 +14,6 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -26,10 +25,10 @@ from router.placement.types import RoutingContext, WorkerState
 from router.registry import WorkerRegistry
 from router.settings import RouterSettings
 from router.upstream import UpstreamError, classify, error_body, parse_object, post_json
-from shared.openai.errors import NoWorkerAvailable as NoWorker503
+from shared.kv_transfer_params import KVTransferParams
 from shared.openai.legs import decode_body, prefill_body, wire_body
 from shared.openai.sse import SSE_DONE, SSEParser, sse_error
-from shared.serving.prompts import PreparedPrompt
+from shared.prompt.prepare import PreparedPrompt
 
 log = logging.getLogger(__name__)
 ADMIN_HEADER = "authorization"
@@ -54,7 +53,7 @@ class Trace:
     prefill_worker: str | None = None
     decode_worker: str | None = None
     cached_tokens: int | None = None
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None
     decode_connected: bool = False
 
 
@@ -95,10 +94,7 @@ class Orchestrator:
 
     def _pick(self, ctx: RoutingContext, states: list[WorkerState], exclude: set[str]) -> WorkerState:
         candidates = [w for w in states if w.worker_id not in exclude]
-        try:
-            return self.pipeline.pick(ctx, candidates).worker
-        except NoWorkerAvailable as exc:
-            raise NoWorker503(str(exc)) from exc
+        return self.pipeline.pick(ctx, candidates).worker         # NoWorkerAvailable is the client's 503
 
     def _decide(self, ctx: RoutingContext, prefill_ctx: RoutingContext, decode: WorkerState,
                 states: list[WorkerState]) -> str:
@@ -120,7 +116,7 @@ class Orchestrator:
         """A prefill pool that is down or failing costs latency, not the request: decode computes it."""
         try:
             await self._prefill_leg(trace, req, ctx, states)
-        except NoWorker503 as exc:
+        except NoWorkerAvailable as exc:
             self._fall_back(trace, "no_worker", exc)
         except UpstreamError as err:
             if err.status < 500:
@@ -153,10 +149,11 @@ class Orchestrator:
             self._record_sent(ctx, worker)
             self.metrics.prefill_seconds.observe(time.perf_counter() - start)
             trace.prefill_worker = worker.worker_id
-            trace.kv_transfer_params = reply.body.get("kv_transfer_params")
+            raw = reply.body.get("kv_transfer_params")
+            trace.kv_transfer_params = KVTransferParams.from_dict(raw) if raw and isinstance(raw, dict) else None
             details = (reply.body.get("usage") or {}).get("prompt_tokens_details") or {}
             trace.cached_tokens = details.get("cached_tokens")
-            if not trace.kv_transfer_params:
+            if trace.kv_transfer_params is None:
                 log.warning("prefill worker %s returned no kv_transfer_params; decode will recompute", worker.worker_id)
             return
 
@@ -176,7 +173,7 @@ class Orchestrator:
 
     # ---- decode leg ---------------------------------------------------------------------------
     def _decode_body(self, trace: Trace, req) -> dict:
-        if trace.kv_transfer_params:
+        if trace.kv_transfer_params is not None:
             return decode_body(req, trace.kv_transfer_params)
         body = wire_body(req)
         body.pop("kv_transfer_params", None)            # clients never steer transfers (SSRF, lease tampering)
@@ -198,7 +195,7 @@ class Orchestrator:
                     raise
                 try:
                     worker = self._pick(ctx, states, tried)
-                except NoWorker503:
+                except NoWorkerAvailable:
                     raise err from None                  # nobody else: report the real failure
                 self.metrics.retries.labels(leg="decode").inc()
         trace.decode_worker = worker.worker_id
@@ -232,7 +229,7 @@ class Orchestrator:
             self.registry.end(worker.worker_id, ok=resp.status_code < 500)
             raise UpstreamError(f"http_{resp.status_code // 100}xx", f"the decode worker answered {resp.status_code}",
                                 resp.status_code, error_body(content),
-                                retryable=resp.status_code == 503 and not trace.kv_transfer_params)
+                                retryable=resp.status_code == 503 and trace.kv_transfer_params is None)
         trace.decode_connected = True                   # from here on the decode worker owns the prefill lease
         self._observe_transfer(resp)
         return resp
@@ -314,14 +311,14 @@ class Orchestrator:
     async def release_prefill(self, trace: Trace) -> None:
         """A prefill state that no decode worker received is released now instead of at lease expiry."""
         ktp = trace.kv_transfer_params
-        if not ktp or trace.decode_connected or not trace.prefill_worker:
+        if ktp is None or trace.decode_connected or not trace.prefill_worker:
             return
         info = self.registry.all_infos().get(trace.prefill_worker)
         if info is None or not self.admin_token:
             return
         try:
             resp = await self.client.post(f"{info.url}/internal/kv/release",
-                                          json={"request_id": ktp.get("remote_request_id")},
+                                          json={"request_id": ktp.remote_request_id},
                                           headers={ADMIN_HEADER: f"Bearer {self.admin_token}"},
                                           timeout=self.s.connect_timeout_s)
             released = resp.status_code == 200 and resp.json().get("released") is True

@@ -12,7 +12,8 @@ from tqdm import tqdm
 from engine.checkpoint.init import init_weights
 from engine.checkpoint.layout import (CONFIG_FILE, GENERATION_CONFIG_FILE, INDEX_FILE, QUANT_DESCRIPTION_FILE,
                                       keeps_fp32, shard_name)
-from engine.config import ModelConfig, torch_dtype
+from engine.dtypes import torch_dtype
+from shared.model_config import ModelConfig
 from engine.model.kimi_k3 import KimiK3ForConditionalGeneration
 from engine.presets import PRESETS
 
@@ -69,7 +70,7 @@ def create_checkpoint(preset: str, out: str | Path, seed: int = 0, quant: str | 
     quant="w4a8" writes a ModelSlim W4A8 checkpoint (experts W4A8_DYNAMIC, linears W8A8_DYNAMIC) plus
     quant_model_description.json, transformed from the same float weights.
     """
-    from engine.tokenizer.tokenizer import KimiTokenizer
+    from shared.prompt.tokenizer import KimiTokenizer
 
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")

@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from engine.checkpoint.layout import (CONFIG_FILE, INDEX_FILE, QUANT_DESCRIPTION_FILE, ROT_PROJ_TENSOR, SINGLE_FILE,
                                       keeps_fp32)
-from engine.config import ConfigError, ModelConfig
+from shared.model_config import ConfigError, ModelConfig
 from engine.model.kimi_k3 import KimiK3ForConditionalGeneration, ModelOptions
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.config import TextConfig
+from shared.model_config import TextConfig
 from engine.core.block_pool import BlockPool
 from engine.core.request import Request
 from engine.core.state_slots import StateSlotPool

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from dataclasses import dataclass
 
 import torch
 
 from engine.checkpoint.loader import load_checkpoint
-from engine.config import TORCH_DTYPE_NAMES, torch_dtype
+from engine.dtypes import TORCH_DTYPE_NAMES, torch_dtype
 from engine.core.cache_manager import HybridCacheManager, budget_cache
 from engine.core.inputs import EngineInput, encode_images, validate_tokens
 from engine.core.model_runner import ModelRunner
@@ -24,17 +25,17 @@ from engine.core.outputs import CompletionOutput, RequestOutput
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.core.state_export import ExportedState, StateIdentity
-from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import InvalidRequest, RequestTooLarge
+from shared.prompt.detokenizer import IncrementalDetokenizer
+from shared.errors import InvalidRequest, RequestTooLarge
 from engine.model.kda import KDAOptions
 from engine.model.kimi_k3 import ModelOptions
 from engine.sampler import SamplingState, sample
-from engine.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams
+from shared.prompt.tokenizer import KimiTokenizer
 from engine.spec_decode.config import DraftConfig, SpeculativeConfig
 from engine.spec_decode.proposer import DraftRequest, DSparkProposer
 from engine.spec_decode.stats import SpecDecodeStats
 from engine.spec_decode.verify import verify
-from engine.tokenizer.tokenizer import KimiTokenizer
 from shared.hashing import block_hashes, root_hash
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ class EngineConfig:
     num_snapshot_slots: int | None = None
     snapshot_interval_blocks: int = 4
     kda_chunk_size: int = 64
-    export_lease_s: float = 60.0
+    export_lease_s: float | None = 60.0    # None: held until released (a transfer layer owns the lease)
     seed: int = 0
     model_id: str | None = None          # names the prefix-hash chain; defaults to the config hash
     speculative_config: SpeculativeConfig | dict | str | None = None   # vLLM's --speculative-config (DSpark)
@@ -63,7 +64,7 @@ class EngineConfig:
         checks = {"max_num_seqs": self.max_num_seqs >= 1, "max_num_batched_tokens": self.max_num_batched_tokens >= 1,
                   "block_size": self.block_size >= 1, "kda_chunk_size": self.kda_chunk_size >= 1,
                   "snapshot_interval_blocks": self.snapshot_interval_blocks >= 1,
-                  "dtype": self.dtype in TORCH_DTYPE_NAMES, "export_lease_s": self.export_lease_s > 0}
+                  "dtype": self.dtype in TORCH_DTYPE_NAMES, "export_lease_s": self.export_lease_s is None or self.export_lease_s > 0}
         bad = [k for k, ok in checks.items() if not ok]
         if bad:
             raise ValueError(f"invalid engine settings: {', '.join(f'{k}={getattr(self, k)!r}' for k in bad)}")
@@ -336,7 +337,8 @@ class LLMEngine:
     def _hold(self, req: Request, reason: str, stop) -> None:
         self.scheduler.remove(req)
         req.status, req.finish_reason, req.stop_reason = RequestStatus.HELD, reason, stop
-        self.held[req.request_id] = time.monotonic() + self.config.export_lease_s
+        lease = self.config.export_lease_s
+        self.held[req.request_id] = math.inf if lease is None else time.monotonic() + lease
 
     def _output(self, req: Request, new_text: str, new_tokens: list[int]) -> RequestOutput:
         finished = req.status in (RequestStatus.FINISHED, RequestStatus.HELD)

@@ -2,34 +2,21 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from engine.core.request import ImageInput
-from engine.errors import InvalidRequest, InvalidTokenIds, PromptTooLong
+from shared.errors import InvalidRequest, InvalidTokenIds, PromptTooLong
 from engine.model.kimi_k3 import KimiK3ForConditionalGeneration
-from shared.hashing import ImageSpan, image_content_hash
-
-
-@dataclass
-class ImageItem:
-    """A decoded image placed at a `<|media_pad|>` run of `length` tokens starting at `start`."""
-
-    start: int
-    length: int
-    image: Any                                   # PIL.Image (RGB)
+from shared.hashing import ImageSpan
+from shared.prompt.images import content_hash
+from shared.prompt.prepare import ImageItem
 
 
 @dataclass
 class EngineInput:
     prompt_token_ids: list[int]
     images: list[ImageItem] = field(default_factory=list)
-
-
-def content_hash_of(image) -> bytes:
-    rgb = image.convert("RGB") if image.mode != "RGB" else image
-    return image_content_hash(rgb.tobytes(), rgb.width, rgb.height)
 
 
 def validate_tokens(ids: list[int], vocab_size: int, max_model_len: int) -> None:
@@ -61,5 +48,5 @@ def encode_images(model: KimiK3ForConditionalGeneration, items: list[ImageItem],
             embeds = model.encode_images([preprocess_image(item.image, vcfg).to(dtype)])[0]
             if embeds.shape[0] != item.length:
                 raise InvalidRequest(f"image gives {embeds.shape[0]} features for {item.length} placeholders")
-            out.append(ImageInput(ImageSpan(item.start, item.length, content_hash_of(item.image)), embeds.cpu()))
+            out.append(ImageInput(ImageSpan(item.start, item.length, content_hash(item.image)), embeds.cpu()))
     return out

@@ -12,7 +12,7 @@ from shared.hashing import ImageSpan
 
 if TYPE_CHECKING:
     from engine.core.state_export import ExportedState
-    from engine.sampling_params import SamplingParams
+    from shared.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

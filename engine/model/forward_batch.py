@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.config import TextConfig
+from shared.model_config import TextConfig
 
 
 @dataclass

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from engine.config import ModelConfig, TextConfig
+from shared.model_config import ModelConfig, TextConfig
 from engine.model.attnres import AttnResWeights, attn_res
 from engine.model.forward_batch import ForwardBatch
 from engine.model.kda import KDAOptions, KimiDeltaAttention

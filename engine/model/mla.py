@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.config import TextConfig
+from shared.model_config import TextConfig
 from engine.model import choices
 from engine.model.forward_batch import ForwardBatch, SequenceSlice
 from engine.model.layers import RMSNorm, linear_weight, upcast

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.config import TextConfig
+from shared.model_config import TextConfig
 from engine.model.layers import RMSNorm, SiTUMLP, situ, upcast
 
 

@@ -63,11 +63,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.config import ConfigError, VisionConfig
+from shared.model_config import ConfigError, VisionConfig
+from shared.prompt.images import ROPE_MAX_GRID
 
 ROPE_THETA = 10000.0
-# The reference precomputes RoPE for a 512 x 512 patch grid, so larger grids have no defined model.
-ROPE_MAX_GRID = 512
 
 # K3 vision keys that VisionConfig does not model, with the only values this implementation runs.
 _FIXED_EXTRAS: dict[str, tuple[Any, ...]] = {

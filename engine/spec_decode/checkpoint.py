@@ -17,7 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from engine.checkpoint.init import init_weights
-from engine.config import ModelConfig, TextConfig
+from shared.model_config import ModelConfig, TextConfig
 from engine.spec_decode.config import DraftConfig, SpecConfigError
 from engine.spec_decode.draft_model import DSparkDraftModel
 
@@ -37,7 +37,7 @@ def default_target_layers(num_layers: int) -> list[int]:
 
 def draft_config_for(target: ModelConfig, block: int, num_layers: int = 2, seed: int = 0) -> DraftConfig:
     text: TextConfig = target.text_config
-    from engine.tokenizer.special_tokens import NUM_SPECIAL_TOKENS
+    from shared.prompt.special_tokens import NUM_SPECIAL_TOKENS
     # the special tokens sit above the BPE ranks: a reserved one is the MASK (never in a prompt)
     mask = text.vocab_size - NUM_SPECIAL_TOKENS + _MASK_SPECIAL_OFFSET
     layers = default_target_layers(text.num_hidden_layers)

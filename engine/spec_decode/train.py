@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine.config import ModelConfig
+from shared.model_config import ModelConfig
 from engine.model.forward_batch import ForwardBatch, HybridCacheTensors, SequenceSlice
 from engine.spec_decode.checkpoint import draft_config_for, save_draft
 from engine.spec_decode.draft_model import DraftMLA, DSparkDraftModel, apply_rope, rope_cos_sin
@@ -62,7 +62,8 @@ def training_prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
             out.append(ex.token_ids[: ex.num_prompt_tokens])
         return out
     except ImportError:
-        corpus = (Path(__file__).parents[1] / "tokenizer" / "data" / "corpus.txt").read_text().split()
+        from shared.prompt.bpe_train import DEFAULT_CORPUS
+        corpus = DEFAULT_CORPUS.read_text().split()
         out = []
         for _ in range(n):
             start = rng.randrange(0, max(1, len(corpus) - 40))

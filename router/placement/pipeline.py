@@ -17,14 +17,17 @@ from router.placement.filters import FILTERS, Filter
 from router.placement.registry import Registry
 from router.placement.scorers import SCORERS, Scorer, run_scorer
 from router.placement.types import RoutingContext, WorkerState
+from shared.openai.errors import ServiceUnavailable
 
 Decision = Literal["decode-only", "prefill-decode"]
 TIE_EPSILON = 1e-9
 
 
-class NoWorkerAvailable(Exception):
+class NoWorkerAvailable(ServiceUnavailable):
     """No candidate survived; `filter_name` is the filter that removed the last ones (None when
-    there were no workers at all). The HTTP layer maps this to 503."""
+    there were no workers at all). An OpenAI 503 (`no_worker_available`) when it reaches the client."""
+
+    code = "no_worker_available"
 
     def __init__(self, ctx: RoutingContext, filter_name: str | None, removed: int) -> None:
         self.request_id, self.role, self.model = ctx.request_id, ctx.role, ctx.model

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Strict, Tag, model_validator
 
-from engine.errors import InvalidRequest
+from shared.errors import InvalidRequest
 
 # Request scalars are strict, as OpenAI's API is: `true` is not the integer 1, "0.7" not a number.
 # (An integer is still accepted where a number is expected.)

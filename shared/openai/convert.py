@@ -3,7 +3,7 @@
 Requests: `to_sampling_params`, `render_options` and `chat_messages` (the arguments of
 `render_chat`), `image_urls`. Outputs: `shape_chat_message` and `ChatDeltaShaper` (from
 `shaping`), `chat_logprobs` and `completion_logprobs` (from `logprobs`). Every refusal raises
-`engine.errors.InvalidRequest` naming the request field, which `errors.error_from_exception` maps
+`shared.errors.InvalidRequest` naming the request field, which `errors.error_from_exception` maps
 to a 400.
 """
 from __future__ import annotations
@@ -12,9 +12,9 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from engine.errors import InvalidRequest, InvalidSamplingParams
-from engine.sampling_params import SamplingParams
-from engine.tokenizer.chat import THINKING_EFFORTS
+from shared.errors import InvalidRequest, InvalidSamplingParams
+from shared.sampling_params import SamplingParams
+from shared.prompt.chat import THINKING_EFFORTS
 from shared.openai.logprobs import chat_logprobs, completion_logprobs
 from shared.openai.requests import ChatCompletionRequest, CompletionRequest
 from shared.openai.shaping import ChatDeltaShaper, ShapedMessage, shape_chat_message

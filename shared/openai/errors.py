@@ -6,12 +6,11 @@
 |-------------------------------------------------|--------|-----------------------|----------------------------|
 | pydantic ValidationError, engine InvalidRequest | 400    | invalid_request_error | invalid_request / engine's |
 | ChatTemplateError (messages cannot be rendered) | 400    | invalid_request_error | invalid_messages           |
-| AuthenticationFailed                            | 401    | invalid_request_error | invalid_api_key            |
+| Unauthorized                                    | 401    | invalid_request_error | invalid_api_key            |
 | ModelNotFound                                   | 404    | invalid_request_error | model_not_found            |
-| Overloaded                                      | 503    | service_unavailable   | overloaded                 |
-| NoWorkerAvailable                               | 503    | service_unavailable   | no_worker_available        |
+| router NoWorkerAvailable (placement found none) | 503    | service_unavailable   | no_worker_available        |
 | EngineDead (detail only in the log)             | 503    | service_unavailable   | engine_dead                |
-| UpstreamTimeout, TimeoutError                   | 504    | timeout               | timeout                    |
+| TimeoutError                                    | 504    | timeout               | timeout                    |
 | anything else (details only in the log)         | 500    | server_error          | internal_error             |
 """
 from __future__ import annotations
@@ -22,8 +21,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from engine.errors import EngineDead, InvalidRequest
-from engine.tokenizer.chat import ChatTemplateError
+from shared.errors import EngineDead, InvalidRequest
+from shared.prompt.chat import ChatTemplateError
 from shared.openai.base import OpenAIModel, error_location
 
 try:  # FastAPI wraps body validation errors in its own class, with a leading "body" location
@@ -88,7 +87,7 @@ class BadRequest(OpenAIError):
     status = 400
 
 
-class AuthenticationFailed(OpenAIError):
+class Unauthorized(OpenAIError):
     status = 401
 
 
@@ -102,18 +101,6 @@ class ModelNotFound(OpenAIError):
 
 class ServiceUnavailable(OpenAIError):
     status = 503
-
-
-class Overloaded(ServiceUnavailable):
-    code = "overloaded"
-
-
-class NoWorkerAvailable(ServiceUnavailable):
-    code = "no_worker_available"
-
-
-class UpstreamTimeout(OpenAIError):
-    status = 504
 
 
 def error_from_exception(exc: BaseException) -> tuple[int, ErrorResponse]:

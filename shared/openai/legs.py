@@ -5,12 +5,10 @@ extensions reach the workers unchanged and the workers render the same prompt th
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
+from shared.kv_transfer_params import KVTransferParams
 from shared.openai.requests import SamplingRequest
-
-PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False}
 
 
 def wire_body(req: SamplingRequest) -> dict[str, Any]:
@@ -26,7 +24,7 @@ def prefill_body(req: SamplingRequest) -> dict[str, Any]:
     """
     body = wire_body(req)
     body.pop("stream_options", None)
-    body.update(max_tokens=1, stream=False, kv_transfer_params=dict(PREFILL_KV_TRANSFER_PARAMS))
+    body.update(max_tokens=1, stream=False, kv_transfer_params=KVTransferParams.prefill_request().to_dict())
     if "max_completion_tokens" in body:
         body["max_completion_tokens"] = 1
     if body.get("min_tokens"):
@@ -34,8 +32,8 @@ def prefill_body(req: SamplingRequest) -> dict[str, Any]:
     return body
 
 
-def decode_body(req: SamplingRequest, kv_transfer_params: Mapping[str, Any]) -> dict[str, Any]:
+def decode_body(req: SamplingRequest, kv_transfer_params: KVTransferParams) -> dict[str, Any]:
     """The decode leg: the client's request plus the prefill response's `kv_transfer_params`."""
     body = wire_body(req)
-    body["kv_transfer_params"] = dict(kv_transfer_params)
+    body["kv_transfer_params"] = kv_transfer_params.to_dict()
     return body

@@ -1,7 +1,7 @@
 """Chat messages, content parts and tools, in the shapes OpenAI clients send.
 
 Checks here are about shape (what a K3 prompt can be rendered from); the renderer
-(`engine.tokenizer.chat.render_chat`) re-checks what only it can know, e.g. tool-result binding.
+(`shared.prompt.chat.render_chat`) re-checks what only it can know, e.g. tool-result binding.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """K3 completion text (decoded with special tokens) -> an OpenAI assistant message, whole or streamed.
 
-`shape_chat_message` applies the K3 parsers (`engine.tokenizer.parsers`) to a finished text.
+`shape_chat_message` applies the K3 parsers (`shared.prompt.parsers`) to a finished text.
 `ChatDeltaShaper` turns the same text, arriving in pieces, into deltas whose concatenation equals
 that message for every way of splitting the text. It walks the channels in order::
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from engine.tokenizer.parsers import (
+from shared.prompt.parsers import (
     END_OF_MSG,
     MESSAGE_CLOSE,
     RESPONSE_CLOSE,

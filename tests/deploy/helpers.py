@@ -23,6 +23,9 @@ ENV_EXAMPLE = DEPLOY / "compose" / ".env.example"
 DOCKERFILE = DEPLOY / "docker" / "Dockerfile"
 DOCKERFILE_ASCEND = DEPLOY / "docker" / "Dockerfile.ascend"
 NGINX_CONF = DEPLOY / "lb" / "nginx.conf"
+NGINX_ROUTERS_COMPOSE = DEPLOY / "lb" / "routers-compose.conf"     # included by nginx.conf's upstream
+NGINX_ROUTERS_EXAMPLE = DEPLOY / "lb" / "routers.conf.example"
+NGINX_ROUTERS_PATH = "/etc/nginx/kimi-pd-routers.conf"              # where the LB services mount the list
 HAPROXY_CFG = DEPLOY / "lb" / "haproxy.cfg"
 ASCEND = DEPLOY / "ascend"
 TOOL_TIMEOUT_S = 30
@@ -203,6 +206,18 @@ def nginx_locations(text: str) -> dict[str, str]:
     """location blocks by their (modifier +) path, e.g. "/v1/", "=/health"."""
     pattern = r"location\s+(=\s+|\^~\s+)?(\S+)\s*\{(.*?)\n\s*\}"
     return {(m.group(1) or "").strip() + m.group(2): m.group(3) for m in re.finditer(pattern, text, re.DOTALL)}
+
+
+def nginx_with_routers(conf_text: str, routers_file: Path) -> str:
+    """nginx.conf with its router-list include pointed at `routers_file` (for nginx -t and rehearsals)."""
+    include = f"include {NGINX_ROUTERS_PATH};"
+    assert include in conf_text, f"nginx.conf does not include {NGINX_ROUTERS_PATH}"
+    return conf_text.replace(include, f"include {routers_file};")
+
+
+def nginx_servers(path: Path) -> set[tuple[str, int]]:
+    """(host, port) of the `server` lines of a router list."""
+    return {(h, int(p)) for h, p in re.findall(r"^\s*server\s+([\w.-]+):(\d+)", without_comments(path), re.MULTILINE)}
 
 
 def seconds(text: str) -> float:

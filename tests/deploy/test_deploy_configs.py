@@ -20,7 +20,8 @@ import pytest
 import yaml  # PyYAML, a dev dependency
 
 from tests.deploy.helpers import (
-    ASCEND, COMPOSE_FILE, DOCKERFILE, DOCKERFILE_ASCEND, ENV_EXAMPLE, HAPROXY_CFG, NGINX_CONF, ROOT,
+    ASCEND, COMPOSE_FILE, DOCKERFILE, DOCKERFILE_ASCEND, ENV_EXAMPLE, HAPROXY_CFG, NGINX_CONF, NGINX_ROUTERS_COMPOSE,
+    NGINX_ROUTERS_PATH, ROOT, nginx_servers, nginx_with_routers,
     VARIABLE, as_argv, compose_command, copied_paths, dockerfile_args, dockerfile_instructions,
     environment_of, image_exec, interpolate, interpolate_tree, networks_of, nginx_block, nginx_locations,
     parse_cli, read_env_file, run, seconds, strings_in, tool, without_comments,
@@ -232,10 +233,14 @@ def test_depends_on_uses_conditions(services, parsed):
 def test_load_balancers_list_exactly_the_router_services(parsed):
     routers = {(name, args.port) for name, args in roles(parsed, "router").items()}
     _, upstream = nginx_block(without_comments(NGINX_CONF), "upstream")
-    nginx = {(h, int(p)) for h, p in re.findall(r"^\s*server\s+([\w.-]+):(\d+)", upstream, re.MULTILINE)}
+    assert not re.search(r"^\s*server\s", upstream, re.MULTILINE), "routers are listed in the included file"
+    assert f"include {NGINX_ROUTERS_PATH};" in upstream
+    nginx = nginx_servers(NGINX_ROUTERS_COMPOSE)
     haproxy = {(h, int(p)) for h, p in
                re.findall(r"^\s*server\s+\S+\s+([\w.-]+):(\d+)", without_comments(HAPROXY_CFG), re.MULTILINE)}
     assert nginx == routers and haproxy == routers
+    lb_mounts = load_compose()["services"]["lb"]["volumes"]
+    assert f"../lb/{NGINX_ROUTERS_COMPOSE.name}:{NGINX_ROUTERS_PATH}:ro" in lb_mounts, "lb must mount the router list"
 
 
 def test_nginx_conf_streams_sse_and_hides_admin_and_metrics():
@@ -402,13 +407,15 @@ def test_nginx_config_validates(tmp_path):
     banner = run([nginx, "-v"], text=True).stderr
     version = tuple(int(x) for x in re.search(r"nginx/(\d+)\.(\d+)\.(\d+)", banner).groups())
     # No Docker DNS here: router names become loopback addresses (nothing is started or contacted).
-    text = re.sub(r"server\s+router-\d+:(\d+)", r"server 127.0.0.1:\1", NGINX_CONF.read_text())
+    servers = re.sub(r"server\s+router-\d+:(\d+)", r"server 127.0.0.1:\1", NGINX_ROUTERS_COMPOSE.read_text())
     if version < (1, 27, 3):
         # `resolve` on upstream servers is open-source nginx from 1.27.3 (the compose file runs
         # 1.28); an older local nginx checks everything else.
-        text = re.sub(r"\s+resolve(?=[\s;])", "", text)
+        servers = re.sub(r"\s+resolve(?=[\s;])", "", servers)
+    routers = tmp_path / "routers.conf"
+    routers.write_text(servers)
     conf = tmp_path / "nginx.conf"
-    conf.write_text(text)
+    conf.write_text(nginx_with_routers(NGINX_CONF.read_text(), routers))
     proc = run([nginx, "-t", "-q", "-e", "stderr", "-p", str(tmp_path), "-c", str(conf),
                 "-g", f"pid {tmp_path / 'nginx.pid'};"], text=True)
     assert proc.returncode == 0, proc.stderr

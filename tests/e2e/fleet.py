@@ -16,7 +16,8 @@ from pathlib import Path
 
 import httpx
 
-from kimi_pd.up import free_port
+from kimi_pd.processes import Child, Processes, free_port
+from kimi_pd.up import KIMI_PD
 
 SECRET = "e2e-transfer-secret-0123456789abcdef"
 ADMIN = "e2e-admin-token"
@@ -39,20 +40,23 @@ def eventually(check, timeout_s: float = 20.0, what: str = "condition"):
 
 @dataclass
 class Proc:
-    name: str
-    popen: subprocess.Popen
+    child: Child
     url: str
-    log: Path
+
+    @property
+    def name(self) -> str:
+        return self.child.name
+
+    @property
+    def popen(self) -> subprocess.Popen:
+        return self.child.popen
 
     def tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
+        return self.child.tail(n)
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.popen.poll() is None:
-            os.killpg(self.popen.pid, sig)
+            self.child.signal_group(sig)
             self.popen.wait(10)
 
 
@@ -60,6 +64,7 @@ class Fleet:
     def __init__(self, tmp: Path, model_dir: Path, redis_url: str | None = None, namespace: str = "e2e") -> None:
         self.tmp, self.model_dir, self.redis_url, self.namespace = tmp, model_dir, redis_url, namespace
         self.procs: list[Proc] = []
+        self.processes = Processes()
         self.env = {**os.environ, "KIMI_PD_TRANSFER_SECRET": SECRET, "KIMI_PD_ADMIN_TOKEN": ADMIN,
                     "PYTHONUNBUFFERED": "1"}
 
@@ -69,12 +74,9 @@ class Fleet:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _spawn(self, name: str, argv: list[str], port: int, env: dict[str, str] | None = None) -> Proc:
-        log = self.tmp / f"{name}.log"
-        popen = subprocess.Popen([sys.executable, "-m", "kimi_pd", *argv], env={**self.env, **(env or {})},
-                                 stdout=open(log, "ab"),
-                                 stderr=subprocess.STDOUT, start_new_session=True)
-        proc = Proc(name, popen, f"http://127.0.0.1:{port}", log)
+    def _spawn(self, name: str, cmd: list[str], port: int, env: dict[str, str] | None = None) -> Proc:
+        child = self.processes.spawn(name, cmd, {**self.env, **(env or {})}, self.tmp / f"{name}.log")
+        proc = Proc(child, f"http://127.0.0.1:{port}")
         self.procs.append(proc)
         return proc
 
@@ -85,24 +87,19 @@ class Fleet:
         port = free_port()
         argv = [role, "--model", str(self.model_dir), "--port", str(port), "--worker-id", name, *WORKER_ARGS,
                 *self._store_args(), *extra]
-        return self._spawn(name, argv, port)
+        return self._spawn(name, [*KIMI_PD, *argv], port)
 
     def stub(self, role: str, name: str, *extra: str) -> Proc:
         """A model-free OpenAI stub worker (benchmarks/stub_worker.py) with deterministic timings."""
         port = free_port()
-        log = self.tmp / f"{name}.log"
-        popen = subprocess.Popen([sys.executable, "-m", "benchmarks.stub_worker", "--port", str(port), "--role", role,
-                                  *extra], env=self.env, stdout=open(log, "ab"), stderr=subprocess.STDOUT,
-                                 start_new_session=True)
-        proc = Proc(name, popen, f"http://127.0.0.1:{port}", log)
-        self.procs.append(proc)
-        return proc
+        cmd = [sys.executable, "-m", "benchmarks.stub_worker", "--port", str(port), "--role", role, *extra]
+        return self._spawn(name, cmd, port)
 
     def router(self, name: str, *extra: str, port: int | None = None, env: dict[str, str] | None = None) -> Proc:
         port = port or free_port()
         argv = ["router", "--model", str(self.model_dir), "--port", str(port), *ROUTER_ARGS, *self._store_args(),
                 *extra]
-        return self._spawn(name, argv, port, env)
+        return self._spawn(name, [*KIMI_PD, *argv], port, env)
 
     def wait(self, proc: Proc, path: str = "/health", timeout_s: float = 90.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -118,18 +115,7 @@ class Fleet:
         raise TimeoutError(f"{proc.name} not ready at {path} after {timeout_s} s:\n{proc.tail()}")
 
     def close(self) -> None:
-        for proc in self.procs:
-            if proc.popen.poll() is None:
-                try:
-                    os.killpg(proc.popen.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + 15
-        for proc in self.procs:
-            try:
-                proc.popen.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        self.processes.stop()
 
 
 def metric(url: str, name: str, **labels: str) -> float:

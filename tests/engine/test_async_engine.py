@@ -8,9 +8,9 @@ import pytest
 from engine.async_engine import AsyncEngine
 from engine.checkpoint.create import create_checkpoint
 from engine.core.engine import EngineConfig, LLMEngine
-from engine.errors import EngineDead, InvalidRequest
-from engine.sampling_params import SamplingParams
-from tests.engine.test_engine import SETTINGS, assert_clean, make_llm, prompt_ids
+from shared.errors import EngineDead, InvalidRequest
+from shared.sampling_params import SamplingParams
+from tests.engine.core.helpers import SETTINGS, assert_clean, make_llm, prompt_ids
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 

@@ -14,7 +14,7 @@ from engine.sampler import (
     make_generator,
     sample,
 )
-from engine.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams
 
 EOS = 7
 V = 32

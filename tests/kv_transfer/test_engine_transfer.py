@@ -16,7 +16,7 @@ import torch
 from engine.checkpoint.create import create_checkpoint
 from engine.core.engine import EngineConfig, LLMEngine
 from engine.core.state_export import ExportedState
-from engine.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams
 from kv_transfer.interface import KVTransferParams, make_receiver, make_sender
 from kv_transfer.payload import ModelIdentity, TransferPayload
 from prefill_worker.handoff import to_payload

@@ -24,6 +24,7 @@ from router.placement import (
 )
 from shared.hashing import block_hashes, root_hash
 from shared.kv_events import BlockStored, KVEventBatch
+from shared.openai.errors import error_from_exception
 from shared.workers import LoadReport, WorkerInfo
 
 ROOT = root_hash("m")
@@ -191,6 +192,9 @@ def test_no_worker_available_says_which_filter(workers, context, filter_name):
     why = f"filter {filter_name!r} removed" if filter_name else "no workers are registered"
     assert why in str(info.value)
     assert context.request_id in str(info.value)
+    status, body = error_from_exception(info.value)              # what the client gets
+    assert (status, body.error.type, body.error.code) == (503, "service_unavailable", "no_worker_available")
+    assert body.error.message == str(info.value)
 
 
 def test_pick_reports_per_scorer_breakdown():

@@ -13,6 +13,7 @@ import pytest
 
 from benchmarks.stub_worker import StubSettings, create_app, token_text
 from router.upstream import error_body
+from shared.kv_transfer_params import KVTransferParams
 from shared.openai.legs import decode_body, prefill_body, wire_body
 from shared.openai.requests import ChatCompletionRequest, CompletionRequest
 from shared.openai.responses import ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk
@@ -46,10 +47,10 @@ def sse_events(raw: bytes) -> list[SSEEvent]:
     return events
 
 
-def prefill_params(req: ChatCompletionRequest) -> dict[str, Any]:
+def prefill_params(req: ChatCompletionRequest) -> KVTransferParams:
     reply = stub("prefill").post(CHAT, json=prefill_body(req))
     assert reply.status_code == 200, reply.text
-    return reply.json()["kv_transfer_params"]
+    return KVTransferParams.from_dict(reply.json()["kv_transfer_params"])
 
 
 def test_prefill_leg_returns_transfer_params() -> None:
@@ -115,9 +116,9 @@ def test_completions_decode_only(stream: bool) -> None:
 
 @pytest.mark.parametrize("role,body", [
     ("decode", prefill_body(chat_request())),                                            # D gets a P leg
-    ("prefill", decode_body(chat_request(), {"do_remote_prefill": True, "remote_request_id": "r",
-                                             "remote_host": "127.0.0.1", "remote_port": 1})),
-    ("decode", decode_body(chat_request(), {"do_remote_prefill": True, "remote_host": "127.0.0.1"})),
+    ("prefill", decode_body(chat_request(), KVTransferParams(do_remote_prefill=True, remote_request_id="r",
+                                                               remote_host="127.0.0.1", remote_port=1))),
+    ("decode", decode_body(chat_request(), KVTransferParams(do_remote_prefill=True, remote_host="127.0.0.1"))),
 ])
 def test_wrong_or_malformed_leg_is_a_400_the_router_can_parse(role: str, body: dict[str, Any]) -> None:
     reply = stub(role).post(CHAT, json=body)

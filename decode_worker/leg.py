@@ -1,0 +1,58 @@
+"""The decode leg: pull the prefill worker's state (always releasing its lease), continue from it.
+If it cannot be loaded, `kv_load_failure_policy` decides: `recompute` locally or fail with 503."""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from decode_worker.pull import KVLoadFailed, StatePuller
+from engine.core.outputs import RequestOutput
+from engine.core.state_export import ExportedState
+from kv_transfer.interface import KVReceiver, TransferConfig, make_receiver
+from kv_transfer.metrics import TransferMetrics
+from shared.kv_transfer_params import KVTransferParams
+from shared.openai.errors import ServiceUnavailable
+from shared.prompt.prepare import PreparedPrompt
+from shared.sampling_params import SamplingParams
+from worker.legs import generate
+from worker.role import LegResult
+from worker.runtime import WorkerRuntime
+
+
+class DecodeLeg:
+    kind = "decode"
+    transfer_port = 0
+
+    def __init__(self, rt: WorkerRuntime, config: TransferConfig, metrics: TransferMetrics) -> None:
+        self.rt = rt
+        self.receiver: KVReceiver = make_receiver(config, metrics)
+        self.puller = StatePuller(self.receiver, rt.settings.kv_load_failure_policy)
+
+    async def start(self) -> None:
+        await self.receiver.start()
+
+    async def stop(self) -> None:
+        await self.receiver.stop()
+
+    def release(self, request_id: str) -> bool:
+        return False                                   # a decode worker holds nothing for others
+
+    async def run(self, prepared: PreparedPrompt, params: SamplingParams, ktp: KVTransferParams,
+                  result: LegResult) -> AsyncIterator[RequestOutput]:
+        imported = await self._pull(prepared, ktp, result)
+        async with aclosing(generate(self.rt, prepared, params, result, imported=imported)) as outputs:
+            async for out in outputs:
+                yield out
+
+    async def _pull(self, prepared: PreparedPrompt, ktp: KVTransferParams, result: LegResult) -> ExportedState | None:
+        try:
+            pulled = await self.puller.pull(ktp, prepared.token_ids)
+        except KVLoadFailed as exc:
+            self.rt.metrics.kv_pull_failures.labels(policy="fail").inc()
+            raise ServiceUnavailable(str(exc), code="kv_load_failed") from exc
+        self.rt.metrics.kv_pull.observe(pulled.seconds)
+        result.timings["kv_pull_s"] = pulled.seconds
+        if pulled.state is None:
+            self.rt.metrics.kv_pull_failures.labels(policy="recompute").inc()
+            result.recomputed = True
+        return pulled.state

@@ -1,1 +1,0 @@
-"""Kimi-K3 tokenizer (tiktoken BPE + special tokens) and the XTML chat renderer."""

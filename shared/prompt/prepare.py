@@ -1,0 +1,65 @@
+"""Messages or an OpenAI request -> prompt token ids (+ placed images), identical on the router, on
+every worker and in the offline `LLM`.
+
+The router hashes what this returns to place the request; the worker computes exactly the same ids,
+so prefix hashes agree. Only data: URLs are accepted for images (servers fetch nothing).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from PIL import Image
+
+from shared.errors import InvalidRequest
+from shared.hashing import ImageSpan
+from shared.model_config import VisionConfig
+from shared.prompt.chat import render_chat
+from shared.prompt.images import content_hash, decode_image_part, num_image_tokens
+from shared.prompt.tokenizer import KimiTokenizer
+
+
+@dataclass
+class ImageItem:
+    """A decoded image placed at a `<|media_pad|>` run of `length` tokens starting at `start`."""
+
+    start: int
+    length: int
+    image: Any                                   # PIL.Image (RGB)
+
+
+@dataclass
+class PreparedPrompt:
+    token_ids: list[int]
+    images: list[ImageItem] = field(default_factory=list)
+    thinking: bool = False
+    tools_requested: bool = False
+
+    def image_spans(self) -> list[ImageSpan]:
+        return [ImageSpan(i.start, i.length, content_hash(i.image)) for i in self.images]
+
+
+def decode_image_url(url: str) -> Image.Image:
+    try:
+        return decode_image_part({"type": "image_url", "image_url": {"url": url}})
+    except ValueError as exc:
+        raise InvalidRequest(f"image_url: {exc}", param="messages") from exc
+
+
+def image_parts(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The image content parts of `messages`, in prompt order (the order `render_chat` places them)."""
+    return [part for m in messages if isinstance(m.get("content"), list)
+            for part in m["content"] if part.get("type") in ("image", "image_url")]
+
+
+def render_prompt(tokenizer: KimiTokenizer, messages: list[dict[str, Any]], images: list[Image.Image],
+                  vision: VisionConfig | None, **render_options: Any) -> PreparedPrompt:
+    """Render a conversation whose image parts are `images` (decoded, in prompt order)."""
+    counts = None
+    if images:
+        if vision is None:
+            raise InvalidRequest("this model does not accept images", param="messages")
+        counts = [num_image_tokens(vision, img.height, img.width) for img in images]
+    rendered = render_chat(tokenizer, messages, image_token_counts=counts, **render_options)
+    items = [ImageItem(start, n, img) for (start, n), img in zip(rendered.image_spans, images)]
+    return PreparedPrompt(rendered.token_ids, items, thinking=bool(render_options.get("thinking")))

@@ -1,1 +1,0 @@
-"""What both worker roles share: settings, the OpenAI endpoints over the async engine, registration."""

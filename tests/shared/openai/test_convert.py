@@ -1,0 +1,216 @@
+"""Requests -> engine inputs (sampling params, render options) and logprobs builders."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from shared.errors import InvalidRequest, InvalidSamplingParams
+from shared.prompt.chat import render_chat
+from shared.prompt.tokenizer import KimiTokenizer
+from shared.openai.convert import (
+    chat_logprobs,
+    chat_messages,
+    completion_logprobs,
+    image_urls,
+    render_options,
+    to_sampling_params,
+)
+from shared.openai.errors import error_from_exception
+from shared.openai.models import ChatCompletionRequest, CompletionRequest
+
+PNG = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5E"
+       "rkJggg==")
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def chat(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"model": "kimi-k3", "messages": [{"role": "user", "content": "hi"}],
+                                                 **fields})
+
+
+def completion(**fields) -> CompletionRequest:
+    return CompletionRequest.model_validate({"model": "kimi-k3", "prompt": "Once upon", **fields})
+
+
+def rejected(fn, *args, **kwargs) -> tuple[int, str | None, str]:
+    with pytest.raises(InvalidRequest) as info:
+        fn(*args, **kwargs)
+    status, body = error_from_exception(info.value)
+    return status, body.error.param, body.error.message
+
+
+# ---- to_sampling_params --------------------------------------------------------------------------
+
+def test_chat_fields_map_to_sampling_params():
+    params = to_sampling_params(chat(
+        temperature=0.3, top_p=0.9, top_k=40, min_p=0.05, repetition_penalty=1.1, presence_penalty=0.5,
+        frequency_penalty=-0.5, seed=7, stop=["\n\n", "END"], stop_token_ids=[3], max_completion_tokens=64,
+        max_tokens=5, min_tokens=2, ignore_eos=True, logprobs=True, top_logprobs=4, include_stop_str_in_output=True))
+    assert (params.temperature, params.top_p, params.top_k, params.min_p) == (0.3, 0.9, 40, 0.05)
+    assert (params.repetition_penalty, params.presence_penalty, params.frequency_penalty) == (1.1, 0.5, -0.5)
+    assert (params.seed, params.stop, params.stop_token_ids) == (7, ["\n\n", "END"], [3])
+    assert (params.max_tokens, params.min_tokens, params.ignore_eos) == (64, 2, True)  # max_completion_tokens wins
+    assert (params.logprobs, params.include_stop_str_in_output, params.n) == (4, True, 1)
+    assert params.skip_special_tokens is False  # the K3 parsers need the markers
+
+
+@pytest.mark.parametrize("fields, max_tokens", [({}, None), ({"max_tokens": 9}, 9), ({"max_completion_tokens": 8}, 8)])
+def test_chat_max_tokens(fields, max_tokens):
+    assert to_sampling_params(chat(**fields)).max_tokens == max_tokens
+
+
+@pytest.mark.parametrize("fields, logprobs", [({}, None), ({"logprobs": True}, 0),
+                                              ({"logprobs": True, "top_logprobs": 5}, 5), ({"top_logprobs": 0}, None)])
+def test_chat_logprobs_mapping(fields, logprobs):
+    assert to_sampling_params(chat(**fields)).logprobs == logprobs
+
+
+def test_completion_fields_and_vllm_defaults():
+    params = to_sampling_params(completion(stop="\n", logprobs=3, skip_special_tokens=False))
+    assert (params.max_tokens, params.stop, params.logprobs, params.skip_special_tokens) == (16, ["\n"], 3, False)
+    assert (params.temperature, params.top_p, params.top_k, params.min_p, params.repetition_penalty) == (1, 1, 0, 0, 1)
+    assert to_sampling_params(completion(max_tokens=None)).max_tokens == 16  # null means the default
+
+
+def test_server_defaults_fill_only_omitted_fields():
+    defaults = {"temperature": 0.6, "top_p": 0.95, "max_tokens": 512}
+    params = to_sampling_params(chat(temperature=0.2), defaults=defaults)
+    assert (params.temperature, params.top_p, params.max_tokens) == (0.2, 0.95, 512)
+    assert to_sampling_params(chat(max_completion_tokens=3), defaults=defaults).max_tokens == 3
+    with pytest.raises(ValueError, match="unknown default"):
+        to_sampling_params(chat(), defaults={"temprature": 0.6})
+
+
+@pytest.mark.parametrize("request_, param, words", [
+    (chat(n=2), "n", "must be 1"),
+    (chat(temperature=-1), "temperature", "temperature must be"),
+    (chat(top_p=0), "top_p", "top_p must be"),
+    (chat(seed=2**64), "seed", "seed must be"),
+    (chat(logprobs=True, top_logprobs=21), "top_logprobs", "top_logprobs must be"),
+    (chat(max_completion_tokens=0), "max_completion_tokens", "max_completion_tokens must be"),
+    (chat(max_tokens=0), "max_tokens", "max_tokens must be"),
+    (chat(min_tokens=5, max_tokens=2), "min_tokens", "at most max_tokens"),
+    (chat(stop=[""]), "stop", "non-empty"),
+    (completion(logprobs=21), "logprobs", "logprobs must be"),
+    (completion(n=3), "n", "must be 1"),
+])
+def test_out_of_range_values_name_the_request_field(request_, param, words):
+    status, got_param, message = rejected(to_sampling_params, request_)
+    assert (status, got_param) == (400, param)
+    assert words in message
+
+
+def test_stop_token_ids_checked_against_the_vocabulary():
+    assert rejected(to_sampling_params, chat(stop_token_ids=[5, 99]), vocab_size=50)[1] == "stop_token_ids"
+    assert to_sampling_params(chat(stop_token_ids=[5, 99])).stop_token_ids == [5, 99]  # router: no vocab
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"logit_bias": {"50256": -100}}, "logit_bias"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"best_of": 2}, "best_of"),
+    ({"guided_json": {"type": "object"}}, "guided_json"),
+    ({"use_beam_search": True}, "use_beam_search"),
+])
+def test_unsupported_features_are_refused_not_ignored(fields, param):
+    assert rejected(to_sampling_params, chat(**fields))[:2] == (400, param)
+
+
+def test_harmless_settings_of_unsupported_features_pass():
+    to_sampling_params(chat(response_format={"type": "text"}, logit_bias={}, prompt_logprobs=0, best_of=1))
+
+
+# ---- render_options / chat_messages --------------------------------------------------------------
+
+def test_render_options_defaults_and_aliases():
+    assert render_options(chat()) == {"tools": None, "thinking": True, "thinking_effort": None}
+    assert render_options(chat(reasoning_effort="low"))["thinking_effort"] == "low"
+    assert render_options(chat(chat_template_kwargs={"thinking_effort": "high"}))["thinking_effort"] == "high"
+    for kwargs in ({"thinking": False}, {"enable_thinking": False}):
+        assert render_options(chat(chat_template_kwargs=kwargs, reasoning_effort="max")) == {
+            "tools": None, "thinking": False, "thinking_effort": None}
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"chat_template_kwargs": {"thinking": "no"}}, "chat_template_kwargs.thinking"),
+    ({"chat_template_kwargs": {"thinking": True, "enable_thinking": False}}, "chat_template_kwargs.enable_thinking"),
+    ({"reasoning_effort": "medium"}, "reasoning_effort"),
+    ({"chat_template_kwargs": {"thinking_effort": "extreme"}}, "chat_template_kwargs.thinking_effort"),
+    ({"reasoning_effort": "low", "chat_template_kwargs": {"thinking_effort": "max"}}, "reasoning_effort"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+     "tool_choice"),
+])
+def test_render_options_refusals(fields, param):
+    assert rejected(render_options, chat(**fields))[:2] == (400, param)
+
+
+def test_tools_declared_unless_tool_choice_none():
+    declared = render_options(chat(tools=[WEATHER_TOOL]))["tools"]
+    assert declared == [WEATHER_TOOL]
+    assert chat(tools=[WEATHER_TOOL]).tools_requested
+    assert render_options(chat(tools=[WEATHER_TOOL], tool_choice="none"))["tools"] is None
+    assert not chat(tools=[WEATHER_TOOL], tool_choice="none").tools_requested
+
+
+AGENT_TURNS = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": [{"type": "text", "text": "Weather where this was taken?"},
+                                 {"type": "image_url", "image_url": {"url": PNG, "detail": "low"}}]},
+    {"role": "assistant", "content": None, "reasoning_content": "Paris, by the tower.",
+     "tool_calls": [{"id": "get_weather:0", "type": "function",
+                     "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+    {"role": "tool", "tool_call_id": "get_weather:0", "content": "18C, sunny"},
+]
+
+
+def test_openai_conversation_renders_identically_after_a_round_trip():
+    tokenizer = KimiTokenizer.generated()
+    req = chat(messages=AGENT_TURNS, tools=[WEATHER_TOOL], reasoning_effort="high")
+    again = ChatCompletionRequest.model_validate_json(json.dumps(req.model_dump(mode="json", exclude_unset=True)))
+
+    def render(r):
+        return render_chat(tokenizer, chat_messages(r), **render_options(r), image_token_counts=[4]).token_ids
+
+    ids = render(req)
+    assert ids == render(again)  # the router's prefix hashes match the worker's prompt
+    text = tokenizer.decode(ids)
+    assert "get_weather" in text and "18C, sunny" in text and "Paris, by the tower." in text
+    assert text.count("<|media_pad|>") == 4
+    assert image_urls(req) == [PNG]
+
+
+# ---- logprobs ------------------------------------------------------------------------------------
+
+VOCAB = {1: "Hel", 2: "lo", 3: "!", 4: "lo"}
+
+
+def test_chat_logprobs_shape():
+    out = chat_logprobs([1, 2], [-0.1, -math.inf], [[(1, -0.1), (3, -2.5)], None], VOCAB.__getitem__,
+                        token_bytes=lambda i: VOCAB[i].encode() + (b"\xe2" if i == 2 else b""))
+    first, second = out.model_dump()["content"]
+    assert first == {"token": "Hel", "logprob": -0.1, "bytes": [72, 101, 108], "top_logprobs": [
+        {"token": "Hel", "logprob": -0.1, "bytes": [72, 101, 108]}, {"token": "!", "logprob": -2.5, "bytes": [33]}]}
+    assert second == {"token": "lo", "logprob": -9999.0, "bytes": [108, 111, 0xE2], "top_logprobs": []}
+
+
+def test_completion_logprobs_shape():
+    out = completion_logprobs([1, 2, 3], [-0.5, -1.0, -0.25], [[(2, -0.7), (4, -0.9)], [(4, -0.2)], None],
+                              VOCAB.__getitem__, text_offset=10)
+    assert out.tokens == ["Hel", "lo", "!"]
+    assert out.token_logprobs == [-0.5, -1.0, -0.25]
+    assert out.text_offset == [10, 13, 15]
+    # sampled token added; "lo" twice (ids 2 and 4) keeps the better logprob
+    assert out.top_logprobs == [{"lo": -0.7, "Hel": -0.5}, {"lo": -0.2}, None]
+    with pytest.raises(ValueError):
+        completion_logprobs([1, 2], [-0.5], None, VOCAB.__getitem__)
+
+
+def test_sampling_errors_are_engine_typed():
+    with pytest.raises(InvalidSamplingParams):
+        to_sampling_params(chat(top_k=-2))

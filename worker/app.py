@@ -1,0 +1,224 @@
+"""The worker HTTP service: OpenAI endpoints (so a worker can serve alone), /health, /metrics, admin.
+
+Composition only: request parsing, prompt preparation, the P/D legs and response shaping live in
+their own modules. Every error leaves through one mapping (shared.openai.errors), as an OpenAI error
+body, or, once a stream has started, as an SSE `error` event followed by [DONE].
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing, asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from shared.http import bearer_token, install_error_handlers, read_json_body, until_disconnect
+from shared.kv_transfer_params import KVTransferParams
+from shared.openai.convert import to_sampling_params
+from shared.openai.errors import Unauthorized, ModelNotFound, OpenAIError, error_from_exception
+from shared.openai.prompts import prepare_chat, prepare_completion
+from shared.openai.requests import ChatCompletionRequest, CompletionRequest
+from shared.openai.responses import ModelCard, ModelList
+from shared.openai.sse import SSE_DONE, sse_error
+from worker import responses
+from worker.legs import new_request_id, run_leg
+from worker.role import LegResult
+from worker.runtime import WorkerRuntime
+
+log = logging.getLogger(__name__)
+
+
+def create_app(runtime: WorkerRuntime) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await runtime.start()
+        yield
+        await runtime.stop()
+
+    app = FastAPI(title=f"kimi-pd {runtime.role.name} worker", lifespan=lifespan)
+    app.state.runtime = runtime
+    install_error_handlers(app, _count_error)
+    app.add_api_route("/v1/models", _models, methods=["GET"])
+    app.add_api_route("/v1/chat/completions", _chat, methods=["POST"])
+    app.add_api_route("/v1/completions", _completions, methods=["POST"])
+    app.add_api_route("/health", _health, methods=["GET"])
+    app.add_api_route("/metrics", _metrics, methods=["GET"])
+    app.add_api_route("/admin/drain", _drain, methods=["POST"])
+    app.add_api_route("/internal/kv/release", _release, methods=["POST"])
+    return app
+
+
+def _count_error(request: Request, status: int) -> None:
+    if request.url.path.startswith("/v1/"):
+        outcome = "aborted" if status == 499 else ("client_error" if status < 500 else "server_error")
+        _rt(request).metrics.requests.labels(endpoint=request.url.path.rsplit("/", 1)[-1], outcome=outcome).inc()
+
+
+def _rt(request: Request) -> WorkerRuntime:
+    return request.app.state.runtime
+
+
+def _check_api_key(request: Request) -> None:
+    key = _rt(request).settings.api_key
+    if key is None:
+        return
+    if not hmac.compare_digest(bearer_token(request).encode(), key.encode()):
+        raise Unauthorized("Incorrect API key provided.", code="invalid_api_key")
+
+
+def _check_model(rt: WorkerRuntime, model: str | None) -> str:
+    served = rt.settings.served_model_name
+    if model not in (None, served):
+        raise ModelNotFound(model)
+    return served
+
+
+async def _models(request: Request) -> JSONResponse:
+    _check_api_key(request)
+    card = ModelCard(id=_rt(request).settings.served_model_name, owned_by="kimi-pd")
+    return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
+
+
+async def _chat(request: Request) -> Response:
+    _check_api_key(request)
+    rt = _rt(request)
+    req = ChatCompletionRequest.model_validate(await read_json_body(request))
+    model = _check_model(rt, req.model)
+    params = to_sampling_params(req, vocab_size=rt.model_config.text_config.vocab_size)
+    prepared = await asyncio.to_thread(prepare_chat, req, rt.tokenizer, rt.model_config.vision_config)
+    return await _serve(request, rt, "chat", req, params, prepared,
+                        lambda outs, result: responses.chat_stream(req, model, prepared, outs, result, rt.tokenizer),
+                        lambda out, result: responses.chat_completion(req, model, prepared, out, result, rt.tokenizer))
+
+
+async def _completions(request: Request) -> Response:
+    _check_api_key(request)
+    rt = _rt(request)
+    req = CompletionRequest.model_validate(await read_json_body(request))
+    model = _check_model(rt, req.model)
+    params = to_sampling_params(req, vocab_size=rt.model_config.text_config.vocab_size)
+    prepared = prepare_completion(req, rt.tokenizer)
+    return await _serve(request, rt, "completions", req, params, prepared,
+                        lambda outs, result: responses.completion_stream(req, model, outs, result, rt.tokenizer),
+                        lambda out, result: responses.completion(req, model, out, result, rt.tokenizer))
+
+
+async def _serve(request: Request, rt: WorkerRuntime, endpoint: str, req, params, prepared,
+                 stream_fn: Callable, whole_fn: Callable) -> Response:
+    result = LegResult(new_request_id(endpoint, req.request_id or request.headers.get("x-request-id")))
+    ktp = KVTransferParams.parse(req.kv_transfer_params)
+    outputs = run_leg(rt, prepared, params, ktp, result)
+    streaming = req.stream and (ktp is None or ktp.leg != "prefill")
+    if streaming:
+        # errors before the first token are plain 4xx/5xx; a client gone by then cancels the request
+        first = await until_disconnect(request, _first_or_error(outputs))
+        return StreamingResponse(_guarded_stream(rt, endpoint, stream_fn(_prepend(first, outputs), result)),
+                                 media_type="text/event-stream", headers=_leg_headers(result))
+    final = await _until_done_or_disconnect(request, outputs)
+    rt.metrics.requests.labels(endpoint=endpoint, outcome="ok").inc()
+    return JSONResponse(whole_fn(final, result).model_dump(mode="json", exclude_none=True),
+                        headers=_leg_headers(result))
+
+
+def _leg_headers(result: LegResult) -> dict[str, str]:
+    headers = {"x-request-id": result.request_id}
+    if "kv_pull_s" in result.timings:
+        headers["x-kv-pull-seconds"] = f"{result.timings['kv_pull_s']:.6f}"
+    if result.recomputed:
+        headers["x-kv-recomputed"] = "1"
+    if "queue_s" in result.timings:
+        headers["x-queue-seconds"] = f"{result.timings['queue_s']:.6f}"
+    return headers
+
+
+async def _first_or_error(outputs: AsyncIterator) -> Any:
+    try:
+        return await outputs.__anext__()
+    except StopAsyncIteration:
+        raise OpenAIError("the request ended without output") from None
+
+
+async def _prepend(first, rest: AsyncIterator) -> AsyncIterator:
+    async with aclosing(rest):
+        yield first
+        async for item in rest:
+            yield item
+
+
+async def _guarded_stream(rt: WorkerRuntime, endpoint: str, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """Relay chunks; a failure after the stream started becomes an SSE error event, then [DONE]."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+        rt.metrics.requests.labels(endpoint=endpoint, outcome="ok").inc()
+    except (asyncio.CancelledError, GeneratorExit):
+        rt.metrics.requests.labels(endpoint=endpoint, outcome="aborted").inc()
+        raise
+    except Exception as exc:  # noqa: BLE001 - reported to the client in-band
+        status, body = error_from_exception(exc)
+        rt.metrics.requests.labels(endpoint=endpoint, outcome="server_error").inc()
+        detail = body.error
+        yield sse_error(status, detail.message, detail.type, detail.code)
+        yield SSE_DONE
+    finally:
+        await chunks.aclose()
+
+
+async def _until_done_or_disconnect(request: Request, outputs: AsyncIterator) -> Any:
+    """Run to the final output; if the client goes away first, stop (the engine request is aborted)."""
+    async def consume():
+        last = None
+        try:
+            async for out in outputs:
+                last = out
+        finally:
+            await outputs.aclose()
+        return last
+
+    return await until_disconnect(request, consume())
+
+
+async def _health(request: Request) -> JSONResponse:
+    rt = _rt(request)
+    stats = rt.engine.stats()
+    status = 503 if stats["dead"] else 200
+    return JSONResponse({"status": "dead" if stats["dead"] else ("draining" if rt.draining else "ok"),
+                         "role": rt.role.name, "worker_id": rt.settings.worker_id, **stats}, status_code=status)
+
+
+async def _metrics(request: Request) -> Response:
+    rt = _rt(request)
+    rt.metrics.sample_engine(rt.engine.stats())
+    if rt.spec_metrics is not None:
+        rt.spec_metrics.observe(rt.engine.engine.spec_stats.drain())
+    return Response(generate_latest(rt.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _check_admin(request: Request) -> None:
+    token = _rt(request).settings.admin_token
+    if not token or not hmac.compare_digest(bearer_token(request).encode(), token.encode()):
+        raise Unauthorized("admin and internal endpoints need the admin token", code="invalid_admin_token")
+
+
+async def _release(request: Request) -> JSONResponse:
+    """Router -> prefill worker: free a published state no decode worker will pull (client gone)."""
+    _check_admin(request)
+    rt = _rt(request)
+    request_id = (await read_json_body(request)).get("request_id")
+    freed = isinstance(request_id, str) and rt.release(request_id)
+    return JSONResponse({"released": freed})
+
+
+async def _drain(request: Request) -> JSONResponse:
+    """Stop taking new work (routers see `draining` in the next load report); authenticated."""
+    _check_admin(request)
+    rt = _rt(request)
+    rt.draining = True
+    if rt.presence:
+        rt.presence.draining = True
+    return JSONResponse({"draining": True, **rt.engine.stats()})

@@ -1,0 +1,76 @@
+"""Worker flags (`worker.flags`) -> WorkerSettings, and the process: uvicorn that drains on SIGTERM."""
+from __future__ import annotations
+
+import argparse
+
+import uvicorn
+
+from engine.core.engine import EngineConfig
+from worker.flags import add_worker_args
+from worker.role import Role
+from worker.settings import ADMIN_TOKEN_ENV, API_KEY_ENV, TRANSFER_SECRET_ENV, WorkerSettings, secret_from_env
+
+def settings_from_args(args: argparse.Namespace, model_dir: str) -> WorkerSettings:
+    from engine.spec_decode.config import SpeculativeConfig
+    speculative = SpeculativeConfig.parse(args.speculative_config)     # a bad config stops start-up here
+    secret = secret_from_env(TRANSFER_SECRET_ENV) or ""
+    engine = EngineConfig(model=model_dir, max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                          enable_prefix_caching=args.enable_prefix_caching, block_size=args.block_size,
+                          device=args.device, dtype=args.dtype, cache_memory_bytes=args.cache_memory,
+                          kda_chunk_size=args.kda_chunk_size, export_lease_s=None,  # the transfer lease is the one clock
+                          model_id=args.served_model_name, speculative_config=speculative)
+    extra = {"worker_id": args.worker_id} if args.worker_id else {}
+    return WorkerSettings(engine=engine, host=args.host, port=args.port,
+                          served_model_name=args.served_model_name, advertise_url=args.advertise_url,
+                          transfer_transport=args.kv_transport, transfer_host=args.kv_host,
+                          transfer_port=args.kv_port, transfer_streams=args.kv_streams,
+                          transfer_secret=secret.encode(), kv_lease_s=args.kv_lease_s,
+                          kv_load_failure_policy=args.kv_load_failure_policy, store_url=args.redis_url,
+                          namespace=args.namespace, heartbeat_s=args.heartbeat_s,
+                          api_key=secret_from_env(API_KEY_ENV),
+                          admin_token=secret_from_env(ADMIN_TOKEN_ENV) or None, **extra)
+
+
+def run_worker(args: argparse.Namespace, role: Role, model_dir: str) -> int:
+    from worker.app import create_app
+    from worker.runtime import WorkerRuntime
+
+    settings = settings_from_args(args, model_dir)
+    runtime = WorkerRuntime.build(settings, role)
+    config = uvicorn.Config(create_app(runtime), host=settings.host, port=settings.port, log_level=args.log_level,
+                            access_log=False, timeout_graceful_shutdown=30)
+    DrainingServer(config, runtime).run()
+    return 0
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, but SIGTERM/SIGINT first deregisters the worker (routers stop sending), then drains."""
+
+    def __init__(self, config: uvicorn.Config, runtime) -> None:
+        super().__init__(config)
+        self.runtime = runtime
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self.should_exit:
+            self.runtime.begin_drain()
+        super().handle_exit(sig, frame)
+
+
+def main(role: Role, argv: list[str] | None = None) -> int:
+    """A worker of `role` on its own (`python -m prefill_worker`); `kimi-pd prefill` is the same."""
+    import logging
+    import sys
+
+    parser = argparse.ArgumentParser(prog=f"python -m {role.name}_worker", allow_abbrev=False,
+                                     description=f"kimi-pd {role.name} worker")
+    add_worker_args(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not args.model:
+        parser.error("--model is required")
+    try:
+        return run_worker(args, role, args.model)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2

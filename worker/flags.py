@@ -1,0 +1,54 @@
+"""Worker command-line flags, named after `vllm serve` where the meaning is the same. Torch-free, so
+`kimi-pd` builds its whole parser (and runs the router) without loading the engine."""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+
+REDIS_URL_ENV = "KIMI_PD_REDIS_URL"
+_UNITS = {"": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
+          "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
+ACCEPTED_PARSERS = ("kimi_k3",)
+
+
+def parse_bytes(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MiB, 2GiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def add_worker_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="checkpoint directory (default: the tiny generated one)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--served-model-name", default="kimi-k3")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--cache-memory", type=parse_bytes, default="256MiB", help="KV/state cache budget")
+    p.add_argument("--kda-chunk-size", type=int, default=64)
+    p.add_argument("--speculative-config", default=None,
+                   help='JSON, vLLM\'s fields: {"method": "dspark", "model": DRAFT_DIR, "num_speculative_tokens": 7, '
+                        '"draft_sample_method": "greedy"|"probabilistic", "max_model_len": N, ...}')
+    p.add_argument("--tokenizer-mode", default="kimi_k3", choices=["auto", "kimi_k3"])
+    p.add_argument("--reasoning-parser", default="kimi_k3", choices=ACCEPTED_PARSERS)
+    p.add_argument("--tool-call-parser", default="kimi_k3", choices=ACCEPTED_PARSERS)
+    p.add_argument("--worker-id", default=None)
+    p.add_argument("--advertise-url", default=None, help="URL routers should use (default http://HOST:PORT)")
+    p.add_argument("--kv-transport", default="tcp", choices=["tcp", "mooncake", "torch-dist"])
+    p.add_argument("--kv-host", default="127.0.0.1")
+    p.add_argument("--kv-port", type=int, default=0)
+    p.add_argument("--kv-streams", type=int, default=4)
+    p.add_argument("--kv-lease-s", type=float, default=30.0)
+    p.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"])
+    p.add_argument("--redis-url", default=os.environ.get(REDIS_URL_ENV) or None,
+                   help=f"state store (registration, load, KV events; default ${REDIS_URL_ENV}, which keeps a password off argv)")
+    p.add_argument("--namespace", default="default")
+    p.add_argument("--heartbeat-s", type=float, default=1.0)
+    p.add_argument("--log-level", default="info")
