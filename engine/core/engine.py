@@ -83,6 +83,7 @@ class LLMEngine:
         self.spec = SpeculativeConfig.parse(config.speculative_config)
         draft_cfg = None
         if self.spec is not None:
+            self.spec = self.spec.with_model_path()
             draft_cfg = DraftConfig.from_dir(self.spec.model)
             draft_cfg.check_target(text)
             self.spec = self.spec.resolve(draft_cfg, self.max_model_len)

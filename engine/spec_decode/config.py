@@ -92,6 +92,16 @@ class SpeculativeConfig:
         extra = {k: v for k, v in d.items() if k not in names}
         return cls(**known, extra=extra)
 
+    def with_model_path(self) -> "SpeculativeConfig":
+        """`model` as a directory: a path as given, or the name of a shipped draft preset (`tiny-chat-dspark`)."""
+        if Path(self.model).exists():
+            return self
+        try:
+            from engine.presets import shipped_checkpoint
+            return dataclasses.replace(self, model=str(shipped_checkpoint(self.model)))
+        except (ImportError, ValueError, FileNotFoundError):
+            return self                     # DraftConfig.from_dir names the missing directory
+
     def resolve(self, draft: "DraftConfig", target_max_model_len: int) -> "SpeculativeConfig":
         """Fill the draft-dependent defaults and check consistency with the draft and the target."""
         n = self.num_speculative_tokens or draft.block_size
