@@ -29,7 +29,8 @@ def _checkpoint_create(args: argparse.Namespace) -> int:
 def _checkpoint_train_draft(args: argparse.Namespace) -> int:
     from engine.spec_decode.train import DraftTrainConfig, train_draft
     out = args.out or f"{str(args.target).rstrip('/')}-dspark"
-    cfg = DraftTrainConfig(block=args.block, steps=args.steps, num_sequences=args.sequences, seed=args.seed)
+    cfg = DraftTrainConfig(block=args.block, steps=args.steps, num_sequences=args.sequences, seed=args.seed,
+                           threads=args.threads)
     result = train_draft(args.target, out, cfg, progress=not args.quiet)
     print(json.dumps({"out": str(out), **{k: v for k, v in result.items() if k != "config"}}))
     return 0
@@ -124,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     distil.add_argument("--steps", type=int, default=1000)
     distil.add_argument("--sequences", type=int, default=384, help="prompts the target answers for the data")
     distil.add_argument("--seed", type=int, default=0)
+    distil.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     distil.add_argument("--quiet", action="store_true")
     distil.set_defaults(func=_checkpoint_train_draft)
     quant = ckpt.add_parser("quantize", help="bf16/fp32 checkpoint -> ModelSlim W4A8 checkpoint", allow_abbrev=False)
