@@ -20,6 +20,13 @@ def _checkpoint_create(args: argparse.Namespace) -> int:
         return 0
     if args.target or args.block is not None:
         raise ValueError("--target and --block describe a draft: add --draft")
+    if args.preset == "tiny-chat-dspark":
+        if args.seed or args.quant:
+            raise ValueError("--seed/--quant do not apply to the trained tiny-chat-dspark draft (fixed weights; "
+                             "retrain with `kimi-pd checkpoint train-draft`)")
+        from engine.spec_decode.checkpoint import copy_shipped_draft
+        print(copy_shipped_draft(args.preset, args.out))
+        return 0
     from engine.checkpoint.create import create_checkpoint
     out = create_checkpoint(args.preset, args.out, seed=args.seed, quant=args.quant, progress=not args.quiet)
     print(out)
@@ -107,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ckpt = sub.add_parser("checkpoint", help="generated checkpoints", allow_abbrev=False).add_subparsers(dest="action", required=True)
     create = ckpt.add_parser("create", help="write a generated Kimi-K3 checkpoint (HF layout)", allow_abbrev=False)
-    create.add_argument("--preset", choices=("tiny", "small"), default="tiny")
+    create.add_argument("--preset", choices=("tiny", "small", "tiny-chat-dspark"), default="tiny")
     create.add_argument("--quant", choices=("w4a8",), default=None)
     create.add_argument("--seed", type=int, default=0)
     create.add_argument("--out", required=True)

@@ -96,11 +96,10 @@ class SpeculativeConfig:
         """`model` as a directory: a path as given, or the name of a shipped draft preset (`tiny-chat-dspark`)."""
         if Path(self.model).exists():
             return self
-        try:
-            from engine.presets import shipped_checkpoint
-            return dataclasses.replace(self, model=str(shipped_checkpoint(self.model)))
-        except (ImportError, ValueError, FileNotFoundError):
-            return self                     # DraftConfig.from_dir names the missing directory
+        from engine.spec_decode.checkpoint import SHIPPED_DRAFTS, shipped_draft
+        if self.model in SHIPPED_DRAFTS:
+            return dataclasses.replace(self, model=str(shipped_draft(self.model)))
+        return self                         # DraftConfig.from_dir names the missing directory
 
     def resolve(self, draft: "DraftConfig", target_max_model_len: int) -> "SpeculativeConfig":
         """Fill the draft-dependent defaults and check consistency with the draft and the target."""
