@@ -18,15 +18,12 @@ from safetensors.torch import save_file
 
 from engine.checkpoint.init import init_weights
 from shared.model_config import ModelConfig, TextConfig
-from engine.spec_decode.config import DraftConfig, SpecConfigError
+from engine.spec_decode.config import DraftConfig, SpecConfigError, shipped_draft
 from engine.spec_decode.draft_model import DSparkDraftModel
 
 log = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "model.safetensors"
-# Trained drafts shipped as package data, next to the trained targets they were distilled from.
-SHIPPED_DRAFTS_DIR = Path(__file__).parents[1] / "presets_data"
-SHIPPED_DRAFTS = ("tiny-chat-dspark",)           # distilled from the shipped tiny-chat
 SHARED_WITH_TARGET = ("embed_tokens", "lm_head")
 # A reserved special-token offset used as the MASK token of generated drafts.
 _MASK_SPECIAL_OFFSET = 253
@@ -121,16 +118,6 @@ def load_draft(path: str | Path, target: TextConfig, dtype: torch.dtype = torch.
             state[name] = t
     model.load_state_dict(state)
     return model.to(device=device, dtype=dtype).eval(), cfg
-
-
-def shipped_draft(name: str) -> Path:
-    """Directory of a shipped trained draft (FileNotFoundError if the install lacks it)."""
-    if name not in SHIPPED_DRAFTS:
-        raise ValueError(f"unknown shipped draft {name!r}; choose one of {list(SHIPPED_DRAFTS)}")
-    path = SHIPPED_DRAFTS_DIR / name
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"the {name} draft is not installed at {path} (package data missing)")
-    return path
 
 
 def copy_shipped_draft(name: str, out: str | Path) -> Path:

@@ -16,6 +16,21 @@ class SpecConfigError(ValueError):
     """A speculative config or draft checkpoint config that cannot run here."""
 
 
+# Trained drafts shipped as package data, next to the trained targets they were distilled from.
+SHIPPED_DRAFTS_DIR = Path(__file__).parents[1] / "presets_data"
+SHIPPED_DRAFTS = ("tiny-chat-dspark",)           # distilled from the shipped tiny-chat
+
+
+def shipped_draft(name: str) -> Path:
+    """Directory of a shipped trained draft (FileNotFoundError if the install lacks it)."""
+    if name not in SHIPPED_DRAFTS:
+        raise ValueError(f"unknown shipped draft {name!r}; choose one of {list(SHIPPED_DRAFTS)}")
+    path = SHIPPED_DRAFTS_DIR / name
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"the {name} draft is not installed at {path} (package data missing)")
+    return path
+
+
 # vLLM SpeculativeConfig fields this build implements, with vLLM's defaults.
 _DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 _REJECTION_METHODS = ("standard",)
@@ -96,7 +111,6 @@ class SpeculativeConfig:
         """`model` as a directory: a path as given, or the name of a shipped draft preset (`tiny-chat-dspark`)."""
         if Path(self.model).exists():
             return self
-        from engine.spec_decode.checkpoint import SHIPPED_DRAFTS, shipped_draft
         if self.model in SHIPPED_DRAFTS:
             return dataclasses.replace(self, model=str(shipped_draft(self.model)))
         return self                         # DraftConfig.from_dir names the missing directory
