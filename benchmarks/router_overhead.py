@@ -43,6 +43,7 @@ from typing import Any
 
 import httpx
 
+from benchmarks.peers import ensure_venv, peers_for, proc_usage
 from benchmarks.stub_worker import token_text
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,16 +103,19 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 @contextlib.contextmanager
-def service(name: str, args: list[str], ready_url: str, log_dir: Path, timeout_s: float) -> Iterator[None]:
-    """Run `python <args>` from the repository root until the block ends; ready when ready_url is 200."""
+def service(name: str, args: list[str], ready_url: str, log_dir: Path, timeout_s: float,
+            program: list[str] | None = None) -> Iterator[subprocess.Popen]:
+    """Run `python <args>` (or `program + args`) from the repository root until the block ends; ready
+    when ready_url is 200. Yields the process (its pid is what CPU and RSS are read from)."""
     log = log_dir / f"{name}.log"
     with open(log, "wb") as out:
         # no threads run here (asyncio.run joins its executor before returning), so preexec_fn is safe
-        proc = subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)  # noqa: PLW1509
+        proc = subprocess.Popen([*(program or [sys.executable]), *args], cwd=ROOT, stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                preexec_fn=_die_with_parent)  # noqa: PLW1509
     try:
         _wait_ready(proc, ready_url, timeout_s, log)
-        yield
+        yield proc
     finally:
         _stop(proc)
 
@@ -226,18 +230,6 @@ def prompt_maker(words: int) -> Callable[[int, bool], Body]:
     return make
 
 
-async def latency(client: Client, targets: list[Target], make: Callable[[int, bool], Body], stream: bool,
-                  n: int) -> dict[str, dict[str, Any]]:
-    """n sequential requests per target, interleaved (rotating order) so drift hits all alike."""
-    samples: dict[str, list[Sample]] = {t.name: [] for t in targets}
-    for i in range(n):
-        for target in targets[i % len(targets):] + targets[:i % len(targets)]:
-            samples[target.name].append(await client.call(target, make(i, stream)))
-    kinds = {"chat_stream_ttfb": "ttfb", "chat_stream_total": "total"} if stream else {"chat": "total"}
-    return {kind: {name: summarize([getattr(s, field) for s in got]) for name, got in samples.items()}
-            for kind, field in kinds.items()}
-
-
 async def throughput(client: Client, target: Target, make: Callable[[int, bool], Body], stream: bool,
                      concurrency: int, total: int) -> dict[str, float]:
     """`concurrency` clients, each sending total // concurrency requests back to back, after an
@@ -275,23 +267,58 @@ def with_comparisons(latencies: dict[str, dict[str, Any]]) -> dict[str, dict[str
     return latencies
 
 
-async def measure_mode(targets: list[Target], args: argparse.Namespace, expected_text: str) -> tuple[dict, Counter]:
+def _pooled(rounds: list[dict[str, list[Sample]]], field: str) -> dict[str, dict[str, Any]]:
+    """Per target: stats over every round's samples, plus the range of the per-round means."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in rounds[0]:
+        every = [getattr(x, field) for r in rounds for x in r[name]]
+        means = [statistics.fmean(getattr(x, field) for x in r[name]) * 1000 for r in rounds]
+        out[name] = {**summarize(every), "round_means_ms": [round(m, 4) for m in means]}
+    return out
+
+
+async def latency_round(client: Client, targets: list[Target], make: Callable[[int, bool], Body], stream: bool,
+                        n: int, offset: int) -> dict[str, list[Sample]]:
+    """n sequential requests per target, interleaved (rotating order) so drift hits all alike."""
+    samples: dict[str, list[Sample]] = {t.name: [] for t in targets}
+    for i in range(offset, offset + n):
+        for target in targets[i % len(targets):] + targets[:i % len(targets)]:
+            samples[target.name].append(await client.call(target, make(i, stream)))
+    return samples
+
+
+async def measure_mode(targets: list[Target], args: argparse.Namespace, expected_text: str,
+                       pids: dict[str, int]) -> tuple[dict, Counter]:
+    """`args.rounds` rounds; each: latency of every target interleaved (plain, then stream), then
+    requests/s of every target at each concurrency (order rotated per round), with the CPU the
+    target's process tree used during that run, per request."""
     make = prompt_maker(args.prompt_words)
     pool = 4 * max(args.concurrency)
     limits = httpx.Limits(max_connections=pool, max_keepalive_connections=pool)
+    tput_targets = [t for t in targets if t.prefill_url is None]
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(30.0)) as http:
         client = Client(http, expected_text)
         await warm_up(client, targets, make, args)
-        lat: dict[str, dict[str, Any]] = {}
-        for stream in (False, True):
-            lat.update(await latency(client, targets, make, stream, args.requests))
-        tput: dict[str, dict[str, Any]] = {}
-        for kind, stream in (("chat", False), ("chat_stream", True)):
-            for c in args.concurrency:
-                row = {t.name: await throughput(client, t, make, stream, c, args.throughput_requests)
-                       for t in targets[:2]}                     # direct and router
-                row["ratio_router_vs_direct"] = row["router"]["requests_per_s"] / row["direct"]["requests_per_s"]
-                tput.setdefault(kind, {})[str(c)] = row
+        lat_rounds: dict[bool, list[dict[str, list[Sample]]]] = {False: [], True: []}
+        tput: dict[str, dict[str, dict[str, list[dict[str, float]]]]] = {}
+        for r in range(args.rounds):
+            for stream in (False, True):
+                lat_rounds[stream].append(await latency_round(client, targets, make, stream, args.requests,
+                                                              r * args.requests))
+            for kind, stream in (("chat", False), ("chat_stream", True)):
+                for c in args.concurrency:
+                    order = tput_targets[r % len(tput_targets):] + tput_targets[:r % len(tput_targets)]
+                    for t in order:
+                        before = proc_usage(pids[t.name]) if t.name in pids else None
+                        row = await throughput(client, t, make, stream, c, args.throughput_requests)
+                        if before is not None:
+                            cpu, rss = proc_usage(pids[t.name])
+                            row["cpu_us_per_request"] = (cpu - before[0]) / row["requests"] * 1e6
+                            row["rss_mb"] = rss / 2**20
+                        tput.setdefault(kind, {}).setdefault(str(c), {}).setdefault(t.name, []).append(row)
+        lat: dict[str, dict[str, Any]] = {"chat": _pooled(lat_rounds[False], "total"),
+                                          "chat_stream_ttfb": _pooled(lat_rounds[True], "ttfb"),
+                                          "chat_stream_total": _pooled(lat_rounds[True], "total")}
         return {"latency": with_comparisons(lat), "throughput": tput}, client.calls
 
 
@@ -306,8 +333,8 @@ def check_legs(mode: str, prefill: Counter, decode: Counter, calls: Counter) -> 
     everything = sum(calls.values())
     if mode == "decode-only":
         expected = {"prefill_stub.prefill": 0, "decode_stub.local": everything, "decode_stub.decode": 0}
-    else:
-        expected = {"prefill_stub.prefill": calls["router"] + calls["direct_two_legs"],
+    else:                                   # every target but the direct decode call runs a prefill leg
+        expected = {"prefill_stub.prefill": everything - calls["direct"],
                     "decode_stub.local": 0, "decode_stub.decode": everything}
     seen = {"prefill_stub.prefill": prefill["prefill"], "decode_stub.local": decode["local"],
             "decode_stub.decode": decode["decode"]}
@@ -327,15 +354,31 @@ def targets_for(mode: str, router_url: str, prefill_url: str, decode_url: str) -
 
 
 def run_mode(mode: str, model: Path, prefill_url: str, decode_url: str, args: argparse.Namespace,
-             log_dir: Path) -> dict[str, Any]:
+             log_dir: Path, bin_dir: Path | None) -> dict[str, Any]:
     port = free_port()
-    with router(port, MODES[mode], prefill_url, decode_url, model, args, log_dir):
+    ports = {k: free_port() for k in ("nginx", "vllm-router", "vllm-router-prom", "sglang-router", "sglang-router-prom")}
+    skipped: dict[str, str] = {}
+    with contextlib.ExitStack() as stack:
+        pids = {"router": stack.enter_context(router(port, MODES[mode], prefill_url, decode_url, model, args,
+                                                     log_dir)).pid}
         targets = targets_for(mode, f"http://127.0.0.1:{port}", prefill_url, decode_url)
+        for peer in (peers_for(mode, prefill_url, decode_url, ports, log_dir, bin_dir) if args.peers else []):
+            url = f"http://127.0.0.1:{ports[peer.name]}"
+            try:
+                proc = stack.enter_context(service(f"{peer.name}-{mode}", peer.args, url + peer.ready_path, log_dir,
+                                                   args.startup_timeout, program=peer.program))
+            except BenchError as exc:
+                skipped[peer.name] = str(exc)[:500]
+                continue
+            pids[peer.name] = proc.pid
+            targets.append(Target(peer.name, url + CHAT))
         before_p, before_d = stub_stats(prefill_url), stub_stats(decode_url)
         start = time.perf_counter()
-        result, calls = asyncio.run(measure_mode(targets, args, "".join(token_text(i) for i in range(args.tokens))))
+        result, calls = asyncio.run(measure_mode(targets, args, "".join(token_text(i) for i in range(args.tokens)),
+                                                 pids))
         legs = check_legs(mode, stub_stats(prefill_url) - before_p, stub_stats(decode_url) - before_d, calls)
-    return {"router_disagg_threshold": MODES[mode], "seconds": time.perf_counter() - start, **legs, **result}
+    return {"router_disagg_threshold": MODES[mode], "seconds": time.perf_counter() - start,
+            "peers_skipped": skipped, **legs, **result}
 
 
 # ---- report ---------------------------------------------------------------------------------------
@@ -346,7 +389,7 @@ def machine_info() -> dict[str, Any]:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
         cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
     versions = {}
-    for pkg in ("fastapi", "starlette", "uvicorn", "httpx", "h11", "uvloop", "httptools"):
+    for pkg in ("fastapi", "starlette", "uvicorn", "httpx", "h11", "uvloop", "httptools", "aiohttp", "orjson"):
         try:
             versions[pkg] = importlib.metadata.version(pkg)
         except importlib.metadata.PackageNotFoundError:
@@ -356,42 +399,83 @@ def machine_info() -> dict[str, Any]:
             "platform": platform.platform(), "python": platform.python_version(), "packages": versions}
 
 
+def _median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
 def summary(modes: dict[str, Any]) -> dict[str, Any]:
-    """The headline numbers: router added latency vs the decode stub, ratios, requests/s."""
+    """Per mode and proxy: added latency over the direct call (decode-only) or over a client running
+    both legs itself (P/D), as the median of per-round means with their range, the pooled p99;
+    requests/s, router CPU per request and RSS per concurrency (median of rounds); and our router's
+    figures as a ratio of each peer's."""
     out: dict[str, Any] = {}
     for mode, res in modes.items():
-        row: dict[str, Any] = {}
-        for kind, per_target in res["latency"].items():
-            for baseline in ("direct", "direct_two_legs"):
-                if f"router_vs_{baseline}" in per_target:
-                    cmp = per_target[f"router_vs_{baseline}"]
-                    suffix = "" if baseline == "direct" else "_vs_two_legs"
-                    row[f"{kind}{suffix}"] = {k: round(cmp[k], 3) for k in
-                                              ("added_mean_ms", "added_p99_ms", "ratio_mean", "ratio_p99")}
-        for kind, per_c in res["throughput"].items():
-            row[f"{kind}_requests_per_s"] = {c: {"direct": round(r["direct"]["requests_per_s"], 1),
-                                                 "router": round(r["router"]["requests_per_s"], 1),
-                                                 "ratio": round(r["ratio_router_vs_direct"], 3)}
-                                             for c, r in per_c.items()}
-        out[mode] = row
+        lat, per_proxy = res["latency"], {}
+        baseline = "direct" if mode == "decode-only" else "direct_two_legs"
+        proxies = [n for n, v in lat["chat"].items() if "round_means_ms" in v and not n.startswith("direct")]
+        for name in proxies:
+            row: dict[str, Any] = {}
+            for kind, per_target in lat.items():
+                base = per_target[baseline] if baseline in per_target else per_target["direct"]
+                added = [t - d for t, d in zip(per_target[name]["round_means_ms"], base["round_means_ms"])]
+                row[kind] = {"added_mean_ms": round(_median(added), 3),
+                             "added_mean_ms_range": [round(min(added), 3), round(max(added), 3)],
+                             "added_p99_ms": round(per_target[name]["p99_ms"] - base["p99_ms"], 3)}
+            for kind, per_c in res["throughput"].items():
+                for c, per_target in per_c.items():
+                    runs = per_target.get(name)
+                    if not runs:
+                        continue
+                    rps = [r["requests_per_s"] for r in runs]
+                    cell = {"requests_per_s": round(_median(rps), 1), "range": [round(min(rps), 1), round(max(rps), 1)],
+                            "p99_ms": round(_median([r["p99_ms"] for r in runs]), 2)}
+                    if "cpu_us_per_request" in runs[0]:
+                        cpu = [r["cpu_us_per_request"] for r in runs]
+                        cell["cpu_us_per_request"] = round(_median(cpu), 1)
+                        cell["cpu_us_range"] = [round(min(cpu), 1), round(max(cpu), 1)]
+                        cell["rss_mb"] = round(max(r["rss_mb"] for r in runs), 1)
+                    row[f"{kind}_c{c}"] = cell
+            per_proxy[name] = row
+        direct_rps = {f"{k}_c{c}": round(_median([r["requests_per_s"] for r in per_t["direct"]]), 1)
+                      for k, per_c in res["throughput"].items() for c, per_t in per_c.items() if "direct" in per_t}
+        ours = per_proxy.get("router", {})
+        ratios: dict[str, dict[str, float]] = {}
+        for peer, row in per_proxy.items():
+            if peer == "router":
+                continue
+            r: dict[str, float] = {}
+            for key, cell in row.items():
+                mine = ours.get(key, {})
+                if "added_mean_ms" in cell and cell["added_mean_ms"] > 0:
+                    r[f"{key}_added_mean"] = round(mine["added_mean_ms"] / cell["added_mean_ms"], 2)
+                if "requests_per_s" in cell:
+                    r[f"{key}_requests_per_s"] = round(mine["requests_per_s"] / cell["requests_per_s"], 2)
+                if cell.get("cpu_us_per_request"):
+                    r[f"{key}_cpu_per_request"] = round(mine["cpu_us_per_request"] / cell["cpu_us_per_request"], 2)
+            ratios[f"router_vs_{peer}"] = r
+        out[mode] = {"baseline": baseline, "proxies": per_proxy, "direct_requests_per_s": direct_rps,
+                     "ratios": ratios, "peers_skipped": list(res.get("peers_skipped", {}))}
     return out
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.router_overhead", description=__doc__.splitlines()[0])
-    p.add_argument("--requests", type=int, default=200, help="latency samples per target and kind")
+    p.add_argument("--requests", type=int, default=100, help="latency samples per target, kind and round")
     p.add_argument("--throughput-requests", type=int, default=320, help="requests per throughput run")
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32], help="concurrent clients")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 32], help="concurrent clients")
     p.add_argument("--tokens", type=int, default=16, help="completion tokens per request (stub)")
     p.add_argument("--token-delay-ms", type=float, default=0.0, help="stub time per token")
     p.add_argument("--prompt-words", type=int, default=200, help="words in each prompt")
     p.add_argument("--warmup", type=int, default=20, help="untimed requests per target and kind")
     p.add_argument("--modes", nargs="+", choices=tuple(MODES), default=list(MODES))
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (each: latency, then requests/s)")
+    p.add_argument("--no-peers", dest="peers", action="store_false",
+                   help="skip nginx, vllm-router and sglang-router (else: started side by side with ours)")
     p.add_argument("--model", type=Path, help="checkpoint dir for the router's tokenizer (default: a tiny one)")
     p.add_argument("--startup-timeout", type=float, default=60.0)
     p.add_argument("--output", type=Path, default=RESULTS)
     args = p.parse_args(argv)
-    if min(args.requests, args.throughput_requests, *args.concurrency) < 1 or args.warmup < 0:
+    if min(args.requests, args.throughput_requests, args.rounds, *args.concurrency) < 1 or args.warmup < 0:
         p.error("--requests, --throughput-requests and --concurrency must be >= 1, --warmup >= 0")
     return args
 
@@ -408,11 +492,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model = args.model or _tiny_checkpoint(tmp_dir)
         prefill_port, decode_port = free_port(), free_port()
         prefill_url, decode_url = f"http://127.0.0.1:{prefill_port}", f"http://127.0.0.1:{decode_port}"
+        bin_dir = ensure_venv() if args.peers else None
         with stub_worker("prefill", prefill_port, args, tmp_dir), stub_worker("decode", decode_port, args, tmp_dir):
             modes = {}
             for mode in args.modes:
                 print(f"router_overhead: measuring {mode} ...", file=sys.stderr, flush=True)
-                modes[mode] = run_mode(mode, model, prefill_url, decode_url, args, tmp_dir)
+                modes[mode] = run_mode(mode, model, prefill_url, decode_url, args, tmp_dir, bin_dir)
     config = {k: v for k, v in vars(args).items() if k not in ("model", "output")}
     machine = {**machine_before, "load_average_at_end": machine_info()["load_average_1_5_15"]}
     return {"benchmark": "router_overhead", "machine": machine, "config": config,

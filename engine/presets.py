@@ -6,6 +6,7 @@ loader and model code run on them and on a real checkpoint.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from shared.model_config import ModelConfig
@@ -97,7 +98,57 @@ def small_config() -> dict[str, Any]:
 PRESETS = {"tiny": tiny_config, "small": small_config}
 
 
+# Trained checkpoints shipped as package data (`kimi-pd checkpoint create --preset NAME` copies them).
+SHIPPED_DIR = Path(__file__).parent / "presets_data"
+SHIPPED_PRESETS = ("tiny-chat",)
+
+
+def shipped_checkpoint(name: str) -> Path:
+    """Directory of a shipped trained checkpoint (FileNotFoundError if the install lacks it)."""
+    if name not in SHIPPED_PRESETS:
+        raise ValueError(f"unknown shipped checkpoint {name!r}; choose one of {list(SHIPPED_PRESETS)}")
+    path = SHIPPED_DIR / name
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"the {name} checkpoint is not installed at {path} (package data missing)")
+    return path
+
+
 def preset_config(name: str) -> ModelConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     return ModelConfig.from_dict(PRESETS[name]())
+
+
+def tiny_chat_config(num_ranks: int, hidden_size: int = 128, num_layers: int = 4) -> dict[str, Any]:
+    """The trained `tiny-chat` model: every K3 mixer, sized to train in 20 CPU minutes.
+
+    KDA on layer 1 (position-aware: its short conv and decay give the NoPE attention above it the
+    token order), gated NoPE MLA on the rest (copying and lookup; a KDA layer costs ~2x an MLA layer
+    in training on CPU); a dense SiTU MLP on layer 0 and latent MoE (8 experts, top-2, one shared)
+    after; AttnRes blocks of 2 layers. `num_ranks` is the size of the checkpoint's own tokenizer
+    (engine/training/corpus.py), whose special tokens sit above it.
+    """
+    d = hidden_size
+    mla = list(range(2, num_layers + 1))
+    text = {
+        **tiny_config()["text_config"],
+        "vocab_size": num_ranks + NUM_SPECIAL_TOKENS, "hidden_size": d, "num_hidden_layers": num_layers,
+        "intermediate_size": 2 * d, "attn_res_block_size": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 4,
+        "q_lora_rank": d // 2, "kv_lora_rank": d // 4,
+        "qk_nope_head_dim": 32, "qk_rope_head_dim": 8, "v_head_dim": 32,
+        "linear_attn_config": {
+            "kda_layers": [i for i in range(1, num_layers + 1) if i not in mla], "full_attn_layers": mla,
+            "num_heads": 4, "head_dim": 32, "short_conv_kernel_size": 4,
+            "gate_lower_bound": -5.0, "use_full_rank_gate": True,
+        },
+        "num_experts": 8, "num_experts_per_token": 2, "num_shared_experts": 1,
+        "moe_intermediate_size": d, "routed_expert_hidden_size": d // 2,
+        "routed_scaling_factor": 1.0, "max_position_embeddings": 4096, "torch_dtype": "float32",
+    }
+    vision = {**tiny_config()["vision_config"], "text_hidden_size": d}
+    top = _top_level(text, vision)
+    for key, name in (("bos_token_id", "[BOS]"), ("eos_token_id", "<|end_of_msg|>"), ("pad_token_id", "[PAD]"),
+                      ("media_placeholder_token_id", "<|media_pad|>")):
+        top[key] = special_id(name, num_ranks)
+    return top

@@ -8,6 +8,9 @@ import sys
 from pathlib import Path
 
 DEFAULT_TINY_DIR = Path("checkpoints/tiny")
+# Kept in step with engine.training (not imported here: the parser must build without torch loaded).
+FAMILY_NAMES = ("add", "sub", "reverse", "sort", "tool_call", "tool_answer", "multi_turn")
+TRAIN_STEPS = 800
 _DTYPES = ("float32", "bfloat16")
 
 
@@ -41,6 +44,40 @@ def _checkpoint_train_draft(args: argparse.Namespace) -> int:
     result = train_draft(args.target, out, cfg, progress=not args.quiet)
     print(json.dumps({"out": str(out), **{k: v for k, v in result.items() if k != "config"}}))
     return 0
+
+
+def _checkpoint_train(args: argparse.Namespace) -> int:
+    from engine.training.train import TrainConfig, train
+    cfg = TrainConfig(seed=args.seed, steps=args.steps)
+    result = train(cfg, args.out, progress=not args.quiet)
+    print(f"trained {result['num_params']:,} parameters for {cfg.steps} steps in {result['seconds']:.0f} s "
+          f"(final loss {sum(result['losses'][-20:]) / 20:.4f}); checkpoint, loss.png and train_log.json in {args.out}")
+    return 0
+
+
+def _checkpoint_eval(args: argparse.Namespace) -> int:
+    from engine.training.evaluate import evaluate, format_scores, offline_answerer, router_answerer
+    from engine.training.tasks import FAMILIES
+    families = args.family or list(FAMILIES)
+    modes = {"on": (True,), "off": (False,), "both": (False, True)}[args.thinking]
+    if args.url:
+        answerer, where = router_answerer(args.url), f"router {args.url}"
+    else:
+        model = str(_default_chat_model(args.model))
+        answerer, where = offline_answerer(model), f"offline LLM, {model}"
+    scores = evaluate(answerer, families, args.n, modes)
+    if args.json:
+        print(json.dumps([{"family": s.family, "thinking": s.thinking, "correct": s.correct, "total": s.total,
+                           "accuracy": s.accuracy} for s in scores]))
+    else:
+        print(format_scores(scores, where))
+    return 0
+
+
+def _default_chat_model(path: str | None) -> Path:
+    """`--model` or the shipped trained `tiny-chat` checkpoint (package data, read in place)."""
+    from engine.presets import shipped_checkpoint
+    return Path(path) if path else shipped_checkpoint("tiny-chat")
 
 
 def _checkpoint_quantize(args: argparse.Namespace) -> int:
@@ -91,7 +128,7 @@ def _router(args: argparse.Namespace) -> int:
 
 def _up(args: argparse.Namespace) -> int:
     from kimi_pd.up import up
-    model = str(_ensure_model(args.model).resolve())
+    model = str(_default_chat_model(args.model).resolve())
     extra = []
     if args.speculative_config:
         from engine.spec_decode.config import SpeculativeConfig
@@ -114,7 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     ckpt = sub.add_parser("checkpoint", help="generated checkpoints", allow_abbrev=False).add_subparsers(dest="action", required=True)
     create = ckpt.add_parser("create", help="write a generated Kimi-K3 checkpoint (HF layout)", allow_abbrev=False)
-    create.add_argument("--preset", choices=("tiny", "small", "tiny-chat-dspark"), default="tiny")
+    create.add_argument("--preset", choices=("tiny", "small", "tiny-chat", "tiny-chat-dspark"), default="tiny",
+                        help="tiny/small: random weights; tiny-chat: copy the shipped trained checkpoint; "
+                             "tiny-chat-dspark: copy the shipped DSpark draft for tiny-chat")
     create.add_argument("--quant", choices=("w4a8",), default=None)
     create.add_argument("--seed", type=int, default=0)
     create.add_argument("--out", required=True)
@@ -135,6 +174,22 @@ def build_parser() -> argparse.ArgumentParser:
     distil.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     distil.add_argument("--quiet", action="store_true")
     distil.set_defaults(func=_checkpoint_train_draft)
+    trn = ckpt.add_parser("train", help="train the tiny-chat model on the synthetic chat corpus (CPU)",
+                          allow_abbrev=False)
+    trn.add_argument("--out", required=True)
+    trn.add_argument("--seed", type=int, default=0)
+    trn.add_argument("--steps", type=int, default=TRAIN_STEPS)
+    trn.add_argument("--quiet", action="store_true", help="no progress bar")
+    trn.set_defaults(func=_checkpoint_train)
+    ev = ckpt.add_parser("eval", help="accuracy per task family on held-out instances (offline or via --url)",
+                         allow_abbrev=False)
+    ev.add_argument("--model", help="checkpoint directory (default: the shipped tiny-chat)")
+    ev.add_argument("--url", help="score a running router instead (e.g. http://127.0.0.1:8000)")
+    ev.add_argument("--n", type=int, default=50, help="held-out instances per family and thinking mode")
+    ev.add_argument("--family", action="append", choices=FAMILY_NAMES, help="only this family (repeatable)")
+    ev.add_argument("--thinking", choices=("on", "off", "both"), default="both")
+    ev.add_argument("--json", action="store_true")
+    ev.set_defaults(func=_checkpoint_eval)
     quant = ckpt.add_parser("quantize", help="bf16/fp32 checkpoint -> ModelSlim W4A8 checkpoint", allow_abbrev=False)
     quant.add_argument("--src", required=True)
     quant.add_argument("--out", required=True)
@@ -161,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     upp = sub.add_parser("up", help="router + prefill + decode workers on loopback, embedded defaults",
                          allow_abbrev=False)
-    upp.add_argument("--model", help=f"checkpoint directory (default: {DEFAULT_TINY_DIR}, created if absent)")
+    upp.add_argument("--model", help="checkpoint directory (default: the shipped trained tiny-chat)")
     upp.add_argument("--port", type=int, default=8000)
     upp.add_argument("--prefill-workers", type=int, default=1)
     upp.add_argument("--decode-workers", type=int, default=1)

@@ -10,7 +10,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+import torch
 
+from kv_transfer.arena import ReceiveArenas
 from kv_transfer.errors import ConfigError, CorruptFrame, PeerTimeout, ProtocolMismatch, TransferError
 from kv_transfer.handshake import client_handshake
 from kv_transfer.interface import INTERFACE_VERSION, KVReceiver, KVTransferParams, TransferConfig
@@ -59,6 +61,11 @@ class ControlReceiver(KVReceiver):
     def __init__(self, config: TransferConfig, metrics: TransferMetrics | None = None) -> None:
         self.config = config
         self.metrics = metrics or get_metrics()
+        self._arenas = ReceiveArenas(config.recv_pool_bytes)
+
+    def _host_tensors(self, specs: list[TensorSpec]) -> list[torch.Tensor]:
+        """Receive tensors on the host, from the reusable arenas (already paged in)."""
+        return self._arenas.tensors(specs)
 
     async def pull(self, params: KVTransferParams) -> TransferPayload:
         target = self._target(params)

@@ -1,17 +1,22 @@
-"""The versioned, authenticated handshake that opens every control connection.
+"""The versioned, authenticated handshake that opens every control connection (protocol 2).
 
 Before any key exists each message is `u32 len | msgpack`:
 
     client                                             server
-    MAGIC, {v, transport, identity, nc}  ───────────>  checks v, transport, identity
-                                         <───────────  {v, identity, ns, mac: H(secret, "S"|nc|ns)}
-    checks identity and mac,
+    MAGIC, {v, transport, nc}            ───────────>  checks v and transport
+                                         <───────────  {v, ns, mac: H(secret, "S"|nc|ns)}
+    checks mac,
     {mac: H(secret, "C"|ns|nc)}          ───────────>  checks mac
                                          <───────────  {ok: true}   (or {err, msg} at any step)
+    then, in tagged frames under the session key:
+    {t: identity, id}                    ───────────>  compares identities
+                                         <───────────  {t: identity, id} | error frame
 
 H is HMAC-SHA256. Both nonces are fresh per connection, so a recorded handshake or frame never
-verifies again. Session key = H(secret, "K"|nc|ns); afterwards the channel MACs every frame.
-A refusal names its reason (e.g. which identity field differs) on both sides.
+verifies again. Session key = H(secret, "K"|nc|ns); afterwards the channel tags every frame.
+The model identity crosses only after both sides proved the secret, so an unauthenticated
+prober learns nothing about the model. A refusal names its reason (e.g. which identity field
+differs) on both sides.
 """
 
 from __future__ import annotations
@@ -29,9 +34,9 @@ from kv_transfer.errors import (
     error_from_code,
 )
 from kv_transfer.payload import ModelIdentity
-from kv_transfer.wire import Channel, mac
+from kv_transfer.wire import Channel, hmac_sha256
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAGIC = b"KPDX"
 
 
@@ -41,20 +46,21 @@ async def client_handshake(
     """Run the client half; raises the typed error the server reported or that we detected."""
     nc = os.urandom(32)
     await chan.send_raw(MAGIC)
-    await chan.send({"v": PROTOCOL_VERSION, "transport": transport, "id": identity.to_dict(), "nc": nc})
+    await chan.send({"v": PROTOCOL_VERSION, "transport": transport, "nc": nc})
     hello = await _reply(chan)
-    peer = ModelIdentity.from_wire(hello.get("id"))
+    ns = hello.get("ns")
+    if not isinstance(ns, bytes) or not hmac.compare_digest(
+        _as_bytes(hello.get("mac")), hmac_sha256(secret, b"S", nc, ns)
+    ):
+        raise AuthenticationFailed("peer failed to prove the shared secret (wrong secret?)")
+    await chan.send({"mac": hmac_sha256(secret, b"C", ns, nc)})
+    await _reply(chan)
+    chan.authenticate(hmac_sha256(secret, b"K", nc, ns))
+    await chan.send({"t": "identity", "id": identity.to_dict()})
+    peer = ModelIdentity.from_wire((await chan.recv_message("identity")).get("id"))
     diff = identity.mismatch(peer)
     if diff is not None:
         raise IdentityMismatch(diff)
-    ns = hello.get("ns")
-    if not isinstance(ns, bytes) or not hmac.compare_digest(
-        _as_bytes(hello.get("mac")), mac(secret, b"S", nc, ns)
-    ):
-        raise AuthenticationFailed("peer failed to prove the shared secret (wrong secret?)")
-    await chan.send({"mac": mac(secret, b"C", ns, nc)})
-    await _reply(chan)
-    chan.authenticate(mac(secret, b"K", nc, ns))
 
 
 async def server_handshake(
@@ -65,30 +71,33 @@ async def server_handshake(
         raise CorruptFrame("not a kv_transfer client (bad magic)")
     hello = await chan.recv()
     try:
-        nc = _check_hello(hello, identity, transport)
+        nc = _check_hello(hello, transport)
     except TransferError as err:
-        await _try_send_error(chan, err)
+        await _try_send(chan, {"err": err.code, "msg": str(err)})
         raise
     ns = os.urandom(32)
-    await chan.send({"v": PROTOCOL_VERSION, "id": identity.to_dict(), "ns": ns,
-                     "mac": mac(secret, b"S", nc, ns)})
+    await chan.send({"v": PROTOCOL_VERSION, "ns": ns, "mac": hmac_sha256(secret, b"S", nc, ns)})
     proof = await chan.recv()
-    if not hmac.compare_digest(_as_bytes(proof.get("mac")), mac(secret, b"C", ns, nc)):
+    if not hmac.compare_digest(_as_bytes(proof.get("mac")), hmac_sha256(secret, b"C", ns, nc)):
         err = AuthenticationFailed("client failed to prove the shared secret")
-        await _try_send_error(chan, err)
+        await _try_send(chan, {"err": err.code, "msg": str(err)})
         raise err
     await chan.send({"ok": True})
-    chan.authenticate(mac(secret, b"K", nc, ns))
+    chan.authenticate(hmac_sha256(secret, b"K", nc, ns))
+    claimed = await chan.recv_message("identity")
+    diff = ModelIdentity.from_wire(claimed.get("id")).mismatch(identity)
+    if diff is not None:
+        err = IdentityMismatch(diff)
+        await _try_send(chan, {"t": "error", "code": err.code, "msg": str(err)})
+        raise err
+    await chan.send({"t": "identity", "id": identity.to_dict()})
 
 
-def _check_hello(hello: dict, identity: ModelIdentity, transport: str) -> bytes:
+def _check_hello(hello: dict, transport: str) -> bytes:
     if hello.get("v") != PROTOCOL_VERSION:
         raise ProtocolMismatch(f"protocol version {hello.get('v')!r}, expected {PROTOCOL_VERSION}")
     if hello.get("transport") != transport:
         raise ProtocolMismatch(f"transport {hello.get('transport')!r}, expected {transport!r}")
-    diff = ModelIdentity.from_wire(hello.get("id")).mismatch(identity)
-    if diff is not None:
-        raise IdentityMismatch(diff)
     nc = hello.get("nc")
     if not isinstance(nc, bytes) or len(nc) != 32:
         raise CorruptFrame("bad client nonce")
@@ -102,9 +111,9 @@ async def _reply(chan: Channel) -> dict:
     return msg
 
 
-async def _try_send_error(chan: Channel, err: TransferError) -> None:
+async def _try_send(chan: Channel, frame: dict) -> None:
     with contextlib.suppress(TransferError):
-        await chan.send({"err": err.code, "msg": str(err)})
+        await chan.send(frame)
 
 
 def _as_bytes(value: object) -> bytes:

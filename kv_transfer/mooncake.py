@@ -1,12 +1,13 @@
 """`mooncake` transport: the receiver reads the sender's registered tensor memory with the Mooncake
 Transfer Engine (one-sided batch reads); the control plane is the shared TCP one
 (`kv_transfer.sideband`), whose authenticated manifest carries the engine session, the remote
-addresses and the per-tensor SHA-256 digests that the receiver verifies.
+addresses; the receiver reads in groups of about `GROUP_BYTES` and tags (GMAC) each group
+while the next one is read, then checks the sender's tags (`kv_transfer.sideband`).
 
 Engine setup: `TransferEngine.initialize(config.host, config.mooncake_metadata_server,
 config.mooncake_protocol, config.mooncake_device_name)`: here `P2PHANDSHAKE` metadata and the
 `tcp` protocol; on Ascend the `ascend` protocol. Its data listener binds the wildcard address
-whatever host is given, so only trusted networks may reach it; its reads are verified by digest.
+whatever host is given, so only trusted networks may reach it; its reads are verified by tag.
 
 Memory: a held state is registered with the engine at its first pull and unregistered when its
 lease is freed, which the lease table does only after every reader finished (so a remote read
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -28,10 +30,11 @@ from kv_transfer.errors import ConfigError, CorruptFrame, TransferError
 from kv_transfer.interface import TransferConfig
 from kv_transfer.leases import Lease
 from kv_transfer.server import HeldState
-from kv_transfer.sideband import SidebandReceiver, SidebandSender
+from kv_transfer.sideband import DataTagger, SidebandReceiver, SidebandSender
 from kv_transfer.wire import Channel
 
 logger = logging.getLogger(__name__)
+GROUP_BYTES = 64 << 20   # bytes per engine read: small enough to tag one while the next is read
 Region = tuple[list[int], list[torch.Tensor]]  # registered addresses, and the tensors they live in
 
 
@@ -170,7 +173,8 @@ class MooncakeReceiver(SidebandReceiver):
     async def stop(self) -> None:
         self._engine = None
 
-    async def _move(self, chan: Channel, manifest: dict, tensors: list[torch.Tensor]) -> None:
+    async def _move(self, chan: Channel, manifest: dict, tensors: list[torch.Tensor],
+                    tagger: DataTagger | None) -> None:
         engine = self._engine
         if engine is None:
             raise ConfigError("MooncakeReceiver.start() was not awaited")
@@ -180,13 +184,44 @@ class MooncakeReceiver(SidebandReceiver):
             raise CorruptFrame("mooncake manifest lacks a session or addresses")
         if not local:
             return
+        if not all(isinstance(a, int) for a in remote):
+            raise CorruptFrame("mooncake manifest has non-integer addresses")
         if engine.batch_register_memory(local, sizes) != 0:
             raise TransferError("mooncake failed to register the receive buffers")
+        owners = [i for i, t in enumerate(tensors) if t.numel()]
         read = asyncio.get_running_loop().run_in_executor(
-            None, engine.batch_transfer_sync_read, session, local, remote, sizes)
+            None, _read_groups, engine, session, local, remote, sizes, owners, tagger)
         # If we are cancelled, the read still writes into `tensors` until it returns: the callback
         # keeps them alive and registered until then.
         read.add_done_callback(lambda f, keep=tensors: _read_done(engine, local, f))
-        rc = await asyncio.shield(read)
-        if rc != 0:
-            raise TransferError(f"mooncake read from {session} failed (rc {rc})")
+        await asyncio.shield(read)
+
+
+def read_groups(sizes: list[int], group_bytes: int = GROUP_BYTES) -> list[list[int]]:
+    """Consecutive regions batched into reads of about `group_bytes` each (at least one region)."""
+    groups: list[list[int]] = []
+    load = group_bytes
+    for k, size in enumerate(sizes):
+        if load >= group_bytes:
+            groups.append([])
+            load = 0
+        groups[-1].append(k)
+        load += size
+    return groups
+
+
+def _read_groups(engine: Any, session: str, local: list[int], remote: list[int], sizes: list[int],
+                 owners: list[int], tagger: DataTagger | None) -> None:
+    """Blocking: read group after group; a second thread tags each group as soon as it landed,
+    while the engine reads the next one."""
+    with ThreadPoolExecutor(1, thread_name_prefix="kv-mooncake-tag") as tagging:
+        pending = []
+        for group in read_groups(sizes):
+            rc = engine.batch_transfer_sync_read(session, [local[k] for k in group],
+                                                 [remote[k] for k in group], [sizes[k] for k in group])
+            if rc != 0:
+                raise TransferError(f"mooncake read from {session} failed (rc {rc})")
+            if tagger is not None:
+                pending.append(tagging.submit(lambda g=group: [tagger.tag(owners[k]) for k in g]))
+        for job in pending:
+            job.result()

@@ -7,13 +7,16 @@ against exactly one expected (tensor, offset, length) and written straight into 
 
     stream s:  pull{rid, stream=s, streams=S, chunk}  ->  manifest, chunk*, end | error
 
-The pull succeeds only when every stream delivered every planned chunk (checksummed) and its
-`end`; the sender sends `end` only while the lease is still valid.
+Each stream's data phase runs in a thread of its own on both sides (`wire.in_thread`): the
+sender MACs each piece of a chunk as it sends it with blocking `sendall`; the receiver reads it
+with `recv_into(MSG_WAITALL)` straight into the destination tensor's memory and MACs it there,
+while it is still in cache (`kv_transfer.wire`). Streams overlap one another's hashing and I/O. The pull succeeds only when every
+stream delivered every planned chunk (verified) and its `end`; the sender sends `end` only while
+the lease is still valid.
 """
 
 from __future__ import annotations
 
-import asyncio
 import math
 
 from kv_transfer.client import ControlReceiver, Target, gather_all, parse_manifest
@@ -21,9 +24,14 @@ from kv_transfer.errors import CorruptFrame, error_from_code
 from kv_transfer.leases import Lease
 from kv_transfer.payload import TensorSpec, TransferPayload, byte_view
 from kv_transfer.server import ControlSender, HeldState
-from kv_transfer.wire import Channel, digest, verify
+from kv_transfer.wire import Channel, in_thread
 
 Chunk = tuple[int, int, int]  # (tensor index, byte offset, byte length)
+
+
+def send_chunk(chan: Channel, header: dict, body: memoryview) -> None:
+    """Send one chunk frame, MAC'd as it goes (in the stream's thread; tests wrap this)."""
+    chan.send_blocking(header, body)
 
 
 def chunk_plan(specs: list[TensorSpec], chunk_bytes: int, streams: int) -> list[list[Chunk]]:
@@ -62,27 +70,22 @@ class TcpSender(ControlSender):
     async def _serve_pull(self, chan: Channel, lease: Lease, request: dict) -> tuple[int, bool]:
         stream, streams, chunk = _pull_shape(request)
         state: HeldState = lease.payload
-        views, specs = state.extra["views"], state.specs
-        share = chunk_plan(specs, chunk, streams)[stream]
-        bodies = [views[i][offset:offset + length] for i, offset, length in share]
+        share = chunk_plan(state.specs, chunk, streams)[stream]
         await chan.send(state.manifest())
-        # Hash chunk k+1 (in a thread) while chunk k is being sent.
-        next_digest = asyncio.ensure_future(digest(bodies[0])) if bodies else None
-        try:
-            for k, (index, offset, _length) in enumerate(share):
-                checksum = await next_digest
-                if k + 1 < len(bodies):
-                    next_digest = asyncio.ensure_future(digest(bodies[k + 1]))
-                self._leases.check(lease)
-                spec = specs[index]
-                header = {"t": "chunk", "rid": state.request_id, "name": spec.name, "i": index,
-                          "dtype": spec.dtype, "shape": list(spec.shape), "off": offset, "ck": checksum}
-                await chan.send(header, bodies[k])
-        finally:
-            _discard(next_digest)
+        await in_thread(chan, lambda: self._send_share(chan, lease, state, share))
+        return sum(length for *_, length in share), stream == 0
+
+    def _send_share(self, chan: Channel, lease: Lease, state: HeldState, share: list[Chunk]) -> None:
+        """Blocking: tag and send every chunk of `share`, then `end` (in the stream's thread)."""
+        views, specs = state.extra["views"], state.specs
+        for index, offset, length in share:
+            spec = specs[index]
+            self._leases.check(lease)
+            header = {"t": "chunk", "rid": state.request_id, "name": spec.name, "i": index,
+                      "dtype": spec.dtype, "shape": list(spec.shape), "off": offset}
+            send_chunk(chan, header, views[index][offset:offset + length])
         self._leases.check(lease)
-        await chan.send({"t": "end"})
-        return sum(len(b) for b in bodies), stream == 0
+        chan.send_blocking({"t": "end"})
 
 
 class TcpReceiver(ControlReceiver):
@@ -116,46 +119,28 @@ class TcpReceiver(ControlReceiver):
         meta, specs = parse_manifest(headers[0], rid, self.config.max_state_bytes)
         if any(h != headers[0] for h in headers[1:]):
             raise CorruptFrame("streams disagree on the manifest")
-        tensors = [spec.empty() for spec in specs]
+        tensors = self._host_tensors(specs)
         views = [byte_view(t) for t in tensors]
         plan = chunk_plan(specs, chunk, len(chans))
         await gather_all([
-            _recv_stream(chan, rid, specs, views, share) for chan, share in zip(chans, plan, strict=True)
+            in_thread(chan, lambda c=chan, s=share: _recv_share(c, rid, specs, views, s))
+            for chan, share in zip(chans, plan, strict=True)
         ])
         return TransferPayload(rid, meta, {s.name: t for s, t in zip(specs, tensors, strict=True)})
 
 
-async def _recv_stream(chan: Channel, rid: str, specs: list[TensorSpec], views: list[memoryview],
-                       share: list[Chunk]) -> None:
-    """Receive exactly `share`, in order, then `end`; anything else is an error. Chunk k is
-    verified (in a thread) while chunk k+1 arrives; all are verified before this returns."""
-    checking: asyncio.Future | None = None
-    try:
-        for index, offset, length in share:
-            header = await chan.recv()
-            if header.get("t") == "error":
-                raise error_from_code(header.get("code"), header.get("msg"))
-            spec = specs[index]
-            got = tuple(header.get(k) for k in ("t", "rid", "i", "name", "dtype", "shape", "off", "n"))
-            want = ("chunk", rid, index, spec.name, spec.dtype, list(spec.shape), offset, length)
-            if got != want:
-                raise CorruptFrame(f"unexpected chunk frame for {spec.name!r} at offset {offset}")
-            body = views[index][offset:offset + length]
-            await chan.recv_body(body)
-            if checking is not None:
-                await checking
-            checking = asyncio.ensure_future(verify(body, header.get("ck")))
-        await chan.recv_message("end")
-        if checking is not None:
-            await checking
-    finally:
-        _discard(checking)
-
-
-def _discard(future: asyncio.Future | None) -> None:
-    """Cancel a side computation we no longer need, retrieving its outcome if it already has one."""
-    if future is None:
-        return
-    if future.done() and not future.cancelled():
-        future.exception()
-    future.cancel()
+def _recv_share(chan: Channel, rid: str, specs: list[TensorSpec], views: list[memoryview],
+                share: list[Chunk]) -> None:
+    """Blocking, in the stream's thread: receive exactly `share`, in order, each chunk straight
+    into its destination and verified before the next, then `end`; anything else is an error."""
+    for index, offset, length in share:
+        header = chan.recv_blocking()
+        if header.get("t") == "error":
+            raise error_from_code(header.get("code"), header.get("msg"))
+        spec = specs[index]
+        got = tuple(header.get(k) for k in ("t", "rid", "i", "name", "dtype", "shape", "off", "n"))
+        want = ("chunk", rid, index, spec.name, spec.dtype, list(spec.shape), offset, length)
+        if got != want:
+            raise CorruptFrame(f"unexpected chunk frame for {spec.name!r} at offset {offset}")
+        chan.recv_body_blocking(views[index][offset:offset + length])
+    chan.recv_message_blocking("end")

@@ -1,10 +1,11 @@
 """`torch-dist` transport: tensor bytes move by torch.distributed point-to-point send/recv between
 ranks of one process group (`gloo` on CPU, `nccl` on CUDA, `hccl` on Ascend); the control plane
-(handshake, leases, digests, end) is the shared TCP one (`kv_transfer.sideband`).
+(handshake, leases, tags, end) is the shared TCP one (`kv_transfer.sideband`).
 
-Data phase of one pull, after the manifest {rank, tag, digests}:
+Data phase of one pull, after the manifest {rank, tag, nonce}:
 
-    receiver: lock(source rank); send `ready`; irecv every tensor; wait; unlock
+    receiver: lock(source rank); send `ready`; irecv every tensor; wait for each in order and
+              tag it while the later ones still arrive; unlock
     sender:   wait for `ready`; lock(destination rank); isend every tensor; wait; unlock
 
 Because a receiver announces `ready` for one source rank at a time and the sender sends only
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 from collections import defaultdict
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -30,7 +32,7 @@ import torch.distributed as dist
 from kv_transfer.errors import ConfigError, CorruptFrame
 from kv_transfer.payload import flat_bytes
 from kv_transfer.server import HeldState
-from kv_transfer.sideband import SidebandReceiver, SidebandSender
+from kv_transfer.sideband import DataTagger, SidebandReceiver, SidebandSender
 from kv_transfer.wire import Channel
 
 
@@ -43,12 +45,16 @@ def _valid_peer(rank: object) -> bool:
     return isinstance(rank, int) and 0 <= rank < dist.get_world_size() and rank != dist.get_rank()
 
 
-def _exchange(tensors: list[torch.Tensor], peer: int, tag: int, send: bool, timeout_s: float) -> None:
-    """Post every non-empty tensor's bytes, in order, then wait for all. Blocking (run in a thread)."""
+def _exchange(tensors: list[torch.Tensor], peer: int, tag: int, send: bool, timeout_s: float,
+              landed: Callable[[int], object] | None = None) -> None:
+    """Post every non-empty tensor's bytes, in order, then wait for each, calling `landed(i)`
+    as tensor i completes. Blocking (run in a thread)."""
     op = dist.isend if send else dist.irecv
-    works = [op(flat_bytes(t), peer, tag=tag) for t in tensors if t.numel()]
-    for work in works:
+    works = [(i, op(flat_bytes(t), peer, tag=tag)) for i, t in enumerate(tensors) if t.numel()]
+    for i, work in works:
         work.wait(timeout=timedelta(seconds=timeout_s))
+        if landed is not None:
+            landed(i)
 
 
 class TorchDistSender(SidebandSender):
@@ -90,15 +96,19 @@ class TorchDistReceiver(SidebandReceiver):
 
     async def start(self) -> None:
         _require_group()
+        if not self.config.verify_data and dist.get_backend() == "gloo":
+            raise ConfigError("verify_data=False is refused on gloo: its bytes cross plain TCP")
 
     def _pull_fields(self) -> dict:
         _require_group()
         return {"rank": dist.get_rank()}
 
-    async def _move(self, chan: Channel, manifest: dict, tensors: list[torch.Tensor]) -> None:
+    async def _move(self, chan: Channel, manifest: dict, tensors: list[torch.Tensor],
+                    tagger: DataTagger | None) -> None:
         src, tag = manifest.get("rank"), manifest.get("tag")
         if not _valid_peer(src) or not isinstance(tag, int):
             raise CorruptFrame(f"manifest names an invalid source rank {src!r} or tag")
         async with self._peer_locks[src]:
             await chan.send({"t": "ready"})
-            await asyncio.to_thread(_exchange, tensors, src, tag, False, self.config.transfer_timeout_s)
+            await asyncio.to_thread(_exchange, tensors, src, tag, False, self.config.transfer_timeout_s,
+                                    tagger.tag if tagger else None)

@@ -1,29 +1,34 @@
 """The router service: OpenAI endpoints in front of the P/D fleet, /health, /ready, /metrics, admin, /dashboard.
 
-Clients created once in the lifespan (one pooled httpx client, the store, background loops) and
-kept on app.state; routes only compose them.
+Clients created once in the lifespan (aiohttp for the request path, httpx for health and admin
+calls, the store, background loops) and kept on app.state; routes only compose them. The two
+OpenAI POST endpoints are served through `router.fast_path` (past FastAPI's routing layers).
 """
 from __future__ import annotations
 
 import asyncio
 import hmac
 import itertools
+import json
 import logging
 from contextlib import asynccontextmanager
+from typing import Any
 
 import httpx
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from router import health_checker
 from router.dashboard import install as install_dashboard
+from router.fast_path import FastPath
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator, Trace
 from router.placement.pipeline import build_pipeline
 from router.registry import WorkerRegistry
 from router.settings import RouterSettings
-from router.upstream import UpstreamError
+from router.upstream import UpstreamError, make_session
 from shared.openai.errors import Unauthorized, ModelNotFound, OpenAIError, error_response
 from shared.openai.convert import to_sampling_params
 from shared.openai.requests import ChatCompletionRequest, CompletionRequest
@@ -44,15 +49,17 @@ def create_app(settings: RouterSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         stop = asyncio.Event()
-        client = httpx.AsyncClient(limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100))
+        client = httpx.AsyncClient(limits=httpx.Limits(max_connections=100, max_keepalive_connections=20))
+        session = make_session()                     # the request path: aiohttp (C parser), pooled
         store = make_store(settings.store_url, settings.namespace) if settings.store_url else None
         registry = WorkerRegistry(settings, store)
         metrics = RouterMetrics()
-        pipeline = build_pipeline(scorers=dict(settings.scorer_weights))
+        pipeline = build_pipeline(**settings.pipeline_spec())
         app.state.settings, app.state.registry, app.state.metrics = settings, registry, metrics
         app.state.tokenizer = KimiTokenizer.from_dir(settings.model)
         app.state.vision_config = ModelConfig.from_file(settings.model).vision_config
-        app.state.orchestrator = Orchestrator(settings, registry, client, pipeline, metrics, settings.admin_token)
+        app.state.orchestrator = Orchestrator(settings, registry, client, pipeline, metrics, settings.admin_token,
+                                              session)
         await registry.refresh()
         await health_checker.check_once(client, registry, settings.connect_timeout_s)
         tasks = [asyncio.create_task(registry.run(stop)),
@@ -63,6 +70,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
         await client.aclose()
+        await session.close()
         if store is not None:
             await store.close()
 
@@ -76,6 +84,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
                               ("/admin/workers/{worker_id:path}/drain", _drain_worker, ["POST"])):
         app.add_api_route(path, fn, methods=methods)
     install_dashboard(app, _check_admin, _ready_state)        # /dashboard (page) and /dashboard/state (admin token)
+    app.add_middleware(FastPath, routes={"/v1/chat/completions": _chat, "/v1/completions": _completions})
     return app
 
 
@@ -110,11 +119,13 @@ async def _models(request: Request) -> JSONResponse:
     return JSONResponse(ModelList(data=[card]).model_dump(mode="json"))
 
 
-async def _serve(request: Request, endpoint: str, req, prepare) -> Response:
+async def _serve(request: Request, endpoint: str, req, prepare, body_bytes: int) -> Response:
     st = request.app.state
     _check_model(request, req.model)
     to_sampling_params(req)                      # reject bad parameters here, before any worker is busy
-    prepared = await asyncio.to_thread(prepare)
+    # a small prompt renders and tokenises in less time than a hop to a thread costs; big ones must not
+    # stall the event loop (bodies are bounded by max_request_bytes)
+    prepared = prepare() if body_bytes <= INLINE_PREPARE_BYTES else await asyncio.to_thread(prepare)
     trace = Trace(f"{endpoint}-{req.request_id or request.headers.get('x-request-id') or ''}-{next(_ids)}", endpoint)
     outcome = "error"
     try:
@@ -127,17 +138,38 @@ async def _serve(request: Request, endpoint: str, req, prepare) -> Response:
         st.metrics.requests.labels(endpoint=endpoint, decision=trace.decision, outcome=outcome).inc()
 
 
+INLINE_PREPARE_BYTES = 16 << 10
+
+
+async def _bounded_body(request: Request) -> tuple[Any, int]:
+    """The parsed JSON body and its size, refused with a 413 before it is parsed, rendered or
+    tokenised when it is larger than `max_request_bytes`: placement tokenises every prompt, and a
+    5 MB prompt cost 25 s of router CPU before a worker refused it."""
+    limit = request.app.state.settings.max_request_bytes
+    declared = request.headers.get("content-length", "")
+    if (declared.isdigit() and int(declared) > limit) or len(body := await request.body()) > limit:
+        raise OpenAIError(f"request body larger than {limit} bytes", status=413, type="invalid_request_error",
+                          code="request_too_large")
+    try:
+        return orjson.loads(body), len(body)
+    except orjson.JSONDecodeError as exc:
+        raise json.JSONDecodeError("malformed JSON or not UTF-8", "", 0) from exc
+
+
 async def _chat(request: Request) -> Response:
     _check_client(request)
-    req = ChatCompletionRequest.model_validate(await read_json_body(request))
+    body, size = await _bounded_body(request)
+    req = ChatCompletionRequest.model_validate(body)
     st = request.app.state
-    return await _serve(request, "chat", req, lambda: prepare_chat(req, st.tokenizer, st.vision_config))
+    return await _serve(request, "chat", req, lambda: prepare_chat(req, st.tokenizer, st.vision_config), size)
 
 
 async def _completions(request: Request) -> Response:
     _check_client(request)
-    req = CompletionRequest.model_validate(await read_json_body(request))
-    return await _serve(request, "completions", req, lambda: prepare_completion(req, request.app.state.tokenizer))
+    body, size = await _bounded_body(request)
+    req = CompletionRequest.model_validate(body)
+    return await _serve(request, "completions", req, lambda: prepare_completion(req, request.app.state.tokenizer),
+                        size)
 
 
 async def _health(request: Request) -> JSONResponse:

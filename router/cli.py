@@ -21,6 +21,12 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode", action="append", default=[], metavar="URL", help="static decode worker")
     p.add_argument("--worker", action="append", default=[], metavar="URL", help="static colocated worker")
     p.add_argument("--block-size", type=int, default=16, help="block size of static workers")
+    p.add_argument("--static-cache-tokens", type=int, default=0,
+                   help="KV cache size of each static worker in tokens (default: read from its /metrics)")
+    p.add_argument("--prefill-tokens-per-s", type=float, default=20000.0,
+                   help="starting guess of a worker's prefill speed; calibrated from its answers")
+    p.add_argument("--max-request-bytes", type=int, default=4 << 20,
+                   help="largest request body; larger ones get a 413 before being tokenised")
     p.add_argument("--redis-url", default=os.environ.get(REDIS_URL_ENV) or None,
                    help=f"state store: discover workers, load, KV events (default ${REDIS_URL_ENV})")
     p.add_argument("--namespace", default="default")
@@ -40,6 +46,7 @@ def settings_from_args(args: argparse.Namespace, model_dir: str) -> RouterSettin
     return RouterSettings(model=model_dir, host=args.host, port=args.port, served_model_name=args.served_model_name,
                           static_prefill=tuple(args.prefill), static_decode=tuple(args.decode),
                           static_both=tuple(args.worker), block_size=args.block_size, store_url=args.redis_url,
+                          static_cache_tokens=args.static_cache_tokens, max_request_bytes=args.max_request_bytes, prefill_tokens_per_s=args.prefill_tokens_per_s,
                           namespace=args.namespace, disagg_threshold_tokens=args.disagg_threshold,
                           max_attempts=args.max_attempts, connect_timeout_s=args.connect_timeout,
                           prefill_timeout_s=args.prefill_timeout, idle_timeout_s=args.idle_timeout,

@@ -6,6 +6,7 @@ import logging
 
 import httpx
 
+from router.capacity import capacity_tokens_from_metrics
 from router.registry import WorkerRegistry
 
 log = logging.getLogger(__name__)
@@ -20,12 +21,31 @@ async def check_once(client: httpx.AsyncClient, registry: WorkerRegistry, timeou
             ok = resp.status_code == 200
         except Exception:                                  # noqa: BLE001 - any failure is a failed check
             ok = False
+        if ok and info.worker_id in registry.unsized:
+            await size_from_metrics(client, registry, info, timeout_s)
         was = registry.health.is_healthy(info.worker_id)
         registry.health.record_check(info.worker_id, ok)
         if was != registry.health.is_healthy(info.worker_id):
             log.warning("worker %s is now %s", info.worker_id, "healthy" if ok else "unhealthy")
 
     await asyncio.gather(*(probe(i) for i in infos))
+
+
+async def size_from_metrics(client: httpx.AsyncClient, registry: WorkerRegistry, info, timeout_s: float) -> None:
+    """Size a static worker's approximate index from its /metrics (asked once per worker)."""
+    registry.unsized.discard(info.worker_id)
+    try:
+        resp = await client.get(f"{info.url}/metrics", timeout=timeout_s)
+        tokens = capacity_tokens_from_metrics(resp.text) if resp.status_code == 200 else None
+    except Exception:                                      # noqa: BLE001 - sizing is best effort
+        tokens = None
+    if tokens:
+        registry.index.size_for(info, tokens)
+        log.info("worker %s caches %d tokens: approximate index sized to %d blocks", info.worker_id, tokens,
+                 registry.index.approximate.capacity(info.worker_id))
+    else:
+        log.warning("worker %s does not report its cache size; its approximate prefix index keeps %d blocks "
+                    "(set --static-cache-tokens)", info.worker_id, registry.index.approximate.capacity_blocks)
 
 
 async def run(client: httpx.AsyncClient, registry: WorkerRegistry, interval_s: float, stop: asyncio.Event) -> None:

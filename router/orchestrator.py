@@ -13,21 +13,34 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+import aiohttp
 import httpx
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from router.metrics import RouterMetrics
 from router.placement.context import build_context
+from router.placement.ledger import Leg
 from router.placement.pipeline import NoWorkerAvailable, Pipeline, decide_disaggregation
 from router.placement.types import RoutingContext, WorkerState
 from router.registry import WorkerRegistry
 from router.settings import RouterSettings
-from router.upstream import UpstreamError, classify, error_body, parse_object, post_json
+from router.stream_watch import StreamWatch
+from router.upstream import (
+    JSON_HEADERS,
+    TRANSPORT_ERRORS,
+    UpstreamError,
+    classify,
+    dumps,
+    error_body,
+    leg_timeout,
+    parse_object,
+    post_json,
+)
 from shared.kv_transfer_params import KVTransferParams
 from shared.openai.legs import decode_body, prefill_body, wire_body
-from shared.openai.sse import SSE_DONE, SSEParser, sse_error
+from shared.openai.sse import SSE_DONE, sse_error
 from shared.prompt.prepare import PreparedPrompt
 
 log = logging.getLogger(__name__)
@@ -59,8 +72,9 @@ class Trace:
 
 class Orchestrator:
     def __init__(self, settings: RouterSettings, registry: WorkerRegistry, client: httpx.AsyncClient,
-                 pipeline: Pipeline, metrics: RouterMetrics, admin_token: str | None) -> None:
-        self.s, self.registry, self.client = settings, registry, client
+                 pipeline: Pipeline, metrics: RouterMetrics, admin_token: str | None,
+                 session: aiohttp.ClientSession) -> None:
+        self.s, self.registry, self.client, self.session = settings, registry, client, session
         self.pipeline, self.metrics, self.admin_token = pipeline, metrics, admin_token
         self._background: set[asyncio.Task] = set()
 
@@ -79,7 +93,7 @@ class Orchestrator:
         states = self.registry.states()
         ctx = self._context(trace, prepared, states, "decode")
         decode = self._pick(ctx, states, exclude=set())
-        prefill_ctx = self._context(trace, prepared, states, "prefill")
+        prefill_ctx = replace(ctx, role="prefill")      # same prompt hashes and cached prefixes
         trace.decision = self._decide(ctx, prefill_ctx, decode, states)
         if trace.decision == "prefill-decode":
             await self._prefill_or_fall_back(trace, req, prefill_ctx, states)
@@ -132,21 +146,26 @@ class Orchestrator:
     async def _prefill_leg(self, trace: Trace, req, ctx: RoutingContext, states: list[WorkerState]) -> None:
         tried: set[str] = set()
         body = prefill_body(req)
-        timeout = httpx.Timeout(self.s.prefill_timeout_s, connect=self.s.connect_timeout_s)
+        timeout = leg_timeout(self.s.connect_timeout_s, self.s.prefill_timeout_s)
         for attempt in range(self.s.max_attempts):
             worker = self._pick(ctx, states, tried)
             tried.add(worker.worker_id)
             start = time.perf_counter()
+            self._record_sent(ctx, worker)               # FIFO: what later requests will find cached there
+            leg = self.registry.ledger.open(worker.worker_id, ctx.uncached_tokens(worker.info))
+            answered = False
             try:
                 reply = await self._call(worker, lambda w=worker: post_json(
-                    self.client, self._url(w, trace), body, timeout, self._headers(trace), "prefill"))
+                    self.session, self._url(w, trace), body, timeout, self._headers(trace), "prefill"))
+                answered = True
             except UpstreamError as err:
                 self.metrics.leg_failures.labels(leg="prefill", reason=err.reason).inc()
                 if err.retryable and attempt + 1 < self.s.max_attempts:
                     self.metrics.retries.labels(leg="prefill").inc()
                     continue
                 raise
-            self._record_sent(ctx, worker)
+            finally:
+                self.registry.ledger.settle(leg, calibrate=answered)
             self.metrics.prefill_seconds.observe(time.perf_counter() - start)
             trace.prefill_worker = worker.worker_id
             raw = reply.body.get("kv_transfer_params")
@@ -186,10 +205,17 @@ class Orchestrator:
         worker = decode
         for attempt in range(self.s.max_attempts):
             tried.add(worker.worker_id)
+            # decode-only: the decode worker computes the uncached prompt; it is settled by the first
+            # streamed chunk or the whole answer. With a transferred state there is no prefill work.
+            leg = self.registry.ledger.open(worker.worker_id, 0 if trace.kv_transfer_params is not None
+                                            else ctx.uncached_tokens(worker.info))
             try:
                 resp = await self._open(worker, trace, body, req.stream)
                 break
-            except UpstreamError as err:
+            except BaseException as err:
+                self.registry.ledger.settle(leg, calibrate=False)
+                if not isinstance(err, UpstreamError):
+                    raise
                 self.metrics.leg_failures.labels(leg="decode", reason=err.reason).inc()
                 if not (err.retryable and attempt + 1 < self.s.max_attempts):
                     raise
@@ -200,61 +226,68 @@ class Orchestrator:
                 self.metrics.retries.labels(leg="decode").inc()
         trace.decode_worker = worker.worker_id
         if req.stream:
-            return StreamingResponse(self._relay(trace, worker, resp), media_type="text/event-stream",
+            return StreamingResponse(self._relay(trace, worker, resp, leg), media_type="text/event-stream",
                                      headers=trace_headers(trace))
-        return await self._whole(trace, worker, resp)
+        return await self._whole(trace, worker, resp, leg)
 
-    async def _open(self, worker: WorkerState, trace: Trace, body: dict, stream: bool) -> httpx.Response:
+    async def _open(self, worker: WorkerState, trace: Trace, body: dict, stream: bool) -> aiohttp.ClientResponse:
         """Send the decode leg; returns an open response with a 2xx status (its `begin` still open).
 
         A stream's reads are bounded by the idle timeout; a whole answer arrives only when generation is
         done, so its read is bounded by the decode timeout instead.
         """
         read = self.s.idle_timeout_s if stream else self.s.decode_timeout_s
-        timeout = httpx.Timeout(read, connect=self.s.connect_timeout_s)
-        request = self.client.build_request("POST", self._url(worker, trace), json=body, timeout=timeout,
-                                            headers=self._headers(trace))
         self.registry.begin(worker.worker_id)
         try:
-            resp = await self.client.send(request, stream=True)
-        except httpx.HTTPError as exc:
+            resp = await self.session.post(self._url(worker, trace), data=dumps(body),
+                                           headers={**JSON_HEADERS, **self._headers(trace)},
+                                           timeout=leg_timeout(self.s.connect_timeout_s, read))
+        except TRANSPORT_ERRORS as exc:
             self.registry.end(worker.worker_id, ok=False)
             raise classify(exc, "decode") from exc
         except BaseException:
             self.registry.end(worker.worker_id, ok=None)
             raise
-        if resp.status_code >= 400:
-            content = await resp.aread()
-            await resp.aclose()
-            self.registry.end(worker.worker_id, ok=resp.status_code < 500)
-            raise UpstreamError(f"http_{resp.status_code // 100}xx", f"the decode worker answered {resp.status_code}",
-                                resp.status_code, error_body(content),
-                                retryable=resp.status_code == 503 and trace.kv_transfer_params is None)
+        if resp.status >= 400:
+            status = resp.status
+            try:
+                content = await resp.read()
+            except TRANSPORT_ERRORS:
+                content = b""
+            resp.close()
+            self.registry.end(worker.worker_id, ok=status < 500)
+            raise UpstreamError(f"http_{status // 100}xx", f"the decode worker answered {status}",
+                                status, error_body(content),
+                                retryable=status == 503 and trace.kv_transfer_params is None)
         trace.decode_connected = True                   # from here on the decode worker owns the prefill lease
         self._observe_transfer(resp)
         return resp
 
-    def _observe_transfer(self, resp: httpx.Response) -> None:
+    def _observe_transfer(self, resp: aiohttp.ClientResponse) -> None:
         for header, histogram in (("x-kv-pull-seconds", self.metrics.transfer_seconds),
                                   ("x-queue-seconds", self.metrics.decode_queue)):
             value = resp.headers.get(header)
             if value:
                 histogram.observe(float(value))
 
-    async def _whole(self, trace: Trace, worker: WorkerState, resp: httpx.Response) -> Response:
+    async def _whole(self, trace: Trace, worker: WorkerState, resp: aiohttp.ClientResponse, leg: Leg) -> Response:
         outcome: bool | None = None
         try:
-            content = await resp.aread()
+            content = await resp.read()
             body = parse_object(content, "decode")
             outcome = True
-        except httpx.HTTPError as exc:
+        except TRANSPORT_ERRORS as exc:
             outcome = False
             raise classify(exc, "decode") from exc
         except UpstreamError:
             outcome = False
             raise
         finally:
-            await resp.aclose()
+            self.registry.ledger.settle(leg, calibrate=bool(outcome))
+            if outcome:
+                resp.release()                          # read to the end: the connection goes back to the pool
+            else:
+                resp.close()
             self.registry.end(worker.worker_id, outcome)
         if trace.cached_tokens is not None and isinstance(body.get("usage"), dict):
             body["usage"]["prompt_tokens_details"] = {"cached_tokens": trace.cached_tokens}
@@ -262,36 +295,39 @@ class Orchestrator:
         elapsed = time.perf_counter() - trace.start
         self.metrics.ttft.observe(elapsed)
         self.metrics.e2e.observe(elapsed)
-        return JSONResponse(body, headers=trace_headers(trace))
+        return Response(dumps(body), media_type="application/json", headers=trace_headers(trace))
 
-    async def _relay(self, trace: Trace, worker: WorkerState, resp: httpx.Response) -> AsyncIterator[bytes]:
+    async def _relay(self, trace: Trace, worker: WorkerState, resp: aiohttp.ClientResponse, leg: Leg
+                     ) -> AsyncIterator[bytes]:
         """Pass chunks through as they arrive; a cut or silent upstream becomes an SSE error event.
 
         Health outcome: success only with [DONE]; an upstream failure is a failure; a client that
         leaves early is neither (it says nothing about the worker).
         """
-        parser, saw_done, outcome, first_at, last_at = SSEParser(), False, None, None, None
+        watch, outcome, first_at, last_at = StreamWatch(), None, None, None
         try:
-            iterator = resp.aiter_raw().__aiter__()
+            iterator = resp.content.iter_any().__aiter__()
             while True:
                 try:
                     chunk = await asyncio.wait_for(iterator.__anext__(), self.s.idle_timeout_s)
                 except StopAsyncIteration:
                     break
                 now = time.perf_counter()
-                first_at = first_at or now
+                if first_at is None:
+                    first_at = now
+                    self.registry.ledger.settle(leg)         # the prompt is computed: the first token is out
                 if last_at is not None:
                     self.metrics.tpot.observe(now - last_at)
                 last_at = now
-                events = parser.feed(chunk)
-                saw_done = saw_done or any(e.is_done for e in events)
-                if any(e.is_error for e in events):
-                    self.metrics.stream_errors.inc()
+                errors = watch.errors
+                watch.feed(chunk)
+                if watch.errors > errors:
+                    self.metrics.stream_errors.inc(watch.errors - errors)
                 yield chunk
-            if not saw_done:
+            if not watch.done:
                 raise UpstreamError("truncated", "the decode worker ended the stream early", 502)
             outcome = True
-        except (httpx.HTTPError, asyncio.TimeoutError, UpstreamError) as exc:
+        except (*TRANSPORT_ERRORS, UpstreamError) as exc:
             outcome = False
             reason = exc.reason if isinstance(exc, UpstreamError) else (
                 "timeout" if isinstance(exc, (asyncio.TimeoutError, httpx.TimeoutException)) else "transport")
@@ -301,7 +337,11 @@ class Orchestrator:
             yield sse_error(502, f"the decode worker failed mid-stream: {reason}", "upstream_error", "decode_failed")
             yield SSE_DONE
         finally:
-            await resp.aclose()                       # client gone or done: D sees the disconnect and aborts
+            self.registry.ledger.settle(leg, calibrate=False)   # no-op once the first chunk settled it
+            if outcome:
+                resp.release()
+            else:
+                resp.close()                          # client gone or failed: D sees the disconnect and aborts
             self.registry.end(worker.worker_id, outcome)
             if first_at is not None:
                 self.metrics.ttft.observe(first_at - trace.start)

@@ -5,15 +5,22 @@ list. If the store is unreachable, the last known list is kept (routing degrades
 and refreshes resume when it returns. KV events feed an exact prefix index per worker: a late
 router loads each worker's snapshot, then the events after it; a gap in sequence numbers (a
 trimmed or restarted stream) means reloading from the next snapshot. Static workers (e.g. stock
-vLLM) have no events: an approximate index of what this router sent them stands in.
+vLLM) have no events: an approximate index of what this router sent them stands in, sized from
+each worker's cache capacity (its registration, `--static-cache-tokens`, or its /metrics).
+
+Load as placement reads it: the engine's last report corrected by this replica's sends and
+finishes since the report was sampled, and a ledger of the prefill work still open per worker.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections import deque
+from collections.abc import Callable
 
 from router.placement.health import HealthTracker
+from router.placement.ledger import LedgerConfig, WorkLedger
 from router.placement.prefix_index import ApproximatePrefixIndex, PrefixIndex
 from router.placement.types import WorkerState
 from router.settings import RouterSettings
@@ -38,12 +45,41 @@ class CombinedIndex:
 
     def record_sent(self, worker_id: str, hashes) -> None:
         if worker_id not in self.exact_workers:
-            self.approximate.record(worker_id, list(hashes))
+            self.approximate.record(worker_id, hashes)
+
+    def size_for(self, info: WorkerInfo, capacity_tokens: int) -> None:
+        """Bound the approximate entry of a worker to its cache (no-op when the size is unknown)."""
+        if capacity_tokens >= info.block_size > 0:
+            self.approximate.set_capacity(info.worker_id, capacity_tokens // info.block_size)
+
+
+class _SinceReport:
+    """This replica's begins (+1) and ends (-1) on one worker, newest last, with their sum; entries
+    older than the worker's latest load report are dropped as they stop mattering."""
+
+    __slots__ = ("events", "total")
+
+    def __init__(self) -> None:
+        self.events: deque[tuple[float, int]] = deque()
+        self.total = 0
+
+    def add(self, now: float, sign: int) -> None:
+        self.events.append((now, sign))
+        self.total += sign
+        if len(self.events) > 65536:                  # no reports at all: bound the memory
+            self.total -= self.events.popleft()[1]
+
+    def after(self, ts: float) -> int:
+        events = self.events
+        while events and events[0][0] <= ts:
+            self.total -= events.popleft()[1]
+        return self.total
 
 
 class WorkerRegistry:
-    def __init__(self, settings: RouterSettings, store: StateStore | None) -> None:
-        self.settings, self.store = settings, store
+    def __init__(self, settings: RouterSettings, store: StateStore | None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.settings, self.store, self._clock = settings, store, clock
         self.static: dict[str, WorkerInfo] = self._static_workers(settings)
         self.discovered: dict[str, WorkerInfo] = {}
         self.loads: dict[str, LoadReport] = {}
@@ -51,9 +87,14 @@ class WorkerRegistry:
         self.drained: set[str] = set()
         self.health = HealthTracker()
         self.index = CombinedIndex(settings.approximate_index_blocks)
+        self.ledger = WorkLedger(LedgerConfig(tokens_per_s=settings.prefill_tokens_per_s), clock)
+        self._since: dict[str, _SinceReport] = {}
         self._event_seq: dict[str, int] = {}
         self.store_ok = store is None
         self.last_refresh = 0.0
+        self.unsized: set[str] = set()                # static workers whose /metrics are still to be asked
+        for info in self.static.values():
+            self._size_static(info)
 
     @staticmethod
     def static_info(s: RouterSettings, url: str, role: str) -> WorkerInfo:
@@ -72,21 +113,35 @@ class WorkerRegistry:
 
     def states(self) -> list[WorkerState]:
         out = []
+        ledger, health = self.ledger, self.health
         for wid, info in self.all_infos().items():
-            state = WorkerState(info=info, load=self.loads.get(wid), inflight=self.inflight.get(wid, 0),
-                                draining=wid in self.drained)
-            out.append(self.health.annotate(state))
+            load = self.loads.get(wid)
+            since = self._since.get(wid)
+            out.append(WorkerState(
+                info=info, load=load, inflight=self.inflight.get(wid, 0), healthy=health.is_healthy(wid),
+                circuit=health.circuit(wid), draining=wid in self.drained,
+                since_report=since.after(load.ts) if since is not None and load is not None else 0,
+                backlog_s=ledger.backlog_s(wid), tokens_per_s=ledger.tokens_per_s(wid)))
         return out
 
     def add_static(self, url: str, role: str) -> None:
-        self.static[url] = self.static_info(self.settings, url, role)
+        self.static[url] = info = self.static_info(self.settings, url, role)
+        self._size_static(info)
+
+    def _size_static(self, info: WorkerInfo) -> None:
+        if self.settings.static_cache_tokens:
+            self.index.size_for(info, self.settings.static_cache_tokens)
+        else:
+            self.unsized.add(info.worker_id)
 
     def begin(self, worker_id: str) -> None:
         self.inflight[worker_id] = self.inflight.get(worker_id, 0) + 1
+        self._since.setdefault(worker_id, _SinceReport()).add(self._clock(), 1)
 
     def end(self, worker_id: str, ok: bool | None) -> None:
         """Close a `begin`. ok=None (the client left, we cancelled) records no health outcome."""
         self.inflight[worker_id] = max(0, self.inflight.get(worker_id, 0) - 1)
+        self._since.setdefault(worker_id, _SinceReport()).add(self._clock(), -1)
         if ok is not None:
             self.health.record_outcome(worker_id, ok)
 
@@ -99,6 +154,8 @@ class WorkerRegistry:
             gone = set(self.discovered) - {r.info.worker_id for r in records} - set(self.static)
             self.discovered = {r.info.worker_id: r.info for r in records}
             self.loads.update({r.info.worker_id: r.load for r in records})
+            for r in records:
+                self.index.size_for(r.info, r.load.capacity_tokens or r.info.capacity_tokens)
             for wid in gone:
                 self._forget(wid)
             for wid in self.discovered:
@@ -119,6 +176,8 @@ class WorkerRegistry:
         self.drained.discard(worker_id)
         self.health.forget(worker_id)
         self.index.approximate.drop_worker(worker_id)
+        self.ledger.forget(worker_id)
+        self._since.pop(worker_id, None)
 
     def _forget_events(self, worker_id: str) -> None:
         self._event_seq.pop(worker_id, None)

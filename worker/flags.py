@@ -44,7 +44,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-transport", default="tcp", choices=["tcp", "mooncake", "torch-dist"])
     p.add_argument("--kv-host", default="127.0.0.1")
     p.add_argument("--kv-port", type=int, default=0)
-    p.add_argument("--kv-streams", type=int, default=4)
+    p.add_argument("--kv-streams", type=int, default=2, help="parallel TCP streams per pull (2 x 8 MiB chunks measured best on 2 cores)")
     p.add_argument("--kv-lease-s", type=float, default=30.0)
     p.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"])
     p.add_argument("--redis-url", default=os.environ.get(REDIS_URL_ENV) or None,

@@ -36,7 +36,7 @@ class WorkerSettings:
     transfer_transport: str = "tcp"
     transfer_host: str = "127.0.0.1"
     transfer_port: int = 0
-    transfer_streams: int = 4
+    transfer_streams: int = 2
     transfer_secret: bytes = field(default=b"", repr=False)
     kv_lease_s: float = 30.0
     kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"

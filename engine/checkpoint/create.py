@@ -15,7 +15,7 @@ from engine.checkpoint.layout import (CONFIG_FILE, GENERATION_CONFIG_FILE, INDEX
 from engine.dtypes import torch_dtype
 from shared.model_config import ModelConfig
 from engine.model.kimi_k3 import KimiK3ForConditionalGeneration
-from engine.presets import PRESETS
+from engine.presets import PRESETS, SHIPPED_PRESETS, shipped_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +72,10 @@ def create_checkpoint(preset: str, out: str | Path, seed: int = 0, quant: str | 
     """
     from shared.prompt.tokenizer import KimiTokenizer
 
+    if preset in SHIPPED_PRESETS:
+        return copy_shipped(preset, out, seed, quant)
     if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted([*PRESETS, *SHIPPED_PRESETS])}")
     if quant not in (None, "w4a8"):
         raise ValueError(f"unknown quantization {quant!r}; supported: w4a8")
     out = Path(out)
@@ -92,4 +94,22 @@ def create_checkpoint(preset: str, out: str | Path, seed: int = 0, quant: str | 
     (out / GENERATION_CONFIG_FILE).write_text(json.dumps(generation_config(config), indent=2))
     KimiTokenizer.generated().save(out)
     log.info("wrote %s checkpoint (seed %d, quant %s) to %s", preset, seed, quant, out)
+    return out
+
+
+def copy_shipped(preset: str, out: str | Path, seed: int = 0, quant: str | None = None) -> Path:
+    """Copy a shipped trained checkpoint; it has fixed weights, so `seed` and `quant` must be defaults."""
+    import shutil
+    if quant is not None:
+        raise ValueError(f"--quant does not apply to the trained {preset} preset "
+                         "(quantize a copy with `kimi-pd checkpoint quantize`)")
+    if seed != 0:
+        raise ValueError(f"--seed does not apply to the trained {preset} preset (its weights are fixed; "
+                         "retrain with `kimi-pd checkpoint train --seed N`)")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in sorted(shipped_checkpoint(preset).iterdir()):
+        if f.is_file():
+            shutil.copy2(f, out / f.name)
+    log.info("copied the %s checkpoint to %s", preset, out)
     return out

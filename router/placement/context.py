@@ -1,7 +1,7 @@
 """Building a RoutingContext: hash the prompt once per hash chain, read the prefix index once."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from router.placement.prefix_index import PrefixQuery
 from router.placement.types import HashKey, RoutingContext, WorkerState
@@ -21,7 +21,15 @@ def build_context(request_id: str, token_ids: Sequence[int], workers: Sequence[W
     serving = [w for w in workers if w.info.model_id == model]
     keys = {HashKey.of(w.info) for w in serving}
     hashes = {k: tuple(block_hashes(token_ids, k.block_size, k.hash_root, images)) for k in keys}
-    cached = {w.worker_id: index.matched_blocks(w.worker_id, hashes[HashKey.of(w.info)]) for w in serving}
-    return RoutingContext(request_id=request_id, model=model, role=role,
-                          num_prompt_tokens=len(token_ids), prompt_hashes=hashes,
-                          cached_blocks=cached, now=now)
+    return context_from_hashes(request_id, len(token_ids), hashes, serving, index, model=model, role=role, now=now)
+
+
+def context_from_hashes(request_id: str, num_prompt_tokens: int, hashes: Mapping[HashKey, tuple[int, ...]],
+                        workers: Sequence[WorkerState], index: PrefixQuery, *, model: str, role: Role,
+                        now: float) -> RoutingContext:
+    """Context from block hashes already computed (`build_context`, or a trace replay that has
+    block ids instead of tokens): reads each serving worker's cached prefix once."""
+    cached = {w.worker_id: index.matched_blocks(w.worker_id, hashes.get(HashKey.of(w.info), ()))
+              for w in workers if w.info.model_id == model}
+    return RoutingContext(request_id=request_id, model=model, role=role, num_prompt_tokens=num_prompt_tokens,
+                          prompt_hashes=hashes, cached_blocks=cached, now=now)

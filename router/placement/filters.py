@@ -78,10 +78,16 @@ class OverloadFilter:
     """The "death spiral" guard of cache-aware routing: drops a worker whose active requests exceed
     the least-loaded candidate's by more than `abs_margin` AND by a factor above `rel_factor`
     (SGLang's imbalance rule, applied per worker). The least-loaded worker always survives, so
-    this filter never empties the set; a full prefix hit cannot pull traffic onto a hot worker."""
+    this filter never empties the set; a full prefix hit cannot pull traffic onto a hot worker.
+
+    `unseen_only`: count only requests this router replica did not send (the engine's report minus
+    our in-flight), for pipelines that price their own requests by work (`not-backlogged`,
+    `completion`): those see a queue of small hits for what it is, while load from other replicas
+    or clients, which no ledger of ours holds, is still guarded against."""
 
     abs_margin: int = 8
     rel_factor: float = 1.5
+    unseen_only: bool = False
 
     def __post_init__(self) -> None:
         if self.abs_margin < 0 or self.rel_factor < 1.0:
@@ -90,8 +96,33 @@ class OverloadFilter:
     def __call__(self, ctx: RoutingContext, workers: Sequence[WorkerState]) -> Workers:
         if not workers:
             return ()
-        floor = min(w.active_requests for w in workers)
-        return tuple(w for w in workers if not self._overloaded(w.active_requests, floor))
+        loads = [self._load(w) for w in workers]
+        floor = min(loads)
+        return tuple(w for w, load in zip(workers, loads) if not self._overloaded(load, floor))
+
+    def _load(self, w: WorkerState) -> int:
+        return max(w.active_requests - w.inflight, 0) if self.unseen_only else w.active_requests
 
     def _overloaded(self, load: int, floor: int) -> bool:
         return load - floor > self.abs_margin and load > self.rel_factor * floor
+
+
+@FILTERS.register("not-backlogged")
+@dataclass(frozen=True)
+class BacklogFilter:
+    """Drops a worker whose queued prefill work (`WorkerState.backlog_s`, seconds) exceeds the
+    least-backlogged candidate's by more than `slack_s`: a prefix hit is worth waiting for, but
+    not without bound, and a queue in seconds sees 100x differences in prompt size that a count
+    of requests does not. The least-backlogged worker always survives."""
+
+    slack_s: float = 4.0
+
+    def __post_init__(self) -> None:
+        if self.slack_s < 0:
+            raise ValueError("not-backlogged needs slack_s >= 0")
+
+    def __call__(self, ctx: RoutingContext, workers: Sequence[WorkerState]) -> Workers:
+        if not workers:
+            return ()
+        floor = min(w.backlog_s for w in workers)
+        return tuple(w for w in workers if w.backlog_s - floor <= self.slack_s)

@@ -7,7 +7,8 @@ prompt blocks the worker holds, stopping at the first miss. Block i's hash chain
 - `PrefixIndex`: exact, fed by the workers' KV events (vLLM schema). Unbounded by itself; the
   workers' `BlockRemoved` events bound it.
 - `ApproximatePrefixIndex`: for workers that publish no events (stock vLLM). Remembers what the
-  router sent each worker, as an LRU bounded to `capacity_blocks` per worker.
+  router sent each worker, as an LRU bounded to that worker's cache capacity in blocks (an index
+  larger than the cache believes in blocks the worker evicted long ago and sends prompts there).
 """
 from __future__ import annotations
 
@@ -89,14 +90,26 @@ class ApproximatePrefixIndex:
     `record` touches a prompt's blocks from the LAST to the FIRST, so block 0 is the most recent
     and eviction takes a prompt's tail before its head: like the engine's own LRU, which frees a
     request's blocks in reverse, and because evicting block 0 would void every later block.
-    Queries do not change recency.
+    Queries do not change recency. `capacity_blocks` applies to workers whose own capacity was
+    never given (`set_capacity`).
     """
 
     def __init__(self, capacity_blocks: int) -> None:
         if capacity_blocks < 1:
             raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
         self.capacity_blocks = capacity_blocks
+        self._capacity: dict[str, int] = {}
         self._lru: dict[str, OrderedDict[int, None]] = {}
+
+    def set_capacity(self, worker_id: str, blocks: int) -> None:
+        """The worker's prefix cache holds `blocks` blocks; shrinks its entry now if needed."""
+        if blocks < 1:
+            raise ValueError(f"capacity must be >= 1 block, got {blocks}")
+        self._capacity[worker_id] = blocks
+        self._evict(worker_id)
+
+    def capacity(self, worker_id: str) -> int:
+        return self._capacity.get(worker_id, self.capacity_blocks)
 
     def record(self, worker_id: str, prompt_hashes: Sequence[int]) -> None:
         """Note that `worker_id` was sent a prompt with these block hashes; evicts the oldest
@@ -105,11 +118,16 @@ class ApproximatePrefixIndex:
         for h in reversed(prompt_hashes):
             lru[h] = None
             lru.move_to_end(h)
-        while len(lru) > self.capacity_blocks:
+        self._evict(worker_id)
+
+    def _evict(self, worker_id: str) -> None:
+        lru, cap = self._lru.get(worker_id), self.capacity(worker_id)
+        while lru is not None and len(lru) > cap:
             lru.popitem(last=False)
 
     def drop_worker(self, worker_id: str) -> None:
         self._lru.pop(worker_id, None)
+        self._capacity.pop(worker_id, None)
 
     def num_blocks(self, worker_id: str) -> int:
         return len(self._lru.get(worker_id, ()))

@@ -4,7 +4,7 @@ Contract: a scorer returns exactly one value per input worker, in input order. V
 lie in [0, 1]; `run_scorer` (the only way the pipeline calls a scorer) clamps them there and maps
 NaN to 0, so one bad engine report cannot outweigh the other scorers. Scorers that compare workers
 ("load") are relative to the candidates they are given, i.e. the fleet after filtering.
-Registry names: prefix, load, kv_usage.
+Registry names: prefix, load, kv_usage, completion.
 """
 from __future__ import annotations
 
@@ -81,3 +81,37 @@ class KVUsageScorer:
         known = [clamp01(1.0 - w.load.cache_usage) for w in workers if w.load is not None]
         neutral = sum(known) / len(known) if known else 1.0
         return [neutral if w.load is None else 1.0 - w.load.cache_usage for w in workers]
+
+
+def expected_completion_s(ctx: RoutingContext, worker: WorkerState, own_weight: float = 1.0,
+                          default_tokens_per_s: float = 20000.0) -> float:
+    """Seconds until this request's prefill would finish on `worker`: the prefill work already
+    queued there plus `own_weight` times the request's own uncached tokens at the worker's speed.
+    `own_weight > 1` charges recomputation extra, as it also costs every later request."""
+    speed = worker.tokens_per_s if worker.tokens_per_s > 0 else default_tokens_per_s
+    return max(worker.backlog_s, 0.0) + own_weight * ctx.uncached_tokens(worker.info) / speed
+
+
+@SCORERS.register("completion")
+@dataclass(frozen=True)
+class CompletionScorer:
+    """`(best + floor_s) / (cost_w + floor_s)` with cost = `expected_completion_s`: 1.0 for the
+    worker that would answer first, falling as a worker's expected completion time grows.
+
+    Requests differ ~100x in prefill work, so this prices load in seconds of queued work instead
+    of requests, and the prefix cache by the work it saves, in one unit. `floor_s` keeps gaps of a
+    few milliseconds between idle workers from looking like large ratios.
+    """
+
+    own_weight: float = 1.0
+    floor_s: float = 0.01
+    default_tokens_per_s: float = 20000.0
+
+    def __post_init__(self) -> None:
+        if self.own_weight <= 0 or self.floor_s <= 0 or self.default_tokens_per_s <= 0:
+            raise ValueError("completion needs own_weight, floor_s and default_tokens_per_s > 0")
+
+    def __call__(self, ctx: RoutingContext, workers: Sequence[WorkerState]) -> list[float]:
+        costs = [expected_completion_s(ctx, w, self.own_weight, self.default_tokens_per_s) for w in workers]
+        best = min(costs, default=0.0)
+        return [(best + self.floor_s) / (c + self.floor_s) for c in costs]

@@ -26,6 +26,10 @@ class WorkerState:
     `load` is the worker's latest engine report, or None when there is none or it is stale (the
     caller decides staleness). `inflight` counts requests THIS router replica has sent and not yet
     seen finish; with N replicas it is roughly 1/N of the truth, so plugins prefer `load`.
+    `since_report` is this replica's sends minus finishes on the worker after `load` was sampled,
+    so a report taken before a burst finished does not count requests that are gone.
+    `backlog_s` is the prefill work this replica sent and has not seen answered (a WorkLedger
+    estimate, seconds), `tokens_per_s` the worker's calibrated prefill speed (0: unknown).
     """
 
     info: WorkerInfo
@@ -34,6 +38,9 @@ class WorkerState:
     healthy: bool = True
     circuit: CircuitState = CircuitState.CLOSED
     draining: bool = False
+    since_report: int = 0
+    backlog_s: float = 0.0
+    tokens_per_s: float = 0.0
 
     @property
     def worker_id(self) -> str:
@@ -46,14 +53,16 @@ class WorkerState:
 
     @property
     def active_requests(self) -> int:
-        """Requests on the worker: the engine's running + waiting, never below our own in-flight.
+        """Requests on the worker: the engine's running + waiting brought up to date with what this
+        replica sent and saw finish since the report, never below our own in-flight.
 
         The engine counts every router replica's requests but lags by one heartbeat; our counter is
-        current but sees one replica only. Each is a lower bound of the truth, so take the max.
+        current but sees one replica only. Both are lower bounds of the truth, so take the max, after
+        correcting the report: a worker that just drained must not look busy for a heartbeat.
         """
         if self.load is None:
             return max(self.inflight, 0)
-        return max(self.load.running + self.load.waiting, self.inflight, 0)
+        return max(self.load.running + self.load.waiting + self.since_report, self.inflight, 0)
 
 
 @dataclass(frozen=True)

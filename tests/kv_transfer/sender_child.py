@@ -1,7 +1,7 @@
 """A sender in its own process, for the kill test: `python -m tests.kv_transfer.sender_child TRANSPORT`.
 
 Prints the params of one published state as a JSON line, then serves. During a pull it prints
-`MID` and stalls mid-transfer (tcp: after its second chunk; mooncake: while the receiver reads),
+`MID` and stalls mid-transfer (tcp: before its third chunk; mooncake: while the receiver reads),
 so the parent can SIGKILL it there. It exits on its own after 60 s if nobody kills it.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import time
 
 from kv_transfer import tcp
 from kv_transfer.interface import make_sender
@@ -18,17 +19,17 @@ from tests.kv_transfer.helpers import config, hybrid_payload, metrics
 
 
 def _stall_tcp() -> None:
-    real_digest, digests = tcp.digest, 0
+    real_send, sent = tcp.send_chunk, 0
 
-    async def digest_then_stall(view: memoryview) -> bytes:
-        nonlocal digests
-        digests += 1
-        if digests == 3:
+    def send_then_stall(chan, header: dict, body: memoryview) -> None:   # in the stream's thread
+        nonlocal sent
+        sent += 1
+        if sent == 3:
             print("MID", flush=True)
-            await asyncio.sleep(60)
-        return await real_digest(view)
+            time.sleep(60)
+        real_send(chan, header, body)
 
-    tcp.digest = digest_then_stall
+    tcp.send_chunk = send_then_stall
 
 
 def _stall_sideband() -> None:

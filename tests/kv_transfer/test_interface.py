@@ -109,3 +109,15 @@ def test_metrics_are_shared_per_registry() -> None:
     get_metrics(registry).failed("recv", "tcp", "timeout")
     assert registry.get_sample_value("kimi_pd_kv_transfer_failures_total",
                                      {"direction": "recv", "transport": "tcp", "reason": "timeout"}) == 1
+
+
+def test_data_verification_is_on_by_default_and_never_off_over_tcp() -> None:
+    assert config().verify_data is True
+    for transport, protocol in (("tcp", "tcp"), ("mooncake", "tcp")):
+        with pytest.raises(ConfigError, match="refused"):
+            config(transport=transport, mooncake_protocol=protocol, verify_data=False)
+    with pytest.raises(ConfigError, match="bool"):
+        config(transport="mooncake", mooncake_protocol="rdma", verify_data=0)   # only an explicit False
+    trusted = config(transport="mooncake", mooncake_protocol="rdma", verify_data=False)
+    assert trusted.verify_data is False
+    assert config(transport="torch-dist", verify_data=False).verify_data is False   # backend checked at start

@@ -84,13 +84,13 @@ def test_expired_lease_is_never_read_and_tcp_params_are_refused() -> None:
     run(go())
 
 
-def test_bytes_that_do_not_match_the_digests_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Mooncake moves bytes outside our authenticated frames; the manifest digests must catch a
-    mismatch (here the sender announces digests of different bytes)."""
-    real = sideband.state_digests
+def test_bytes_that_do_not_match_the_tags_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mooncake moves bytes outside our authenticated frames; the tags in the authenticated
+    `end` frame must catch a mismatch (here the sender announces a tag of different bytes)."""
+    real = sideband.data_tags
 
-    async def wrong_digests(state):
-        return [bytes(32)] + (await real(state))[1:]
+    def wrong_tags(tagger):
+        return [bytes(16)] + real(tagger)[1:]
 
     async def go() -> None:
         async with serving(make_sender(_config(), metrics())) as sender:
@@ -99,17 +99,67 @@ def test_bytes_that_do_not_match_the_digests_are_refused(monkeypatch: pytest.Mon
             receiver = make_receiver(_config(), metrics())
             await receiver.start()
             try:
-                monkeypatch.setattr(sideband, "state_digests", wrong_digests)
-                with pytest.raises(CorruptFrame, match="digests"):
+                monkeypatch.setattr(sideband, "data_tags", wrong_tags)
+                with pytest.raises(CorruptFrame, match="tags"):
                     await receiver.pull(params)
-                monkeypatch.setattr(sideband, "state_digests", real)
+                monkeypatch.setattr(sideband, "data_tags", real)
                 assert_same(hybrid_payload(tokens=64), await receiver.pull(params))
                 assert await receiver.release(params) is True
             finally:
                 await receiver.stop()
             assert log.calls == [("req-1", "released")]
-            # A pull failed mid-read once, so the memory stays registered a grace period longer.
-            assert len(sender._deferred) == 1
-        assert sender._deferred == {}
+            # The refused pull failed after its read had finished and the sender had sent `end`,
+            # so no remote read can still be in flight: nothing is kept registered past the lease.
+            assert sender._deferred == {}
+
+    run(go())
+
+
+def test_a_sender_cannot_switch_verification_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The receiver decides: a sender that answers without tags fails the pull."""
+    monkeypatch.setattr(sideband, "data_tags", lambda tagger: None)
+
+    async def go() -> None:
+        async with serving(make_sender(_config(), metrics())) as sender:
+            params = sender.publish(hybrid_payload(tokens=64), None, FreeLog())
+            receiver = make_receiver(_config(), metrics())
+            await receiver.start()
+            try:
+                with pytest.raises(CorruptFrame, match="tags"):
+                    await receiver.pull(params)
+            finally:
+                await receiver.stop()
+
+    run(go())
+
+
+def test_wrong_secret_and_silent_peer_fail_typed_and_fast() -> None:
+    import socket
+
+    from kv_transfer.errors import AuthenticationFailed, PeerTimeout
+    from kv_transfer.interface import KVTransferParams
+
+    async def go() -> None:
+        async with serving(make_sender(_config(), metrics())) as sender:
+            params = sender.publish(hybrid_payload(tokens=64), None, FreeLog())
+            intruder = make_receiver(_config(secret=b"not-the-right-secret-at-all"), metrics())
+            await intruder.start()
+            try:
+                with pytest.raises(AuthenticationFailed):
+                    await intruder.pull(params)
+            finally:
+                await intruder.stop()
+            assert sender.held_count() == 1
+        with socket.create_server(("127.0.0.1", 0)) as silent:
+            quiet = KVTransferParams(do_remote_prefill=True, remote_host="127.0.0.1",
+                                     remote_port=silent.getsockname()[1], remote_request_id="r",
+                                     transport="mooncake")
+            receiver = make_receiver(_config(read_timeout_s=0.3), metrics())
+            await receiver.start()
+            try:
+                with pytest.raises(PeerTimeout):
+                    await receiver.pull(quiet)
+            finally:
+                await receiver.stop()
 
     run(go())

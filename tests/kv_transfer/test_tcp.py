@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 import pytest
 
@@ -130,25 +131,25 @@ def test_expired_lease_is_never_read() -> None:
 
 @pytest.mark.parametrize("event", ["expire", "abort"])
 def test_lease_ending_mid_transfer_fails_the_pull(event: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The sender digests chunk after chunk; after the second one the lease ends under it."""
+    """The sender sends chunk after chunk; while it sends the second one the lease ends under it."""
     clock = Clock()
     digests = 0
-    real_digest = tcp.digest
+    real_send = tcp.send_chunk
 
     async def go() -> None:
         async with serving(TcpSender(config(), metrics(), clock=clock)) as sender:
             log = FreeLog()
 
-            async def digest_then_end(view: memoryview) -> bytes:
+            def send_then_end(chan, header: dict, body: memoryview) -> None:   # stream's thread
                 nonlocal digests
                 digests += 1
                 if digests == 2:
                     clock.now += 100 if event == "expire" else 0
                     if event == "abort":
                         assert sender.abort("req-1") is True
-                return await real_digest(view)
+                real_send(chan, header, body)
 
-            monkeypatch.setattr(tcp, "digest", digest_then_end)
+            monkeypatch.setattr(tcp, "send_chunk", send_then_end)
             params = sender.publish(hybrid_payload(), 30.0, log)
             with pytest.raises(LeaseExpired if event == "expire" else RequestAborted):
                 await make_receiver(config(streams=1), metrics()).pull(params)
@@ -185,13 +186,16 @@ def test_stop_frees_everything_and_fails_inflight_pulls(monkeypatch: pytest.Monk
         sender = TcpSender(config(), metrics())
         log = FreeLog()
 
-        async def stall(view: memoryview) -> bytes:
-            started.set()
-            await asyncio.sleep(60)
-            return b""
+        loop = asyncio.get_running_loop()
+
+        def stall(chan, header: dict, body: memoryview) -> None:   # in the stream's thread
+            loop.call_soon_threadsafe(started.set)
+            deadline = time.monotonic() + 20
+            while sender._listener is not None and time.monotonic() < deadline:   # until stop()
+                time.sleep(0.01)
 
         async with serving(sender):
-            monkeypatch.setattr(tcp, "digest", stall)
+            monkeypatch.setattr(tcp, "send_chunk", stall)
             params = sender.publish(hybrid_payload(), None, log)
             sender.publish(hybrid_payload("idle", tokens=64), None, log)
             pull = asyncio.ensure_future(make_receiver(config(streams=1), metrics()).pull(params))

@@ -201,3 +201,35 @@ def test_sender_killed_mid_transfer(transport: str) -> None:
             await proc.wait()
 
     run(go(), timeout_s=40)
+
+
+@pytest.mark.parametrize("streams", [1, 3])
+@pytest.mark.parametrize(
+    ("tamper", "error", "match"),
+    [(_flip_at(5 << 20), CorruptFrame, "checksum"), (_cut_at(5 << 20), PeerClosed, "mid-frame")],
+    ids=["bit-flip-deep-in-a-large-frame", "cut-mid-frame"],
+)
+def test_large_frames_tampered_or_cut_never_yield_state(tamper: Tamper, error: type, match: str,
+                                                        streams: int) -> None:
+    """8 MiB chunk frames land straight in the destination tensors; one flipped bit 5 MiB into a
+    stream, or a stream cut there, fails the whole pull (the other streams are stopped too) and
+    returns nothing, while the sender keeps the state for a clean retry."""
+    payload = hybrid_payload(tokens=8192)                       # two 9 MiB MLA tensors
+
+    async def go() -> None:
+        async with serving(make_sender(config(), metrics())) as sender:
+            sockets = open_sockets()
+            params = sender.publish(payload, None, FreeLog())
+            proxy = await _proxy(sender.port, tamper)
+            proxied = KVTransferParams.from_dict(
+                {**params.to_dict(), "remote_port": proxy.sockets[0].getsockname()[1]})
+            receiver = make_receiver(config(chunk_bytes=8 << 20, streams=streams), metrics())
+            with pytest.raises(error, match=match):
+                await receiver.pull(proxied)
+            proxy.close()
+            await proxy.wait_closed()
+            assert_same(payload, await receiver.pull(params))
+            assert await receiver.release(params) is True
+            await eventually(lambda: open_sockets() == sockets)
+
+    run(go())

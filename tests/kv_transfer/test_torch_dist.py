@@ -85,3 +85,24 @@ def test_round_trip_between_two_ranks() -> None:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+
+
+def test_verification_cannot_be_switched_off_on_gloo() -> None:
+    """gloo moves bytes over plain TCP, so `verify_data=False` is refused when a receiver starts
+    (a one-rank group in this process, torn down afterwards)."""
+    import torch.distributed as dist
+
+    from kv_transfer.errors import ConfigError
+    from kv_transfer.interface import make_receiver
+    from tests.kv_transfer.helpers import run
+
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        port = probe.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=10))
+    try:
+        with pytest.raises(ConfigError, match="gloo"):
+            run(make_receiver(config(transport="torch-dist", verify_data=False), metrics()).start())
+        run(make_receiver(config(transport="torch-dist"), metrics()).start())      # default: fine
+    finally:
+        dist.destroy_process_group()

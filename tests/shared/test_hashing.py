@@ -43,3 +43,27 @@ def test_stable_known_value():
 def test_bad_block_size():
     with pytest.raises(ValueError):
         block_hashes([1], 0, ROOT)
+
+
+def _reference_block_hashes(token_ids, block_size, root, images=()):
+    """The chain written out block by block with `_digest`, the definition the fast path must equal."""
+    from shared.hashing import _block_extra, _digest
+    out, parent = [], root
+    for i in range(len(token_ids) // block_size):
+        lo, hi = i * block_size, (i + 1) * block_size
+        block = b"".join(int(t).to_bytes(8, "little", signed=True) for t in token_ids[lo:hi])
+        parent = _digest(parent.to_bytes(8, "big"), block, _block_extra(lo, hi, images))
+        out.append(parent)
+    return out
+
+
+def test_block_hashes_equal_the_block_by_block_definition():
+    import random
+
+    from shared.hashing import ImageSpan, block_hashes, root_hash
+    rng = random.Random(7)
+    for n, bs in ((0, 4), (3, 4), (64, 16), (257, 16), (100, 1), (1000, 64)):
+        tokens = [rng.randrange(0, 200000) for _ in range(n)]
+        images = (ImageSpan(5, 30, b"\x01" * 32), ImageSpan(70, 9, b"\x02" * 32)) if n > 80 else ()
+        root = root_hash("m", "salt")
+        assert block_hashes(tokens, bs, root, images) == _reference_block_hashes(tokens, bs, root, images)

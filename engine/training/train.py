@@ -1,0 +1,203 @@
+"""`kimi-pd checkpoint train`: train the `tiny-chat` Kimi-K3 on the synthetic chat corpus, on CPU.
+
+Deterministic from `seed`: the vocabulary, the initial weights (`init_weights`), the corpus stream
+(`random.Random(seed)`) and the optimiser all derive from it, torch runs on a fixed thread count with
+deterministic algorithms, and the run length is a step count (never wall time). Loss is taken on the
+answer turn only. Writes a full checkpoint (config, safetensors, tokenizer, generation config), the
+loss curve as `loss.png` and `train_log.json` (losses, timings, machine load).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from engine.checkpoint.create import generation_config, write_safetensors
+from engine.checkpoint.init import init_weights
+from engine.checkpoint.layout import CONFIG_FILE, GENERATION_CONFIG_FILE, keeps_fp32
+from shared.model_config import ModelConfig
+from engine.model.kimi_k3 import KimiK3ForConditionalGeneration
+from engine.presets import tiny_chat_config
+from shared.prompt.tokenizer import KimiTokenizer
+from engine.training.corpus import Example, build_tokenizer, sample_example
+from engine.training.dense_forward import dense_logits
+
+log = logging.getLogger(__name__)
+
+DEFAULT_FAMILY_WEIGHTS = {"add": 1.2, "sub": 1.2, "multi_turn": 1.2, "reverse": 1.0, "sort": 0.8,
+                          "tool_call": 0.5, "tool_answer": 0.5}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    seed: int = 0
+    steps: int = 800
+    tokens_per_step: int = 3072      # padded tokens per batch (examples are bucketed by length)
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.05
+    warmup_steps: int = 60
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    hidden_size: int = 128
+    num_layers: int = 4
+    kda_chunk_size: int = 16
+    # One intra-op thread: on the shared 2-core machine (load 8-10) two OpenMP threads spin against
+    # each other and a step is 10-20x slower (measured 07:23 UTC: 2.2 s vs 20-40 s per step).
+    threads: int = 1
+    pool_batches: int = 16
+    save_every: int = 0              # also write `step-N/` checkpoints every N steps (0: only the final one)           # batches drawn together, so length bucketing has choice
+    family_weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_FAMILY_WEIGHTS))
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up, then cosine decay to min_lr_ratio * lr."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def make_batch(examples: list[Example], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded inputs [B, T], targets [B, T] and a loss mask on the answer tokens' targets."""
+    t = max(len(e.token_ids) for e in examples) - 1
+    ids = torch.full((len(examples), t), pad_id, dtype=torch.long)
+    targets = torch.full((len(examples), t), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(examples), t), dtype=torch.bool)
+    for i, e in enumerate(examples):
+        n = len(e.token_ids) - 1
+        ids[i, :n] = torch.tensor(e.token_ids[:-1])
+        targets[i, :n] = torch.tensor(e.token_ids[1:])
+        mask[i, e.num_prompt_tokens - 1:n] = True
+    return ids, targets, mask
+
+
+class BatchStream:
+    """Deterministic batches: draw a pool of examples, sort by length, cut into token-budget batches."""
+
+    def __init__(self, tok: KimiTokenizer, cfg: TrainConfig, rng: random.Random) -> None:
+        self.tok, self.cfg, self.rng = tok, cfg, rng
+        self.queue: list[list[Example]] = []
+
+    def next(self) -> list[Example]:
+        if not self.queue:
+            self._refill()
+        return self.queue.pop()
+
+    def _refill(self) -> None:
+        budget = self.cfg.tokens_per_step
+        approx = max(1, budget // 160)
+        pool = sorted((sample_example(self.tok, self.rng, self.cfg.family_weights)
+                       for _ in range(approx * self.cfg.pool_batches)), key=lambda e: len(e.token_ids))
+        batches, current = [], []
+        for e in pool:
+            longest = max([len(e.token_ids), *(len(x.token_ids) for x in current)])
+            if current and longest * (len(current) + 1) > budget:
+                batches.append(current)
+                current = []
+            current.append(e)
+        if current:
+            batches.append(current)
+        self.rng.shuffle(batches)
+        self.queue = batches
+
+
+def masked_loss(model: KimiK3ForConditionalGeneration, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                chunk: int) -> torch.Tensor:
+    ids, targets, mask = batch
+    logits = dense_logits(model, ids, chunk)
+    return F.cross_entropy(logits[mask], targets[mask])
+
+
+def new_model(tok: KimiTokenizer, cfg: TrainConfig) -> KimiK3ForConditionalGeneration:
+    config = ModelConfig.from_dict(tiny_chat_config(tok.num_ranks, cfg.hidden_size, cfg.num_layers))
+    model = KimiK3ForConditionalGeneration(config)
+    init_weights(model, cfg.seed)
+    return model
+
+
+def setup_determinism(cfg: TrainConfig) -> None:
+    torch.set_num_threads(cfg.threads)
+    torch.set_flush_denormal(True)       # KDA's intra-chunk decays underflow; denormal maths is ~10x slower
+    torch.manual_seed(cfg.seed)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def train(cfg: TrainConfig, out: str | Path | None, progress: bool = True) -> dict:
+    """Train from scratch; writes the checkpoint to `out` (None: nothing written). Returns the log."""
+    setup_determinism(cfg)
+    started = time.monotonic()
+    load_before = os.getloadavg()[0]
+    tok = build_tokenizer(cfg.seed)
+    model = new_model(tok, cfg)
+    model.train()
+    params = [p for p in model.language_model.parameters()]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.98))
+    stream = BatchStream(tok, cfg, random.Random(cfg.seed))
+    losses: list[float] = []
+    bar = tqdm(range(cfg.steps), desc="training tiny-chat", unit="step", disable=not progress)
+    for step in bar:
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        loss = masked_loss(model, make_batch(stream.next(), tok.pad_id), cfg.kda_chunk_size)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        losses.append(loss.item())
+        if step % 10 == 0:
+            bar.set_postfix(loss=f"{sum(losses[-10:]) / len(losses[-10:]):.4f}")
+        if out is not None and cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
+            save_checkpoint(model, tok, Path(out) / f"step-{step + 1}")
+    elapsed = time.monotonic() - started
+    result = {"config": asdict(cfg), "losses": losses, "seconds": elapsed, "steps_per_s": cfg.steps / elapsed,
+              "load_before": load_before, "load_after": os.getloadavg()[0],
+              "num_params": sum(p.numel() for p in params), "vocab_size": tok.vocab_size}
+    if out is not None:
+        save_checkpoint(model.eval(), tok, Path(out))
+        Path(out, "train_log.json").write_text(json.dumps(result))
+        plot_losses(losses, Path(out) / "loss.png")
+    return result
+
+
+def save_checkpoint(model: KimiK3ForConditionalGeneration, tok: KimiTokenizer, out: Path) -> None:
+    """The HF checkpoint layout, as `kimi-pd checkpoint create` writes it (fp32 weights)."""
+    out.mkdir(parents=True, exist_ok=True)
+    config = model.config
+    (out / CONFIG_FILE).write_text(json.dumps(config.to_dict(), indent=2))
+    tensors = {name: (t if keeps_fp32(name) else t.float()).detach().contiguous()
+               for name, t in model.state_dict().items()}
+    write_safetensors(out, tensors, 32 << 20, progress=False)
+    (out / GENERATION_CONFIG_FILE).write_text(json.dumps(generation_config(config), indent=2))
+    tok.save(out)
+
+
+def plot_losses(losses: list[float], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    window = 20
+    smooth = [sum(losses[max(0, i - window + 1):i + 1]) / len(losses[max(0, i - window + 1):i + 1])
+              for i in range(len(losses))]
+    ax.plot(losses, alpha=0.3, label="step")
+    ax.plot(smooth, label=f"mean of {window}")
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("answer-token loss")
+    ax.set_title("tiny-chat training")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

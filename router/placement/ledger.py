@@ -1,0 +1,117 @@
+"""Per-worker ledger of prefill work this router has sent and not yet seen answered.
+
+Requests differ ~100x in prefill work, so a count of requests is a poor queue signal: a worker that
+holds a hot prefix can build a long queue of big prompts while its count looks ordinary. The
+ledger instead keeps, per worker, the uncached tokens of every open leg (added when the leg is
+sent, settled when its answer - or a stream's first chunk - arrives) and a calibrated prefill
+speed, so placement can compare expected completion times:
+
+    backlog_s(w) = (sum of open legs' tokens - progress on the oldest leg) / tokens_per_s(w)
+
+Speed is learnt from the answers themselves: each settled leg was worked on from the later of its
+send time and the previous settle on that worker, so tokens / busy time, averaged with a decay
+(token-weighted, so fixed per-request overheads of small legs barely move it), tracks what the
+worker really does, whatever the starting guess. Time comes from an injected clock (replays).
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+Clock = Callable[[], float]
+
+
+@dataclass(frozen=True)
+class LedgerConfig:
+    """`tokens_per_s`: the starting guess for a worker's prefill speed (per worker overrides in
+    `worker_tokens_per_s`); `decay`: weight kept by the old estimate per settled leg's share of
+    `decay_tokens` (0.5 ** (tokens / decay_tokens)); `calibrate=False` keeps the given speeds."""
+
+    tokens_per_s: float = 20000.0
+    worker_tokens_per_s: tuple[tuple[str, float], ...] = ()
+    decay_tokens: float = 200000.0
+    calibrate: bool = True
+    min_leg_tokens: int = 64                # smaller legs are mostly overhead: not used to calibrate
+
+    def __post_init__(self) -> None:
+        if self.tokens_per_s <= 0 or self.decay_tokens <= 0 or any(v <= 0 for _, v in self.worker_tokens_per_s):
+            raise ValueError("ledger speeds and decay_tokens must be > 0")
+
+
+@dataclass
+class _Worker:
+    speed: float
+    legs: OrderedDict[int, tuple[int, float]] = field(default_factory=OrderedDict)   # leg -> (tokens, sent)
+    open_tokens: int = 0
+    last_settle: float = float("-inf")
+    weight_tokens: float = 0.0           # decayed sums behind the speed estimate
+    weight_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class Leg:
+    """A handle for one open leg; settle it exactly once."""
+
+    worker_id: str
+    leg_id: int
+    tokens: int
+
+
+class WorkLedger:
+    def __init__(self, config: LedgerConfig = LedgerConfig(), clock: Clock = time.time) -> None:
+        self.config, self._clock = config, clock
+        self._speeds = dict(config.worker_tokens_per_s)
+        self._workers: dict[str, _Worker] = {}
+        self._ids = itertools.count()
+
+    def _get(self, worker_id: str) -> _Worker:
+        w = self._workers.get(worker_id)
+        if w is None:
+            w = self._workers[worker_id] = _Worker(self._speeds.get(worker_id, self.config.tokens_per_s))
+        return w
+
+    def open(self, worker_id: str, tokens: int) -> Leg:
+        """Note a leg with `tokens` uncached prompt tokens just sent to the worker."""
+        w, leg = self._get(worker_id), Leg(worker_id, next(self._ids), max(int(tokens), 0))
+        w.legs[leg.leg_id] = (leg.tokens, self._clock())
+        w.open_tokens += leg.tokens
+        return leg
+
+    def settle(self, leg: Leg, *, calibrate: bool = True) -> None:
+        """The leg's answer arrived (or it failed / was cancelled: `calibrate=False`). Idempotent."""
+        w = self._workers.get(leg.worker_id)
+        if w is None or leg.leg_id not in w.legs:
+            return
+        tokens, sent = w.legs.pop(leg.leg_id)
+        w.open_tokens -= tokens
+        now = self._clock()
+        busy = now - max(sent, w.last_settle)
+        w.last_settle = now
+        if calibrate and self.config.calibrate and tokens >= self.config.min_leg_tokens and busy > 0:
+            keep = 0.5 ** (tokens / self.config.decay_tokens)
+            w.weight_tokens = keep * w.weight_tokens + tokens
+            w.weight_seconds = keep * w.weight_seconds + busy
+            w.speed = w.weight_tokens / w.weight_seconds
+
+    def tokens_per_s(self, worker_id: str) -> float:
+        return self._get(worker_id).speed if worker_id in self._workers else \
+            self._speeds.get(worker_id, self.config.tokens_per_s)
+
+    def backlog_s(self, worker_id: str) -> float:
+        """Seconds of sent, unanswered prefill work left on the worker (0 when none is open)."""
+        w = self._workers.get(worker_id)
+        if w is None or not w.legs:
+            return 0.0
+        head_tokens, head_sent = next(iter(w.legs.values()))
+        progress = (self._clock() - max(head_sent, w.last_settle)) * w.speed
+        return max(w.open_tokens - min(max(progress, 0.0), head_tokens), 0) / w.speed
+
+    def open_legs(self, worker_id: str) -> int:
+        w = self._workers.get(worker_id)
+        return 0 if w is None else len(w.legs)
+
+    def forget(self, worker_id: str) -> None:
+        self._workers.pop(worker_id, None)

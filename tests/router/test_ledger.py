@@ -1,0 +1,201 @@
+"""The work ledger, the completion scorer, the backlog filter and the heartbeat correction:
+table-driven, on an injected clock."""
+from __future__ import annotations
+
+import pytest
+
+from router.capacity import capacity_tokens_from_metrics
+from router.placement import FILTERS, SCORERS, HashKey, RoutingContext, WorkerState, build_pipeline, run_scorer
+from router.placement.ledger import LedgerConfig, WorkLedger
+from router.placement.prefix_index import ApproximatePrefixIndex
+from router.registry import WorkerRegistry
+from router.settings import RouterSettings
+from shared.hashing import root_hash
+from shared.workers import LoadReport, WorkerInfo
+
+ROOT, BS = root_hash("m"), 4
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def ledger(tps: float = 1000.0, calibrate: bool = True) -> tuple[WorkLedger, Clock]:
+    clock = Clock()
+    return WorkLedger(LedgerConfig(tokens_per_s=tps, calibrate=calibrate, min_leg_tokens=1), clock), clock
+
+
+# ------------------------------------------------------------------------------------------- ledger
+# (legs opened at t=0 as (tokens), seconds elapsed, legs settled (indexes), expected backlog in s)
+BACKLOG_CASES = [
+    ([], 0.0, [], 0.0),
+    ([1000], 0.0, [], 1.0),
+    ([1000, 500], 0.0, [], 1.5),
+    ([1000, 500], 0.4, [], 1.1),         # progress on the oldest leg only
+    ([1000, 500], 5.0, [], 0.5),         # the oldest overran: never below the legs behind it
+    ([1000, 500], 0.0, [0], 0.5),
+    ([1000, 500], 0.0, [0, 1], 0.0),
+    ([0, 0], 1.0, [], 0.0),
+]
+
+
+@pytest.mark.parametrize("legs,elapsed,settled,expected", BACKLOG_CASES)
+def test_backlog(legs, elapsed, settled, expected):
+    book, clock = ledger(calibrate=False)
+    handles = [book.open("w", n) for n in legs]
+    for i in settled:
+        book.settle(handles[i])
+    clock.t += elapsed
+    assert book.backlog_s("w") == pytest.approx(expected)
+    assert book.backlog_s("other") == 0.0
+
+
+def test_settle_is_idempotent_and_per_worker():
+    book, _ = ledger(calibrate=False)
+    a, b = book.open("a", 1000), book.open("b", 2000)
+    book.settle(a)
+    book.settle(a)
+    assert (book.backlog_s("a"), book.backlog_s("b"), book.open_legs("a"), book.open_legs("b")) == (0.0, 2.0, 0, 1)
+    book.forget("b")
+    assert book.backlog_s("b") == 0.0
+
+
+def test_speed_calibrates_from_fifo_answers_whatever_the_guess():
+    book, clock = ledger(tps=1000.0)               # the worker really does 4000 tokens/s
+    for _ in range(20):
+        legs = [book.open("w", n) for n in (4000, 2000, 8000)]
+        for leg in legs:                            # FIFO: each answer arrives when its work is done
+            clock.t += leg.tokens / 4000
+            book.settle(leg)
+    assert book.tokens_per_s("w") == pytest.approx(4000, rel=1e-6)
+    assert book.tokens_per_s("never-seen") == 1000.0
+
+
+def test_failed_or_cancelled_legs_do_not_calibrate():
+    book, clock = ledger(tps=1000.0)
+    leg = book.open("w", 5000)
+    clock.t += 0.001
+    book.settle(leg, calibrate=False)
+    assert book.tokens_per_s("w") == 1000.0 and book.backlog_s("w") == 0.0
+
+
+def test_ledger_config_rejects_nonsense():
+    with pytest.raises(ValueError):
+        LedgerConfig(tokens_per_s=0)
+
+
+# ------------------------------------------------------------------------------- scorer and filters
+def w(wid: str, *, backlog: float = 0.0, tps: float = 1000.0, running: int | None = None, inflight: int = 0,
+      since: int = 0) -> WorkerState:
+    load = None if running is None else LoadReport(running, 0, ts=50.0)
+    info = WorkerInfo(wid, "prefill", f"http://{wid}", "m", block_size=BS, hash_root=ROOT)
+    return WorkerState(info, load, inflight, since_report=since, backlog_s=backlog, tokens_per_s=tps)
+
+
+def ctx(tokens: int = 1000, cached: dict[str, int] | None = None) -> RoutingContext:
+    return RoutingContext("r", "m", "prefill", tokens, {HashKey(ROOT, BS): tuple(range(tokens // BS))}, cached or {})
+
+
+COMPLETION_CASES = [
+    # config, context, workers, expected scores: (best + floor) / (cost + floor)
+    ({}, ctx(), [w("a"), w("b")], [1.0, 1.0]),
+    ({}, ctx(), [w("a", backlog=0.99), w("b")], [1.01 / 2.0, 1.0]),
+    ({}, ctx(cached={"a": 125}), [w("a"), w("b")], [1.0, 0.51 / 1.01]),         # 500 of 1000 tokens cached
+    ({"own_weight": 4.0}, ctx(cached={"a": 125}), [w("a", backlog=1.0), w("b")], [1.0, 3.01 / 4.01]),
+    ({}, ctx(cached={"a": 125}), [w("a", backlog=1.0), w("b")], [1.01 / 1.51, 1.0]),   # 1.5 s vs 1 s
+    ({}, ctx(), [w("a", tps=2000.0), w("b", tps=0.0)], [0.06 / 0.51, 1.0]),     # unknown speed: the default
+    ({"floor_s": 1.0}, ctx(), [w("a", backlog=1.0), w("b")], [2.0 / 3.0, 1.0]),
+]
+
+
+@pytest.mark.parametrize("config,context,workers,expected", COMPLETION_CASES)
+def test_completion_scorer(config, context, workers, expected):
+    got = run_scorer(SCORERS.build("completion", **{"default_tokens_per_s": 20000.0, **config}), context, workers)
+    assert got == pytest.approx(expected)
+
+
+FILTER_CASES = [
+    ("not-backlogged", {"slack_s": 2.0}, [w("a", backlog=0.5), w("b", backlog=2.5), w("c", backlog=2.6)], ["a", "b"]),
+    ("not-backlogged", {"slack_s": 0.0}, [w("a", backlog=3.0), w("b", backlog=3.0)], ["a", "b"]),
+    ("not-backlogged", {}, [], []),
+    # counts of requests this replica sent are priced by the ledger; only unseen ones are guarded
+    ("not-overloaded", {"unseen_only": True}, [w("a", running=20, inflight=20), w("b", running=0)], ["a", "b"]),
+    ("not-overloaded", {"unseen_only": True}, [w("a", running=20, inflight=2), w("b", running=0)], ["b"]),
+    ("not-overloaded", {}, [w("a", running=20, inflight=20), w("b", running=0)], ["b"]),
+    # a report sampled before 15 of our requests finished: not overloaded any more
+    ("not-overloaded", {}, [w("a", running=20, since=-15), w("b", running=0)], ["a", "b"]),
+]
+
+
+@pytest.mark.parametrize("name,config,workers,expected", FILTER_CASES)
+def test_work_filters(name, config, workers, expected):
+    assert [x.worker_id for x in FILTERS.build(name, **config)(ctx(), workers)] == expected
+
+
+def test_router_policy_waits_for_a_hit_but_not_without_bound():
+    settings = RouterSettings(model="", static_prefill=("http://a", "http://b"))
+    pipe = build_pipeline(**settings.pipeline_spec())
+    context = ctx(tokens=20000, cached={"a": 4000})                 # 16k of 20k tokens cached on a
+    queued = lambda s: [w("a", backlog=s, tps=20000.0), w("b", tps=20000.0)]   # noqa: E731
+    assert pipe.pick(context, queued(3.0)).worker.worker_id == "a"   # 3 s queue < 16 x 0.8 s saved
+    assert pipe.pick(context, queued(7.0)).worker.worker_id == "b"   # beyond the 6 s slack
+
+
+# ------------------------------------------------------------------------------------------ registry
+def test_registry_corrects_a_stale_report_with_what_finished_since():
+    clock = Clock()
+    reg = WorkerRegistry(RouterSettings(model="", static_prefill=("http://a",)), None, clock=clock)
+    for _ in range(6):
+        reg.begin("http://a")
+    reg.loads["http://a"] = LoadReport(running=6, ts=clock.t)      # the engine saw our 6
+    clock.t += 0.5
+    for _ in range(5):
+        reg.end("http://a", ok=True)                               # 5 finish after the report
+    reg.begin("http://a")                                          # and one more is sent
+    state = reg.states()[0]
+    assert (state.inflight, state.since_report, state.active_requests) == (2, -4, 2)
+    reg.loads["http://a"] = LoadReport(running=9, ts=clock.t + 0.1)   # newer report: nothing after it
+    assert reg.states()[0].active_requests == 9
+
+
+def test_registry_states_carry_the_ledger():
+    clock = Clock()
+    reg = WorkerRegistry(RouterSettings(model="", static_prefill=("http://a",), prefill_tokens_per_s=1000.0),
+                         None, clock=clock)
+    reg.ledger.open("http://a", 3000)
+    state = reg.states()[0]
+    assert (state.backlog_s, state.tokens_per_s) == (3.0, 1000.0)
+
+
+@pytest.mark.parametrize("static_tokens,expected", [(0, 65536), (8192 * 16, 8192)])
+def test_static_workers_index_is_sized_from_their_cache(static_tokens, expected):
+    reg = WorkerRegistry(RouterSettings(model="", static_prefill=("http://a",), block_size=16,
+                                        static_cache_tokens=static_tokens), None)
+    assert reg.index.approximate.capacity("http://a") == expected
+    assert (reg.unsized == {"http://a"}) == (static_tokens == 0)    # else asked from its /metrics
+
+
+def test_approximate_index_evicts_per_worker_capacity():
+    index = ApproximatePrefixIndex(100)
+    index.set_capacity("small", 3)
+    index.record("small", [1, 2, 3, 4, 5])
+    index.record("big", [1, 2, 3, 4, 5])
+    assert (index.num_blocks("small"), index.num_blocks("big")) == (3, 5)
+    assert index.matched_blocks("small", [1, 2, 3, 4, 5]) == 3     # the head survives, the tail goes first
+    index.set_capacity("big", 2)
+    assert index.matched_blocks("big", [1, 2, 3]) == 2
+
+
+@pytest.mark.parametrize("text,expected", [
+    ('# HELP x\nvllm:cache_config_info{block_size="16",cache_dtype="auto",num_gpu_blocks="27798"} 1.0\n',
+     27798 * 16),
+    ("kimi_pd_worker_capacity_tokens 524288.0\n", 524288),
+    ('vllm:cache_config_info{block_size="16",num_gpu_blocks="None"} 1.0\n', None),
+    ("some_other_metric 3\n", None),
+])
+def test_capacity_from_metrics(text, expected):
+    assert capacity_tokens_from_metrics(text) == expected
