@@ -149,6 +149,12 @@ def _choose(logits: Tensor, requests: Sequence[SamplingState]) -> Tensor:
 
 
 def _sample_random(logits: Tensor, requests: Sequence[SamplingState]) -> Tensor:
+    return exponential_race(sampling_probs(logits, requests), [r.generator for r in requests])
+
+
+def sampling_probs(logits: Tensor, requests: Sequence[SamplingState]) -> Tensor:
+    """The distribution random rows sample from: temperature, top-k, top-p, min-p, softmax (rejection
+    sampling in speculative decoding needs it explicitly, as the target's p)."""
     params = [r.params for r in requests]
     vocab = logits.shape[1]
     logits = apply_temperature(logits, _row_values([p.temperature for p in params], logits))
@@ -159,7 +165,7 @@ def _sample_random(logits: Tensor, requests: Sequence[SamplingState]) -> Tensor:
         logits = apply_top_p(logits, _row_values([p.top_p for p in params], logits))
     if any(p.min_p > 0.0 for p in params):
         logits = apply_min_p(logits, _row_values([p.min_p for p in params], logits))
-    return exponential_race(logits.softmax(dim=-1), [r.generator for r in requests])
+    return logits.softmax(dim=-1)
 
 
 def apply_temperature(logits: Tensor, temperature: Tensor) -> Tensor:

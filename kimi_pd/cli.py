@@ -15,9 +15,34 @@ _DTYPES = ("float32", "bfloat16")
 
 
 def _checkpoint_create(args: argparse.Namespace) -> int:
+    if args.draft:
+        if not args.target:
+            raise ValueError("--draft needs --target DIR (the checkpoint the draft speculates for)")
+        from engine.spec_decode.checkpoint import create_draft_checkpoint
+        print(create_draft_checkpoint(args.target, args.out, block=args.block or 7, seed=args.seed))
+        return 0
+    if args.target or args.block is not None:
+        raise ValueError("--target and --block describe a draft: add --draft")
+    if args.preset == "tiny-chat-dspark":
+        if args.seed or args.quant:
+            raise ValueError("--seed/--quant do not apply to the trained tiny-chat-dspark draft (fixed weights; "
+                             "retrain with `kimi-pd checkpoint train-draft`)")
+        from engine.spec_decode.checkpoint import copy_shipped_draft
+        print(copy_shipped_draft(args.preset, args.out))
+        return 0
     from engine.checkpoint.create import create_checkpoint
     out = create_checkpoint(args.preset, args.out, seed=args.seed, quant=args.quant, progress=not args.quiet)
     print(out)
+    return 0
+
+
+def _checkpoint_train_draft(args: argparse.Namespace) -> int:
+    from engine.spec_decode.train import DraftTrainConfig, train_draft
+    out = args.out or f"{str(args.target).rstrip('/')}-dspark"
+    cfg = DraftTrainConfig(block=args.block, steps=args.steps, num_sequences=args.sequences, seed=args.seed,
+                           threads=args.threads)
+    result = train_draft(args.target, out, cfg, progress=not args.quiet)
+    print(json.dumps({"out": str(out), **{k: v for k, v in result.items() if k != "config"}}))
     return 0
 
 
@@ -104,7 +129,13 @@ def _router(args: argparse.Namespace) -> int:
 def _up(args: argparse.Namespace) -> int:
     from kimi_pd.up import up
     model = str(_default_chat_model(args.model).resolve())
-    return up(model, args.port, args.prefill_workers, args.decode_workers, args.redis_url, Path(args.log_dir), [])
+    extra = []
+    if args.speculative_config:
+        from engine.spec_decode.config import SpeculativeConfig
+        SpeculativeConfig.parse(args.speculative_config)            # refuse a bad config before starting anything
+        extra = ["--speculative-config", args.speculative_config]
+    return up(model, args.port, args.prefill_workers, args.decode_workers, args.redis_url, Path(args.log_dir), [],
+              extra)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -120,13 +151,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     ckpt = sub.add_parser("checkpoint", help="generated checkpoints", allow_abbrev=False).add_subparsers(dest="action", required=True)
     create = ckpt.add_parser("create", help="write a generated Kimi-K3 checkpoint (HF layout)", allow_abbrev=False)
-    create.add_argument("--preset", choices=("tiny", "small", "tiny-chat"), default="tiny",
-                        help="tiny/small: random weights; tiny-chat: copy the shipped trained checkpoint")
+    create.add_argument("--preset", choices=("tiny", "small", "tiny-chat", "tiny-chat-dspark"), default="tiny",
+                        help="tiny/small: random weights; tiny-chat: copy the shipped trained checkpoint; "
+                             "tiny-chat-dspark: copy the shipped DSpark draft for tiny-chat")
     create.add_argument("--quant", choices=("w4a8",), default=None)
     create.add_argument("--seed", type=int, default=0)
     create.add_argument("--out", required=True)
     create.add_argument("--quiet", action="store_true", help="no progress bar")
+    create.add_argument("--draft", action="store_true", help="a random DSpark draft (k3_dspark layout) for --target")
+    create.add_argument("--target", help="with --draft: the target checkpoint directory")
+    create.add_argument("--block", type=int, choices=(7, 5), default=None,
+                        help="with --draft: Block7 or Block5 draft (its num_speculative_tokens default)")
     create.set_defaults(func=_checkpoint_create)
+    distil = ckpt.add_parser("train-draft", help="distil a DSpark draft from a target's own features and greedy "
+                                                 "answers", allow_abbrev=False)
+    distil.add_argument("--target", required=True, help="the target checkpoint directory")
+    distil.add_argument("--out", default=None, help="draft directory (default: TARGET-dspark)")
+    distil.add_argument("--block", type=int, choices=(7, 5), default=7)
+    distil.add_argument("--steps", type=int, default=1000)
+    distil.add_argument("--sequences", type=int, default=384, help="prompts the target answers for the data")
+    distil.add_argument("--seed", type=int, default=0)
+    distil.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    distil.add_argument("--quiet", action="store_true")
+    distil.set_defaults(func=_checkpoint_train_draft)
     trn = ckpt.add_parser("train", help="train the tiny-chat model on the synthetic chat corpus (CPU)",
                           allow_abbrev=False)
     trn.add_argument("--out", required=True)
@@ -175,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     upp.add_argument("--decode-workers", type=int, default=1)
     upp.add_argument("--redis-url", default=None, help="use this store instead of starting an embedded one")
     upp.add_argument("--log-dir", default="logs")
+    upp.add_argument("--speculative-config", default=None,
+                     help="DSpark JSON (see the worker flag); decode workers speculate, prefill workers "
+                          "write the draft's prompt context rows into the state they hand over")
     upp.set_defaults(func=_up)
 
     from kimi_pd.bench.cli import add_bench_args

@@ -46,7 +46,9 @@ def wait_ready(url: str, fleet: Processes, timeout_s: float) -> None:
 
 
 def up(model_dir: str, port: int, num_prefill: int, num_decode: int, redis_url: str | None, log_dir: Path,
-       extra_worker_args: list[str]) -> int:
+       extra_worker_args: list[str], speculative_args: list[str] | None = None) -> int:
+    """speculative_args (`--speculative-config JSON`) go to every worker: decode workers speculate; prefill
+    workers run the draft's context projection so the prompt's draft rows travel with the state."""
     fleet, store = Processes(), None
     supervisor = Supervisor(fleet, report=lambda line: print(line, file=sys.stderr, flush=True))
     stopping = {"flag": False}
@@ -65,7 +67,7 @@ def up(model_dir: str, port: int, num_prefill: int, num_decode: int, redis_url: 
         env = {**os.environ, "KIMI_PD_TRANSFER_SECRET": os.environ.get("KIMI_PD_TRANSFER_SECRET") or secrets.token_hex(24),
                "KIMI_PD_ADMIN_TOKEN": os.environ.get("KIMI_PD_ADMIN_TOKEN") or secrets.token_hex(16),
                "KIMI_PD_REDIS_URL": redis_url}             # through the environment: no password in `ps`
-        common = ["--model", model_dir, *extra_worker_args]
+        common = ["--model", model_dir, *extra_worker_args, *(speculative_args or [])]
         for role, count in (("prefill", num_prefill), ("decode", num_decode)):
             for i in range(count):
                 name = f"{role}-{i}"

@@ -259,6 +259,8 @@ async def _health(request: Request) -> JSONResponse:
 async def _metrics(request: Request) -> Response:
     rt = _rt(request)
     rt.metrics.sample_engine(rt.engine.stats())
+    if rt.spec_metrics is not None:
+        rt.spec_metrics.observe(rt.engine.engine.spec_stats.drain())
     return Response(generate_latest(rt.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 

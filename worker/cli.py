@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 
 import uvicorn
 
@@ -14,16 +13,15 @@ from worker.settings import (ADMIN_TOKEN_ENV, API_KEY_ENV, TRANSFER_SECRET_ENV, 
                              internal_auth_default, secret_from_env)
 
 def settings_from_args(args: argparse.Namespace, model_dir: str) -> WorkerSettings:
-    if args.speculative_config:
-        json.loads(args.speculative_config)
-        raise ValueError("--speculative-config: DSpark speculative decoding is not implemented in this build")
+    from engine.spec_decode.config import SpeculativeConfig
+    speculative = SpeculativeConfig.parse(args.speculative_config)     # a bad config stops start-up here
     secret = secret_from_env(TRANSFER_SECRET_ENV) or ""
     engine = EngineConfig(model=model_dir, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                           enable_prefix_caching=args.enable_prefix_caching, block_size=args.block_size,
                           device=args.device, dtype=args.dtype, cache_memory_bytes=args.cache_memory,
                           kda_chunk_size=args.kda_chunk_size, export_lease_s=None,  # the transfer lease is the one clock
-                          model_id=args.served_model_name)
+                          model_id=args.served_model_name, speculative_config=speculative)
     extra = {"worker_id": args.worker_id} if args.worker_id else {}
     return WorkerSettings(engine=engine, host=args.host, port=args.port,
                           served_model_name=args.served_model_name, advertise_url=args.advertise_url,

@@ -33,7 +33,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--cache-memory", type=parse_bytes, default="256MiB", help="KV/state cache budget")
     p.add_argument("--kda-chunk-size", type=int, default=64)
-    p.add_argument("--speculative-config", default=None, help="JSON; DSpark drafts are not supported yet")
+    p.add_argument("--speculative-config", default=None,
+                   help='JSON, vLLM\'s fields: {"method": "dspark", "model": DRAFT_DIR, "num_speculative_tokens": 7, '
+                        '"draft_sample_method": "greedy"|"probabilistic", "max_model_len": N, ...}')
     p.add_argument("--tokenizer-mode", default="kimi_k3", choices=["auto", "kimi_k3"])
     p.add_argument("--reasoning-parser", default="kimi_k3", choices=ACCEPTED_PARSERS)
     p.add_argument("--tool-call-parser", default="kimi_k3", choices=ACCEPTED_PARSERS)

@@ -34,13 +34,21 @@ class WorkerRuntime:
     legs: dict[LegKind, Leg] = field(default_factory=dict)
     presence: WorkerPresence | None = None
     draining: bool = False
+    spec_metrics: object | None = None          # worker.spec_metrics.SpecDecodeMetrics when speculating
 
     @classmethod
     def build(cls, settings: WorkerSettings, role: Role) -> WorkerRuntime:
         role.validate(settings.transfer_secret)
         settings.validate()
         engine = AsyncEngine(engine=LLMEngine(settings.engine))
-        return cls(settings, role, engine, WorkerMetrics())
+        runtime = cls(settings, role, engine, WorkerMetrics())
+        spec = engine.engine.spec
+        if spec is not None:
+            from worker.spec_metrics import SpecDecodeMetrics
+            runtime.spec_metrics = SpecDecodeMetrics(runtime.metrics.registry, spec.num_speculative_tokens)
+            log.info("speculative decoding: dspark draft %s, %d tokens, %s drafts", spec.model,
+                     spec.num_speculative_tokens, spec.draft_sample_method)
+        return runtime
 
     @property
     def tokenizer(self) -> KimiTokenizer:

@@ -25,6 +25,7 @@ class CacheConfig:
     num_snapshot_slots: int
     enable_prefix_caching: bool = True
     snapshot_interval_blocks: int = 4
+    spec_slots_per_seq: int = 0          # per-position KDA slots of each working slot (speculative decoding)
 
     @property
     def capacity_tokens(self) -> int:
@@ -44,16 +45,20 @@ def bytes_per_slot(cfg: TextConfig, dtype_bytes: int) -> int:
 
 def budget_cache(cfg: TextConfig, memory_bytes: int, block_size: int, num_working_slots: int,
                  num_snapshot_slots: int, dtype_bytes: int, enable_prefix_caching: bool,
-                 snapshot_interval_blocks: int) -> CacheConfig:
-    """Split a memory budget: state slots first (fixed per sequence), the rest becomes MLA pages."""
-    slot_bytes = (num_working_slots + num_snapshot_slots) * bytes_per_slot(cfg, dtype_bytes)
-    block_bytes = max(1, bytes_per_block(cfg, block_size, dtype_bytes))
+                 snapshot_interval_blocks: int, spec_slots_per_seq: int = 0, extra_block_bytes: int = 0) -> CacheConfig:
+    """Split a memory budget: state slots first (fixed per sequence), the rest becomes MLA pages.
+
+    Speculative decoding adds `spec_slots_per_seq` per-position KDA slots per working slot and the
+    draft's context rows to every block (`extra_block_bytes`)."""
+    num_slots = num_working_slots * (1 + spec_slots_per_seq) + num_snapshot_slots
+    slot_bytes = num_slots * bytes_per_slot(cfg, dtype_bytes)
+    block_bytes = max(1, bytes_per_block(cfg, block_size, dtype_bytes) + extra_block_bytes)
     num_blocks = (memory_bytes - slot_bytes) // block_bytes
     if num_blocks < 2:
         raise ValueError(f"cache memory {memory_bytes} B is too small: {slot_bytes} B go to "
                          f"{num_working_slots + num_snapshot_slots} KDA state slots, one MLA block needs {block_bytes} B")
     return CacheConfig(block_size, int(num_blocks), num_working_slots, num_snapshot_slots,
-                       enable_prefix_caching, snapshot_interval_blocks)
+                       enable_prefix_caching, snapshot_interval_blocks, spec_slots_per_seq)
 
 
 @dataclass(frozen=True)
@@ -157,6 +162,13 @@ class HybridCacheManager:
         req.num_published_blocks = max(req.num_published_blocks, full)
         for block_hash, slot in self._pending.pop(req.request_id, []):
             self.slots.commit_snapshot(block_hash, slot)
+
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Free the blocks past the first `num_tokens` tokens (pages of rejected speculative tokens)."""
+        keep = -(-num_tokens // self.block_size)
+        if len(req.blocks) > keep:
+            self.pool.free(req.blocks[keep:])
+            del req.blocks[keep:]
 
     def free(self, req: Request) -> None:
         """Return everything `req` holds. Safe to call twice."""

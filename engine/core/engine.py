@@ -34,6 +34,10 @@ from engine.structured_output import GrammarCompiler
 from engine.token_constraints import bad_words_token_ids
 from shared.sampling_params import SamplingParams
 from shared.prompt.tokenizer import KimiTokenizer
+from engine.spec_decode.config import DraftConfig, SpeculativeConfig
+from engine.spec_decode.proposer import DraftRequest, DSparkProposer
+from engine.spec_decode.stats import SpecDecodeStats
+from engine.spec_decode.verify import verify
 from shared.hashing import block_hashes, root_hash, salted_root
 
 log = logging.getLogger(__name__)
@@ -56,6 +60,7 @@ class EngineConfig:
     export_lease_s: float | None = 60.0    # None: held until released (a transfer layer owns the lease)
     seed: int = 0
     model_id: str | None = None          # names the prefix-hash chain; defaults to the config hash
+    speculative_config: SpeculativeConfig | dict | str | None = None   # vLLM's --speculative-config (DSpark)
 
     def validate(self) -> None:
         checks = {"max_num_seqs": self.max_num_seqs >= 1, "max_num_batched_tokens": self.max_num_batched_tokens >= 1,
@@ -75,19 +80,34 @@ class LLMEngine:
         self.model = load_checkpoint(config.model, torch_dtype(config.dtype), config.device, options)
         self.tokenizer = KimiTokenizer.from_dir(config.model)
         text = self.model.config.text_config
+        self.max_model_len = min(config.max_model_len or text.max_position_embeddings, text.max_position_embeddings)
+        dtype_bytes = torch.finfo(torch_dtype(config.dtype)).bits // 8
+        self.spec = SpeculativeConfig.parse(config.speculative_config)
+        draft_cfg = None
+        if self.spec is not None:
+            self.spec = self.spec.with_model_path()
+            draft_cfg = DraftConfig.from_dir(self.spec.model)
+            draft_cfg.check_target(text)
+            self.spec = self.spec.resolve(draft_cfg, self.max_model_len)
+        num_spec = self.spec.num_speculative_tokens if self.spec else 0
         self.cache_config = budget_cache(text, config.cache_memory_bytes, config.block_size, config.max_num_seqs,
                                          config.num_snapshot_slots if config.num_snapshot_slots is not None
-                                         else 2 * config.max_num_seqs,
-                                         torch.finfo(torch_dtype(config.dtype)).bits // 8,
-                                         config.enable_prefix_caching, config.snapshot_interval_blocks)
-        self.max_model_len = min(config.max_model_len or text.max_position_embeddings, text.max_position_embeddings)
+                                         else 2 * config.max_num_seqs, dtype_bytes,
+                                         config.enable_prefix_caching, config.snapshot_interval_blocks, num_spec,
+                                         DSparkProposer.bytes_per_block(draft_cfg, config.block_size, dtype_bytes)
+                                         if draft_cfg else 0)
         self.cache = HybridCacheManager(self.cache_config)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    self.max_model_len), self.cache)
         config_hash = self.model.config.identity_hash()
         schedule = "".join("K" if text.is_kda_layer(i) else "M" for i in range(text.num_hidden_layers))
         self.identity = StateIdentity(config_hash, config.dtype, schedule, config.block_size)
-        self.runner = ModelRunner(self.model, self.cache_config, self.identity)
+        self.proposer = (DSparkProposer(self.spec, self.model, self.cache_config.num_blocks, config.block_size,
+                                        torch_dtype(config.dtype), torch.device(config.device))
+                         if self.spec else None)
+        self.spec_stats = SpecDecodeStats(num_spec) if self.spec else None
+        self.runner = ModelRunner(self.model, self.cache_config, self.identity,
+                                  self.proposer.capture_layers if self.proposer else (), self.proposer)
         self.hash_root = root_hash(config.model_id or config_hash)
         self.eos_token_ids = {self.tokenizer.eos_id}
         self.grammars = GrammarCompiler(self.tokenizer, text.vocab_size)   # compiles on first use
@@ -129,8 +149,9 @@ class LLMEngine:
         req.block_hashes = block_hashes(req.prompt_token_ids, self.config.block_size,
                                         salted_root(self.hash_root, params.cache_salt),
                                         [img.span for img in req.images])
-        req.generator = torch.Generator().manual_seed(
-            params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seed_source)))
+        req.sampling_seed = (params.seed if params.seed is not None
+                             else int(torch.randint(0, 2**62, (1,), generator=self._seed_source)))
+        req.generator = torch.Generator().manual_seed(req.sampling_seed % 2**64)
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, params, self.eos_token_ids)
         if inputs.resume is not None:
             self._resume(req, inputs.resume, vocab_size=self.model.config.text_config.vocab_size)
@@ -219,7 +240,7 @@ class LLMEngine:
             raise KeyError(f"no held state for request {request_id!r}")
         parts = self.runner.export_state(req)
         top = req.output_top_logprobs[0] if req.output_top_logprobs else None
-        extra = {}
+        extra = {"draft_id": self.proposer.draft_id} if self.proposer else {}
         if req.prompt_logprobs is not None:       # they travel with the state to the decode worker
             extra["prompt_logprobs"] = [None if e is None else e.to_wire() for e in req.prompt_logprobs]
         first_token = req.output_token_ids[0] if req.output_token_ids else -1     # -1: max_tokens=0
@@ -256,31 +277,55 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.seqs:
             return pending
-        logits, prompt_logits = self.runner.execute_with_prompt_logits(out)
-        for index, (start, chunk_logits) in prompt_logits.items():
+        started = time.perf_counter()
+        result = self.runner.execute(out)
+        for index, (start, chunk_logits) in result.prompt_logits.items():
             record_prompt_logprobs(out.seqs[index].req, start, chunk_logits)
-        sampling, scored_only = [], []
+        row, sampling, sample_rows, verified, context = 0, [], [], [], []
+        for s, offset in zip(out.seqs, result.token_offsets):
+            req = s.req
+            req.first_scheduled_time = req.first_scheduled_time or time.monotonic()
+            if s.verifies:
+                n = len(s.draft_token_ids)
+                checked = self._verify(req, s, result.logits[row: row + n + 1])
+                row += n + 1
+                consumed = 1 + checked.num_accepted_drafts
+                if consumed < n + 1:
+                    self.runner.rollback_kda(req.kda_slot, consumed)
+                req.num_computed_tokens += consumed
+                self.cache.trim(req, req.num_computed_tokens)
+                verified.append((req, checked))
+            else:
+                req.num_computed_tokens += s.num_new_tokens
+                consumed = s.num_new_tokens
+                if s.samples:
+                    sampling.append(req)
+                    sample_rows.append(row)
+                    row += 1
+            if result.features is not None:
+                context.append((req.blocks, s.num_computed_before, result.features[offset: offset + consumed]))
+        if self.proposer is not None:               # before commit publishes blocks or a finish frees them
+            self.proposer.write_context(context)
         for s in out.seqs:
-            s.req.num_computed_tokens += s.num_new_tokens
-            s.req.first_scheduled_time = s.req.first_scheduled_time or time.monotonic()
             self.cache.commit(s.req)
-            if s.samples:
-                sampling.append(s.req)
-        if any(r.max_tokens == 0 for r in sampling):
-            # max_tokens=0 (prompt scoring): the prompt is computed, nothing is generated
+        scored_only = [r for r in sampling if r.max_tokens == 0]
+        if scored_only:          # max_tokens=0 (prompt scoring): the prompt is computed, nothing is generated
             keep = [i for i, r in enumerate(sampling) if r.max_tokens > 0]
-            scored_only = [r for r in sampling if r.max_tokens == 0]
-            sampling = [sampling[i] for i in keep]
-            logits = logits[keep]
-        pending += [self._finish_scored_only(req) for req in scored_only]
-        if not sampling:
-            return pending
+            sampling, sample_rows = [sampling[i] for i in keep], [sample_rows[i] for i in keep]
+            pending += [self._finish_scored_only(req) for req in scored_only]
         states = [SamplingState(params=r.params, prompt_token_ids=r.prompt_token_ids,
                                 output_token_ids=r.output_token_ids, generator=r.generator,
                                 bad_words_token_ids=r.bad_words_token_ids, grammar=r.grammar) for r in sampling]
-        result = sample(logits, states, self.eos_token_ids)
-        return pending + [self._append_token(req, tok, lp, top) for req, tok, lp, top in
-                          zip(sampling, result.token_ids, result.logprobs, result.top_logprobs)]
+        sampled = sample(result.logits[sample_rows], states, self.eos_token_ids) if sampling else None
+        verify_s = time.perf_counter() - started if verified else None
+        outputs = [self._append_tokens(req, [tok], [lp], [top]) for req, tok, lp, top in
+                   zip(sampling, sampled.token_ids, sampled.logprobs, sampled.top_logprobs)] if sampled else []
+        outputs += [self._append_tokens(req, c.token_ids, c.logprobs, c.top_logprobs) for req, c in verified]
+        if self.proposer is not None:
+            draft_started = time.perf_counter()
+            drafted = self._propose([req for req in sampling + [r for r, _ in verified]])
+            self.spec_stats.record_times(time.perf_counter() - draft_started if drafted else None, verify_s)
+        return pending + outputs
 
     def _finish_scored_only(self, req: Request) -> RequestOutput:
         if req.export_state:
@@ -289,23 +334,66 @@ class LLMEngine:
             self._finish(req, "length", None)
         return self._output(req, "", [])
 
+    # ---- speculative decoding ---------------------------------------------------------------------
+    def _verify(self, req: Request, s, logits: torch.Tensor):
+        state = SamplingState(req.params, req.prompt_token_ids, req.output_token_ids, req.generator)
+        checked = verify(logits, s.draft_token_ids, state, self.eos_token_ids,
+                         s.num_computed_before, req.sampling_seed, req.spec_draft_logits)
+        self.spec_stats.record_draft(len(s.draft_token_ids), checked.num_accepted_drafts)
+        req.spec_token_ids, req.spec_draft_logits = [], None
+        return checked
+
+    def num_drafts_for(self, req: Request) -> int:
+        """How many tokens to draft for `req` now (0: it does not speculate this step).
+
+        Bounded by its remaining output (a verify step emits up to drafts+1 tokens), the context
+        length, and the draft's `max_model_len` (longer sequences decode without speculation)."""
+        if not req.draft_context_ready or req.status != RequestStatus.RUNNING \
+                or req.num_tokens != req.num_computed_tokens + 1 or _constrained(req):
+            return 0
+        n = self.spec.num_speculative_tokens
+        if req.num_tokens + n > self.spec.max_model_len:
+            return 0
+        return max(0, min(n, req.max_tokens - len(req.output_token_ids) - 1, self.max_model_len - req.num_tokens))
+
+    def _propose(self, candidates: list[Request]) -> int:
+        reqs = [(r, self.num_drafts_for(r)) for r in candidates]
+        reqs = [(r, k) for r, k in reqs if k > 0]
+        blocks = self.proposer.propose([DraftRequest(r.blocks, r.num_computed_tokens, r.output_token_ids[-1], k,
+                                                     0.0 if r.params.is_greedy else r.params.temperature,
+                                                     r.sampling_seed) for r, k in reqs])
+        for (req, _), block in zip(reqs, blocks):
+            req.spec_token_ids, req.spec_draft_logits = block.token_ids, block.logits
+        return len(reqs)
+
+    # ---- outputs ----------------------------------------------------------------------------------
     def _append_token(self, req: Request, token: int, logprob: float, top) -> RequestOutput:
-        req.output_token_ids.append(token)
-        if req.grammar is not None:
-            req.grammar.accept(token)
-        req.output_logprobs.append(logprob)
-        req.output_top_logprobs.append(top)
-        step = req.detokenizer.add(token)
-        new_text = step.new_text
-        reason, stop = self._stop_check(req, step.stopped)
-        if reason is not None:
-            new_text += req.detokenizer.finish() if reason != "stop_string" else ""
-            if req.export_state:
-                self._hold(req, reason, stop)
-            else:
-                self._finish(req, reason, stop)
-        req.text += new_text
-        return self._output(req, new_text, [token])
+        return self._append_tokens(req, [token], [logprob], [top])
+
+    def _append_tokens(self, req: Request, tokens: list[int], logprobs: list[float], tops: list) -> RequestOutput:
+        """Append tokens in order until one stops the request; one output for all of them."""
+        new_text, added = "", []
+        for token, logprob, top in zip(tokens, logprobs, tops):
+            req.output_token_ids.append(token)
+            if req.grammar is not None:
+                req.grammar.accept(token)
+            req.output_logprobs.append(logprob)
+            req.output_top_logprobs.append(top)
+            added.append(token)
+            step = req.detokenizer.add(token)
+            piece = step.new_text
+            reason, stop = self._stop_check(req, step.stopped)
+            if reason is not None:
+                piece += req.detokenizer.finish() if reason != "stop_string" else ""
+                if req.export_state:
+                    self._hold(req, reason, stop)
+                else:
+                    self._finish(req, reason, stop)
+            req.text += piece
+            new_text += piece
+            if reason is not None:
+                break
+        return self._output(req, new_text, added)
 
     def _stop_check(self, req: Request, stopped) -> tuple[str | None, int | str | None]:
         if stopped is not None:
@@ -362,3 +450,11 @@ def record_prompt_logprobs(req: Request, start: int, logits: torch.Tensor) -> No
     tops = list(zip(top_ids.tolist(), top_values.tolist())) if n else [([], [])] * len(chosen_l)
     for i, (token_id, lp, rank, (ids, values)) in enumerate(zip(targets.tolist(), chosen_l, ranks_l, tops)):
         req.prompt_logprobs[start + 1 + i] = PromptLogprob(token_id, lp, rank, list(zip(ids, values)))
+
+
+def _constrained(req: Request) -> bool:
+    """Requests whose tokens a mask constrains (grammar, bad words, logit bias, allowed ids) decode
+    without speculation: verification applies penalties and min_tokens, not these masks."""
+    p = req.params
+    return req.grammar is not None or bool(req.bad_words_token_ids) or bool(p.logit_bias) \
+        or p.allowed_token_ids is not None

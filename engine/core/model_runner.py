@@ -2,9 +2,12 @@
 
 It owns the cache tensors; the scheduler hands it requests and token counts only. Before the
 forward it applies the step's state moves (snapshot -> working slot copies, imported states);
-after it, it returns the logits of the sequences that sample this step.
+after it, it returns the logits of the sequences that sample this step (every row of a speculative
+verification) and, when a draft reads them, the captured target features of every token.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,19 +19,44 @@ from engine.model.forward_batch import ForwardBatch, HybridCacheTensors, Sequenc
 from engine.model.kimi_k3 import KimiK3ForConditionalGeneration
 
 
+@dataclass
+class RunnerOutput:
+    logits: torch.Tensor                    # [rows, V]: 1 row per sampling seq, 1+drafts per verifying seq
+    features: torch.Tensor | None           # [tokens, target_hidden * len(capture_layers)], flat token order
+    token_offsets: list[int]                # first flat token of each scheduled seq
+    # seq index in `out.seqs` -> (first prompt position p, logits [k, V] scoring prompt tokens p+1..p+k),
+    # for requests that want prompt logprobs (the last prompt position's logits are its sampling row)
+    prompt_logits: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
+
+
 class ModelRunner:
-    def __init__(self, model: KimiK3ForConditionalGeneration, cache_config: CacheConfig, identity: StateIdentity) -> None:
+    def __init__(self, model: KimiK3ForConditionalGeneration, cache_config: CacheConfig, identity: StateIdentity,
+                 capture_layers: tuple[int, ...] = (), proposer=None) -> None:
+        """proposer: the DSpark proposer whose draft context rows travel with exported states."""
+        self.proposer = proposer
         self.model = model
         self.text_config = model.config.text_config
         self.device = next(model.parameters()).device
         self.dtype = next(model.language_model.parameters()).dtype
         self.identity = identity
-        num_slots = cache_config.num_working_slots + cache_config.num_snapshot_slots
+        self.capture_layers = capture_layers
+        self.spec_slots_per_seq = cache_config.spec_slots_per_seq
+        self.spec_slot_base = cache_config.num_working_slots + cache_config.num_snapshot_slots
+        num_slots = self.spec_slot_base + cache_config.num_working_slots * cache_config.spec_slots_per_seq
         self.cache = HybridCacheTensors.allocate(self.text_config, cache_config.num_blocks, num_slots,
                                                  cache_config.block_size, self.dtype, self.device)
         self.block_size = cache_config.block_size
 
     # ---- state moves ----------------------------------------------------------------------------
+    def spec_slots(self, working_slot: int, count: int) -> tuple[int, ...]:
+        """The per-position KDA slots of a working slot (fixed, so nothing can leak or be shared)."""
+        base = self.spec_slot_base + working_slot * self.spec_slots_per_seq
+        return tuple(range(base, base + count))
+
+    def rollback_kda(self, working_slot: int, num_consumed: int) -> None:
+        """After verifying, keep the state after the first `num_consumed` tokens of the block."""
+        self.copy_kda_state(self.spec_slots(working_slot, num_consumed)[-1], working_slot)
+
     def copy_kda_state(self, src: int, dst: int) -> None:
         for layer in self.text_config.kda_layer_ids:
             self.cache.kda_conv[layer][dst] = self.cache.kda_conv[layer][src]
@@ -43,11 +71,14 @@ class ModelRunner:
         """Copies of req's MLA latents for its prompt tokens and its KDA state, on the CPU."""
         index = self._page_index(req, 0, req.num_prompt_tokens)
         slot = req.kda_slot
-        return {
+        parts = {
             "mla": {i: p.view(-1, p.shape[-1])[index].cpu() for i, p in self.cache.mla_pages.items()},
             "kda_conv": {i: c[slot].cpu().clone() for i, c in self.cache.kda_conv.items()},
             "kda_recurrent": {i: r[slot].cpu().clone() for i, r in self.cache.kda_recurrent.items()},
         }
+        if self.proposer is not None:
+            parts["draft"] = self.proposer.export_rows(req.blocks, req.num_prompt_tokens)
+        return parts
 
     def import_state(self, req: Request, state: ExportedState) -> None:
         """Write an exported state into req's pages and working slot (shapes checked, nothing partial)."""
@@ -59,6 +90,10 @@ class ModelRunner:
         for i in self.text_config.kda_layer_ids:
             self.cache.kda_conv[i][req.kda_slot] = state.kda_conv[i].to(self.device)
             self.cache.kda_recurrent[i][req.kda_slot] = state.kda_recurrent[i].to(self.device)
+        if self.proposer is not None:
+            # Same draft on both sides -> its prompt context rows travel; else this request decodes unspeculated.
+            same = state.extra.get("draft_id") == self.proposer.draft_id and bool(state.draft)
+            req.draft_context_ready = same and self.proposer.import_rows(req.blocks, state.draft)
 
     def _check_import_shapes(self, state: ExportedState, num_tokens: int) -> None:
         expect = {("mla", i): (num_tokens, self.text_config.mla_cache_dim) for i in self.cache.mla_pages}
@@ -72,43 +107,44 @@ class ModelRunner:
 
     # ---- forward --------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Run the step; returns logits [num sampling seqs, vocab] in `out.seqs` order (fp32)."""
-        return self.execute_with_prompt_logits(out)[0]
-
-    @torch.inference_mode()
-    def execute_with_prompt_logits(self, out: SchedulerOutput) -> tuple[torch.Tensor, dict[int, tuple[int, torch.Tensor]]]:
-        """`execute`, plus, for each seq (by index in `out.seqs`) whose request wants prompt logprobs,
-        `(first position, logits [k, vocab])`: the logits at prompt positions p..p+k-1 of this chunk,
-        which score prompt tokens p+1..p+k (the last prompt position's logits are its sampling row)."""
-        ids, slices, logits_rows, mm_embeds, mm_pos = [], [], [], [], []
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """Run the step; logits (fp32) in `out.seqs` order, see RunnerOutput."""
+        ids, slices, logits_rows, mm_embeds, mm_pos, offsets = [], [], [], [], [], []
         prompt_rows: dict[int, tuple[int, list[int]]] = {}
         flat = 0
         for index, s in enumerate(out.seqs):
             self._prepare(s)
-            lo, hi = s.num_computed_before, s.num_computed_before + s.num_new_tokens
-            ids.extend(s.req.token_at(p) for p in range(lo, hi))
+            lo = s.num_computed_before
+            real = s.num_new_tokens - len(s.draft_token_ids)
+            ids.extend(s.req.token_at(p) for p in range(lo, lo + real))
+            ids.extend(s.draft_token_ids)
+            spec = self.spec_slots(s.req.kda_slot, len(s.draft_token_ids)) if s.verifies else ()
             slices.append(SequenceSlice(s.num_new_tokens, lo, s.req.kda_slot,
                                         torch.tensor(s.req.blocks, device=self.device),
-                                        reset_kda_state=lo == 0, snapshots=s.snapshots))
-            self._gather_images(s.req, lo, hi, flat, mm_embeds, mm_pos)
-            scored_hi = min(hi, s.req.num_prompt_tokens - 1)
+                                        reset_kda_state=lo == 0, snapshots=s.snapshots, spec_slots=spec))
+            self._gather_images(s.req, lo, lo + real, flat, mm_embeds, mm_pos)
+            offsets.append(flat)
+            scored_hi = min(lo + real, s.req.num_prompt_tokens - 1)
             if s.req.wants_prompt_logprobs and lo < scored_hi:
                 prompt_rows[index] = (lo, list(range(flat, flat + scored_hi - lo)))
             flat += s.num_new_tokens
-            if s.samples:
+            if s.verifies:
+                logits_rows.extend(range(flat - s.num_new_tokens, flat))
+            elif s.samples:
                 logits_rows.append(flat - 1)
         num_sampling = len(logits_rows)
         extra = [row for _, rows in prompt_rows.values() for row in rows]
         batch = ForwardBatch(slices, self.cache, torch.tensor(logits_rows + extra, dtype=torch.long, device=self.device),
                              torch.cat(mm_embeds) if mm_embeds else None,
-                             torch.tensor(mm_pos, device=self.device) if mm_pos else None)
+                             torch.tensor(mm_pos, device=self.device) if mm_pos else None,
+                             capture_layers=self.capture_layers)
         logits = self.model(torch.tensor(ids, device=self.device), batch)
+        features = torch.cat(batch.captured, dim=-1) if batch.captured else None
         prompt_logits, at = {}, num_sampling
         for index, (start, rows) in prompt_rows.items():
             prompt_logits[index] = (start, logits[at:at + len(rows)])
             at += len(rows)
-        return logits[:num_sampling], prompt_logits
+        return RunnerOutput(logits[:num_sampling], features, offsets, prompt_logits)
 
     def _prepare(self, s: ScheduledSeq) -> None:
         if s.import_state:

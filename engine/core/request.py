@@ -60,6 +60,10 @@ class Request:
     text: str = ""
     first_scheduled_time: float | None = None
     num_preemptions: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)   # drafts to verify at the next step
+    spec_draft_logits: Any = None                              # [n, V] when the draft sampled
+    draft_context_ready: bool = True                           # draft rows exist for every verified token
+    sampling_seed: int = 0                                     # base of the per-position speculative RNG
     prompt_logprobs: list[Any] | None = None   # PromptLogprob per position (0: None) when asked for
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     grammar: Any = None                 # structured output matcher (engine.structured_output)

@@ -30,11 +30,16 @@ class ScheduledSeq:
     snapshots: tuple[tuple[int, int], ...] = ()
     resume_from_slot: int | None = None         # copy this KDA snapshot into the working slot first
     import_state: bool = False                  # write req.imported into the cache first
+    draft_token_ids: tuple[int, ...] = ()       # speculative: the new tokens are [last, *drafts]
 
     @property
     def samples(self) -> bool:
         """True when this step reaches the end of the known tokens, so its last logits pick the next one."""
-        return self.num_computed_before + self.num_new_tokens == self.req.num_tokens
+        return self.num_computed_before + self.num_new_tokens - len(self.draft_token_ids) == self.req.num_tokens
+
+    @property
+    def verifies(self) -> bool:
+        return bool(self.draft_token_ids)
 
 
 @dataclass
@@ -74,10 +79,17 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self._make_room(req, n, out):
-                break                                   # req itself was preempted
+            drafts = tuple(req.spec_token_ids)
+            # drafts ride along only when they fit without preempting anyone; else a plain decode step
+            if not (drafts and n == 1 and budget >= 1 + len(drafts) and self.cache.allocate(req, 1 + len(drafts))):
+                drafts = ()
+                req.spec_token_ids = []
+                if not self._make_room(req, n, out):
+                    break                               # req itself was preempted
+            n += len(drafts)
             out.seqs.append(ScheduledSeq(req, n, req.num_computed_tokens,
-                                         self.cache.plan_snapshots(req, req.num_computed_tokens, n)))
+                                         self.cache.plan_snapshots(req, req.num_computed_tokens, n - len(drafts)),
+                                         draft_token_ids=drafts))
             budget -= n
             i += 1
         return budget
@@ -98,6 +110,7 @@ class Scheduler:
         req.num_published_blocks = 0
         req.snapshot_upto_blocks = 0
         req.num_preemptions += 1
+        req.spec_token_ids = []
         self.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)

@@ -45,6 +45,7 @@ class ExportedState:
     num_cached_tokens: int = 0
     first_top_logprobs: list[tuple[int, float]] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    draft: dict[int, torch.Tensor] = field(default_factory=dict)   # DSpark context rows [T, dim] per draft layer
 
     def to_parts(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         meta = {"request_id": self.request_id, "prompt_token_ids": list(self.prompt_token_ids),
@@ -54,12 +55,13 @@ class ExportedState:
                 "identity": vars(self.identity).copy(), "extra": self.extra}
         tensors = {**{f"mla.{i}": t for i, t in self.mla.items()},
                    **{f"kda_conv.{i}": t for i, t in self.kda_conv.items()},
-                   **{f"kda_recurrent.{i}": t for i, t in self.kda_recurrent.items()}}
+                   **{f"kda_recurrent.{i}": t for i, t in self.kda_recurrent.items()},
+                   **{f"draft.{j}": t for j, t in self.draft.items()}}
         return meta, tensors
 
     @classmethod
     def from_parts(cls, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> "ExportedState":
-        groups: dict[str, dict[int, torch.Tensor]] = {"mla": {}, "kda_conv": {}, "kda_recurrent": {}}
+        groups: dict[str, dict[int, torch.Tensor]] = {"mla": {}, "kda_conv": {}, "kda_recurrent": {}, "draft": {}}
         for name, t in tensors.items():
             kind, _, layer = name.rpartition(".")
             if kind not in groups or not layer.isdigit():

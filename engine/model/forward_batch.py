@@ -29,6 +29,8 @@ class SequenceSlice:
     reset_kda_state: zero that row first (a sequence starting from token 0).
     snapshots: (k, slot) pairs: after the first k new tokens, copy the KDA state into `slot`
       (prefix-cache snapshots at block boundaries); k in 1..num_new_tokens.
+    spec_slots: speculative verification: the KDA state after new token k (k = 1..num_new-1) goes
+      to `spec_slots[k-1]` (DSPARK.md 3.6, per-position slots), so a rejection restores it exactly.
     """
 
     num_new_tokens: int
@@ -37,6 +39,7 @@ class SequenceSlice:
     block_table: torch.Tensor
     reset_kda_state: bool = False
     snapshots: tuple[tuple[int, int], ...] = ()
+    spec_slots: tuple[int, ...] = ()
 
     @property
     def num_total_tokens(self) -> int:
@@ -86,6 +89,8 @@ class ForwardBatch:
     logits_indices: torch.Tensor | None = None
     mm_embeds: torch.Tensor | None = None
     mm_positions: torch.Tensor | None = None
+    capture_layers: tuple[int, ...] = ()            # target layers whose outputs the draft reads (DSPARK.md 3.2)
+    captured: list[torch.Tensor] = field(default_factory=list)
     token_offsets: list[int] = field(init=False)
 
     def __post_init__(self) -> None:

@@ -75,7 +75,10 @@ class KimiDeltaAttention(nn.Module):
         decode = [i for i, s in enumerate(batch.slices) if s.num_new_tokens == 1 and not s.snapshots]
         if decode:
             self._decode_step(decode, qkv, g, beta, conv_w, batch, out)
-        decode_set = set(decode)
+        verify = [i for i, s in enumerate(batch.slices) if s.spec_slots]
+        if verify:
+            self._verify_steps(verify, qkv, g, beta, conv_w, batch, out)
+        decode_set = set(decode) | set(verify)
         for i, s in enumerate(batch.slices):
             if i not in decode_set and s.num_new_tokens:
                 self._sequence(s, batch.token_offsets[i], qkv, g, beta, conv_w, cache, out)
@@ -101,6 +104,36 @@ class KimiDeltaAttention(nn.Module):
                                    rec_store[slots], self.head_dim ** -0.5)
         rec_store[slots] = new_rec
         out[rows] = o[:, 0]
+
+    def _verify_steps(self, idx: list[int], qkv, g, beta, conv_w, batch: ForwardBatch, out) -> None:
+        """Speculative verification, vectorised over the verifying slices of equal length: the conv runs
+        token by token through `causal_conv_step` and the recurrence through `kda_recurrent`, exactly the
+        per-token arithmetic of plain decoding; the state after each token but the last is kept in the
+        slice's per-position slot, the last becomes the working state."""
+        by_len: dict[int, list[int]] = {}
+        for i in idx:
+            by_len.setdefault(batch.slices[i].num_new_tokens, []).append(i)
+        conv_store = batch.cache.kda_conv[self.layer_id]
+        rec_store = batch.cache.kda_recurrent[self.layer_id]
+        for t_len, group in by_len.items():
+            starts = torch.tensor([batch.token_offsets[i] for i in group], device=qkv.device)
+            rows = starts[:, None] + torch.arange(t_len, device=qkv.device)                # [B, T]
+            slots = torch.tensor([batch.slices[i].kda_slot for i in group], device=qkv.device)
+            conv = conv_store[slots]
+            mixed, conv_states = [], []
+            for t in range(t_len):
+                m, conv = causal_conv_step(qkv[rows[:, t]], conv_w, conv)
+                mixed.append(m)
+                conv_states.append(conv)
+            q, k, v = self._split_qkv(torch.stack(mixed, dim=1))                           # [B, T, H, K]
+            rec_states: list[torch.Tensor] = []
+            o, _ = kda_recurrent(q, k, v, g[rows], beta[rows], rec_store[slots], self.head_dim ** -0.5, rec_states)
+            out[rows.reshape(-1)] = o.reshape(-1, *o.shape[2:])
+            conv_store[slots], rec_store[slots] = conv_states[-1], rec_states[-1]
+            spec = torch.tensor([batch.slices[i].spec_slots for i in group], device=qkv.device)   # [B, T-1]
+            if spec.numel():
+                conv_store[spec.t().reshape(-1)] = torch.stack(conv_states[:-1]).reshape(-1, *conv.shape[1:])
+                rec_store[spec.t().reshape(-1)] = torch.stack(rec_states[:-1]).reshape(-1, *rec_states[0].shape[1:])
 
     def _sequence(self, s: SequenceSlice, start: int, qkv, g, beta, conv_w,
                   cache: HybridCacheTensors, out) -> None:

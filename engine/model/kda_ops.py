@@ -48,11 +48,13 @@ def causal_conv_step(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor)
 
 
 def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                  state: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                  state: torch.Tensor, scale: float, states: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token recurrence, batched over B sequences.
 
     q, k: [B, T, H, K] (l2-normalised); v: [B, T, H, V]; g: [B, T, H, K] log-decay; beta: [B, T, H];
     state: [B, H, K, V] fp32. Returns (o [B, T, H, V] fp32, final state fp32). Inputs are not mutated.
+    `states`, if given, receives the state after every token (speculative verification keeps them);
+    token t's arithmetic is the same whether it runs alone (T=1) or inside a longer T.
     """
     s = upcast(state)
     q, k, v, g, beta = upcast(q) * scale, upcast(k), upcast(v), upcast(g), upcast(beta)
@@ -63,6 +65,8 @@ def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
         delta = beta[:, t, :, None] * (v[:, t] - kv_mem)
         s = s + k[:, t, :, :, None] * delta[:, :, None, :]
         outs.append((q[:, t, :, None, :] @ s).squeeze(-2))
+        if states is not None:
+            states.append(s)
     return torch.stack(outs, dim=1), s
 
 

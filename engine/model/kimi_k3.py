@@ -87,8 +87,13 @@ class KimiK3TextModel(nn.Module):
         if batch.mm_embeds is not None and batch.mm_positions is not None and batch.mm_positions.numel():
             h = h.index_copy(0, batch.mm_positions, batch.mm_embeds.to(h.dtype))
         blocks: list[torch.Tensor] = []
+        capture = set(batch.capture_layers)
+        by_layer: dict[int, torch.Tensor] = {}
         for layer in self.layers:
             h = layer(h, blocks, batch)
+            if layer.layer_id in capture:
+                by_layer[layer.layer_id] = h          # the AttnRes block's partial sum after this layer
+        batch.captured = [by_layer[i] for i in batch.capture_layers]
         h = attn_res([*blocks, h], self.output_attn_res_proj.weight, self.output_attn_res_norm.weight,
                      self.cfg.rms_norm_eps)
         return self.norm(h)

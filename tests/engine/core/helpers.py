@@ -48,11 +48,11 @@ def no_forward(llm: LLM) -> Iterator[None]:
         raise AssertionError("the model ran a forward where only bookkeeping was expected")
 
     runner = llm.engine.runner
-    runner.execute = runner.execute_with_prompt_logits = forbidden
+    runner.execute = forbidden
     try:
         yield
     finally:
-        del runner.execute, runner.execute_with_prompt_logits
+        del runner.execute
 
 
 def bannable_word(tokenizer, ids: list[int]) -> str:

@@ -1,0 +1,1 @@
+"""DSpark speculative decoding (DSPARK.md): draft config + checkpoint, draft model, proposer, verification."""

@@ -1,0 +1,167 @@
+"""The K3 DSpark draft (DSPARK.md 3.3): a dense MLA stack with RoPE, fed by the target's features.
+
+Context tokens never run through the draft layers: their features become, per draft layer, an MLA
+cache row `[kv_a_layernorm(c) | RoPE(k_pe, pos)]` (`context_kv`). A draft step runs only the query
+block `[anchor, MASK x (N-1)]` through the layers; each query attends to its request's context rows
+plus the whole block (non-causal inside the block). Tensor names equal the checkpoint's
+(`context_proj`, `layers.{j}.self_attn.*`, `layers.{j}.mlp.*`, `final_norm`, `markov_head.*`,
+`confidence_head.proj`); the embedding and LM head are the target's, passed in, never stored.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model.layers import RMSNorm, SiTUMLP, upcast
+from engine.spec_decode.config import DraftConfig
+
+
+def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, dim/2] in fp32 for the default (unscaled) rotary embedding."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=positions.device) / dim))
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """GPT-J (interleaved, `is_neox_style=False`) rotation of pairs (x0,x1),(x2,x3)... x: [T, ..., dim]."""
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+    c, s = cos.view(shape), sin.view(shape)
+    xf = upcast(x)
+    even, odd = xf[..., 0::2], xf[..., 1::2]
+    out = torch.stack([even * c - odd * s, even * s + odd * c], dim=-1).flatten(-2)
+    return out.to(x.dtype)
+
+
+class SiLUMLP(nn.Module):
+    """KimiMLP with `hidden_act=silu`: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftMLA(nn.Module):
+    """MLA with q-LoRA and RoPE on the shared key slice; no NoPE, no output gate, no qk-norm."""
+
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        d, nh = cfg.hidden_size, cfg.num_attention_heads
+        self.num_heads, self.nope, self.rope, self.v_dim = nh, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.kv_lora, self.theta = cfg.kv_lora_rank, cfg.rope_theta
+        self.scale = (self.nope + self.rope) ** -0.5
+        self.q_a_proj = nn.Linear(d, cfg.q_lora_rank, bias=False)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, nh * (self.nope + self.rope), bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(d, self.kv_lora + self.rope, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(self.kv_lora, nh * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(nh * self.v_dim, d, bias=False)
+
+    def cache_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """What the draft cache stores for inputs x at positions (cos/sin): [T, kv_lora + rope]."""
+        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora, self.rope], dim=-1)
+        return torch.cat([self.kv_a_layernorm(c), apply_rope(k_pe, cos, sin)], dim=-1)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                contexts: list[torch.Tensor], block: int) -> torch.Tensor:
+        """x: [R*block, D] query blocks of R requests; contexts[r]: [ctx_r, kv_lora+rope] cache rows."""
+        nh = self.num_heads
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(-1, nh, self.nope + self.rope)
+        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
+        q_pe = apply_rope(q_pe, cos, sin)
+        own = self.cache_rows(x, cos, sin)
+        w_kvb = upcast(self.kv_b_proj.weight).view(nh, self.nope + self.v_dim, self.kv_lora)
+        w_uk, w_uv = w_kvb[:, : self.nope], w_kvb[:, self.nope:]
+        outs = []
+        for r, ctx in enumerate(contexts):
+            rows = slice(r * block, (r + 1) * block)
+            kv = upcast(torch.cat([ctx.to(own.dtype), own[rows]]))                       # [ctx+block, .]
+            c, k_pe = kv.split([self.kv_lora, self.rope], dim=-1)
+            ql = upcast(q_nope[rows]).transpose(0, 1) @ w_uk                            # [H, block, kv_lora]
+            scores = (ql @ c.t() + upcast(q_pe[rows]).transpose(0, 1) @ k_pe.t()) * self.scale
+            out = (torch.softmax(scores, dim=-1) @ c) @ w_uv.transpose(1, 2)             # [H, block, v]
+            outs.append(out.transpose(0, 1))
+        o = torch.cat(outs).to(x.dtype).reshape(x.shape[0], nh * self.v_dim)
+        return self.o_proj(o)
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DraftMLA(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = (SiLUMLP(cfg.hidden_size, cfg.intermediate_size) if cfg.hidden_act == "silu" else
+                    SiTUMLP(cfg.hidden_size, cfg.intermediate_size, cfg.activation_situ_beta,
+                            cfg.activation_situ_linear_beta))
+
+
+class MarkovHead(nn.Module):
+    """Low-rank transition bias: `markov_w1[prev]` (r-dim) projected by `markov_w2` to a vocab bias."""
+
+    def __init__(self, vocab: int, rank: int) -> None:
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab, rank)
+        self.markov_w2 = nn.Linear(rank, vocab, bias=False)
+
+
+class ConfidenceHead(nn.Module):
+    def __init__(self, input_dim: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(input_dim, 1, bias=True)
+
+
+class DSparkDraftModel(nn.Module):
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.context_proj = nn.Linear(cfg.target_hidden_size * cfg.num_target_layers, cfg.hidden_size, bias=False)
+        self.context_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.markov_head = MarkovHead(cfg.vocab_size, cfg.markov_rank)
+        if cfg.enable_confidence_head:
+            self.confidence_head = ConfidenceHead(cfg.hidden_size + (cfg.markov_rank if cfg.confidence_head_with_markov
+                                                                     else 0))
+
+    # ---- context ---------------------------------------------------------------------------
+    def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Target features [T, target_hidden*L] at `positions` -> cache rows [layers, T, kv_lora+rope]."""
+        context = self.context_norm(self.context_proj(features.to(self.context_proj.weight.dtype)))
+        cos, sin = rope_cos_sin(positions, self.cfg.qk_rope_head_dim, self.cfg.rope_theta)
+        return torch.stack([layer.self_attn.cache_rows(context, cos, sin) for layer in self.layers])
+
+    # ---- query block -----------------------------------------------------------------------
+    def block_hidden(self, embeds: torch.Tensor, positions: torch.Tensor,
+                     contexts: list[list[torch.Tensor]], block: int) -> torch.Tensor:
+        """Query blocks [R*block, D] at `positions` -> final-normed hidden [R*block, D].
+
+        contexts[j][r]: request r's context cache rows for draft layer j.
+        """
+        cos, sin = rope_cos_sin(positions, self.cfg.qk_rope_head_dim, self.cfg.rope_theta)
+        h, residual = embeds, None
+        for j, layer in enumerate(self.layers):
+            residual = h if residual is None else h + residual
+            x = layer.input_layernorm(residual)
+            a = layer.self_attn(x, cos, sin, contexts[j], block)
+            residual = a + residual
+            h = layer.mlp(layer.post_attention_layernorm(residual))
+        return self.final_norm(h + residual)
+
+    def markov_bias(self, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """prev token ids [R] -> (embedding e [R, r], bias [R, V] = logit_scale * w2 e)."""
+        e = self.markov_head.markov_w1(prev)
+        return e, self.markov_head.markov_w2(e).float() * self.cfg.logit_scale
+
+    def confidence(self, hidden: torch.Tensor, markov_embed: torch.Tensor) -> torch.Tensor | None:
+        if not hasattr(self, "confidence_head"):
+            return None
+        x = torch.cat([hidden, markov_embed], dim=-1) if self.cfg.confidence_head_with_markov else hidden
+        return torch.sigmoid(self.confidence_head.proj(x.float())).squeeze(-1)

@@ -1,0 +1,148 @@
+"""DSpark proposer: owns the draft model and its paged context cache; writes context, drafts blocks.
+
+The draft cache is one page tensor per draft layer, `[num_blocks, block_size, kv_lora+rope]`, indexed
+by the TARGET's block tables: a request's draft rows live in the same blocks as its target latents, so
+allocation, freeing, preemption and prefix sharing need no bookkeeping of their own. Only verified
+tokens are written (`write_context`); the query block's own rows are kept in a scratch tensor for the
+one forward that needs them, so nothing past the verified length is ever stored.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine.spec_decode.checkpoint import draft_identity, load_draft
+from engine.spec_decode.config import DraftConfig, SpeculativeConfig
+from engine.spec_decode.verify import sample_draft
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DraftRequest:
+    """One request to draft for: its block table, verified length, anchor token and sampling."""
+
+    blocks: list[int]
+    num_verified: int                 # tokens 0..num_verified-1 have context rows
+    anchor: int                       # the last sampled token, at position num_verified
+    num_drafts: int                   # <= num_speculative_tokens
+    temperature: float                # 0: greedy
+    seed: int
+
+
+@dataclass
+class DraftBlock:
+    token_ids: list[int]
+    logits: torch.Tensor | None       # [n, V] pre-temperature, when the draft sampled (probabilistic)
+    confidence: list[float] | None
+
+
+class DSparkProposer:
+    def __init__(self, spec: SpeculativeConfig, target_model, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        text = target_model.config.text_config
+        self.model, self.cfg = load_draft(spec.model, text, dtype, device)
+        self.draft_id = draft_identity(spec.model)
+        made_for = self.cfg.extra.get("kimi_pd_target")
+        if made_for and made_for != target_model.config.identity_hash():
+            log.warning("draft %s was made for another target (%s, this is %s): outputs stay exact, "
+                        "acceptance will be low", spec.model, made_for, target_model.config.identity_hash())
+        self.spec = spec
+        self.num_spec = spec.num_speculative_tokens
+        self.block_size = block_size
+        self.device = device
+        lm = target_model.language_model
+        self.embed_tokens, self.lm_head = lm.model.embed_tokens, lm.lm_head
+        self.pages = {j: torch.zeros(num_blocks, block_size, self.cfg.cache_dim, dtype=dtype, device=device)
+                      for j in range(self.cfg.num_hidden_layers)}
+
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        return self.cfg.target_layer_ids
+
+    @staticmethod
+    def bytes_per_block(cfg: DraftConfig, block_size: int, dtype_bytes: int) -> int:
+        return cfg.num_hidden_layers * block_size * cfg.cache_dim * dtype_bytes
+
+    def _index(self, blocks: list[int], lo: int, hi: int) -> torch.Tensor:
+        pos = torch.arange(lo, hi, device=self.device)
+        table = torch.tensor(blocks, device=self.device)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    # ---- context ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def write_context(self, items: list[tuple[list[int], int, torch.Tensor]]) -> None:
+        """items: (blocks, first position, features [t, target_hidden*L]) of verified tokens, batched."""
+        items = [it for it in items if it[2].shape[0]]
+        if not items:
+            return
+        feats = torch.cat([f for _, _, f in items])
+        positions = torch.cat([torch.arange(p, p + f.shape[0], device=self.device) for _, p, f in items])
+        rows = self.model.context_kv(feats, positions)                       # [layers, T, dim]
+        index = torch.cat([self._index(b, p, p + f.shape[0]) for b, p, f in items])
+        for j, pages in self.pages.items():
+            pages.view(-1, pages.shape[-1])[index] = rows[j].to(pages.dtype)
+
+    def export_rows(self, blocks: list[int], num_tokens: int) -> dict[int, torch.Tensor]:
+        index = self._index(blocks, 0, num_tokens)
+        return {j: p.view(-1, p.shape[-1])[index].cpu() for j, p in self.pages.items()}
+
+    def import_rows(self, blocks: list[int], rows: dict[int, torch.Tensor]) -> bool:
+        """Write exported context rows; False (nothing written) if they do not fit this draft."""
+        n = next(iter(rows.values())).shape[0] if rows else 0
+        if set(rows) != set(self.pages) or any(tuple(r.shape) != (n, self.cfg.cache_dim) for r in rows.values()):
+            return False
+        index = self._index(blocks, 0, n)
+        for j, pages in self.pages.items():
+            pages.view(-1, pages.shape[-1])[index] = rows[j].to(pages.device, pages.dtype)
+        return True
+
+    # ---- drafting --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, reqs: list[DraftRequest]) -> list[DraftBlock]:
+        """One parallel forward over every request's `[anchor, MASK x (N-1)]`, then the Markov loop."""
+        if not reqs:
+            return []
+        n, cfg = self.num_spec, self.cfg
+        ids = torch.full((len(reqs), n), cfg.mask_token_id, dtype=torch.long, device=self.device)
+        ids[:, 0] = torch.tensor([r.anchor for r in reqs], device=self.device)
+        positions = torch.cat([torch.arange(r.num_verified, r.num_verified + n, device=self.device) for r in reqs])
+        contexts = [[pages.view(-1, pages.shape[-1])[self._index(r.blocks, 0, r.num_verified)] for r in reqs]
+                    for pages in self.pages.values()]
+        embeds = self.embed_tokens(ids.view(-1)).to(self.model.context_proj.weight.dtype)
+        hidden = self.model.block_hidden(embeds, positions, contexts, n)               # [R*n, D]
+        base = (self.lm_head(hidden.to(self.lm_head.weight.dtype)).float() * cfg.logit_scale).view(len(reqs), n, -1)
+        top = self.spec.dspark_draft_topk or cfg.dspark_draft_topk
+        prev = ids[:, 0]
+        tokens = torch.empty(len(reqs), n, dtype=torch.long)
+        keep_logits = self.spec.draft_sample_method == "probabilistic"
+        logits_out = torch.empty(len(reqs), n, base.shape[-1]) if keep_logits else None
+        embeds_e = []
+        for i in range(n):
+            e, bias = self.model.markov_bias(prev)
+            embeds_e.append(e)
+            if top:
+                values, index = base[:, i].topk(top, dim=-1)
+                logits = torch.full_like(base[:, i], float("-inf")).scatter(1, index, values + bias.gather(1, index))
+            else:
+                logits = base[:, i] + bias
+            picked = logits.argmax(dim=-1)
+            if keep_logits:
+                logits_out[:, i] = logits.cpu()
+                for r, req in enumerate(reqs):
+                    if req.temperature > 0:
+                        picked[r] = sample_draft(logits[r], req.temperature, req.seed, req.num_verified + i + 1)
+            tokens[:, i] = picked.cpu()
+            prev = picked
+        conf = self.model.confidence(hidden.view(len(reqs), n, -1).flatten(0, 1),
+                                     torch.stack(embeds_e, dim=1).flatten(0, 1))
+        conf_l = conf.view(len(reqs), n).tolist() if conf is not None else None
+        out = []
+        for r, req in enumerate(reqs):
+            k = req.num_drafts
+            out.append(DraftBlock(tokens[r, :k].tolist(),
+                                  logits_out[r, :k] if keep_logits and req.temperature > 0 else None,
+                                  conf_l[r][:k] if conf_l else None))
+        return out

@@ -1,0 +1,77 @@
+"""DSpark through the router with P/D: speculating decode == plain offline greedy, token for token;
+spec metrics on the decode worker; a bad --speculative-config stops a worker at start-up."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.spec_decode.checkpoint import create_draft_checkpoint
+from tests.e2e.fleet import Fleet, metric
+
+pytestmark = pytest.mark.timeout(300)
+MAX_TOKENS = 20
+PROMPTS = ["The lighthouse keeper walked along the shore", "Once upon a time in a small village"]
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory, e2e_model):
+    tmp = tmp_path_factory.mktemp("spec")
+    draft = create_draft_checkpoint(e2e_model, tmp / "draft7", block=7, seed=3)
+    config = json.dumps({"method": "dspark", "model": str(draft), "num_speculative_tokens": 7})
+    with Fleet(tmp, e2e_model) as f:
+        p = f.worker("prefill", "p0", "--speculative-config", config)
+        d = f.worker("decode", "d0", "--speculative-config", config)
+        for proc in (p, d):
+            f.wait(proc)
+        r = f.router("r0", "--prefill", p.url, "--decode", d.url, "--disagg-threshold", "0")
+        f.wait(r, "/ready")
+        f.p, f.d, f.r = p, d, r
+        yield f
+
+
+def test_router_pd_with_speculation_equals_plain_offline(fleet, e2e_model):
+    offline = LLM(str(e2e_model), block_size=4, kda_chunk_size=8, cache_memory_bytes=8 << 20)
+    for prompt in PROMPTS:
+        body = {"model": "kimi-k3", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+        got = httpx.post(fleet.r.url + "/v1/completions", json=body, timeout=60)
+        assert got.status_code == 200, got.text
+        assert got.headers["x-kimi-pd-decision"] == "prefill-decode"
+        expected = offline.generate(prompt, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
+        assert got.json()["choices"][0]["text"] == expected[0].output.text
+        assert got.json()["usage"]["completion_tokens"] == MAX_TOKENS
+    drafts = metric(fleet.d.url, "kimi_pd_worker_spec_decode_num_drafts_total")
+    assert drafts > 0
+    assert metric(fleet.d.url, "kimi_pd_worker_spec_decode_num_draft_tokens_total") >= drafts
+    assert metric(fleet.d.url, "kimi_pd_worker_spec_decode_acceptance_length_count") == drafts
+    assert metric(fleet.d.url, "kimi_pd_worker_spec_decode_verify_seconds_count") > 0
+    assert metric(fleet.d.url, "kimi_pd_worker_spec_decode_draft_seconds_count") > 0
+    assert metric(fleet.p.url, "kimi_pd_worker_held") == 0
+
+
+@pytest.mark.parametrize("config, message", [
+    ('{"method": "dspark", "model": "/nowhere", "k": 7}', "unknown field"),
+    ('{"method": "medusa", "model": "/nowhere"}', "only 'dspark'"),
+    ('{"method": "dspark", "model": "/nowhere"}', "no draft config.json"),
+    ("{not json", "not valid JSON"),
+])
+def test_bad_speculative_config_is_a_startup_error(e2e_model, config, message):
+    cmd = [sys.executable, "-m", "kimi_pd", "decode", "--model", str(e2e_model), "--speculative-config", config]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                          env={**__import__("os").environ, "KIMI_PD_TRANSFER_SECRET": "x" * 32})
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert message in done.stderr
+
+
+def test_streamed_speculative_answer_concatenates_to_the_whole(fleet):
+    from tests.e2e.test_equivalence import stream_text
+    body = {"model": "kimi-k3", "messages": [{"role": "user", "content": PROMPTS[1]}], "max_tokens": MAX_TOKENS,
+            "temperature": 0, "ignore_eos": True}
+    whole = httpx.post(fleet.r.url + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
+    text, events = stream_text(fleet.r.url + "/v1/chat/completions", body)
+    assert text == (whole.get("reasoning_content") or "") + (whole.get("content") or "")
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
