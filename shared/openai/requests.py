@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 
 from shared.openai.base import Bool, Float, Int, OpenAIModel, RequestModel, by_kind, invalid
+from shared.sampling_params import MAX_N
 from shared.openai.ids import MAX_REQUEST_ID_CHARS, is_safe_request_id
 from shared.openai.messages import ChatMessage, Tool, ToolChoice
 
@@ -36,6 +37,9 @@ class ResumeSpec(OpenAIModel):
         if value is not None and not is_safe_request_id(value):
             raise invalid("must be a printable ASCII id")
         return value
+
+
+MAX_SUB_REQUESTS = 1024      # prompts x sequences in one /v1/completions request
 
 
 class SamplingRequest(RequestModel):
@@ -78,6 +82,13 @@ class SamplingRequest(RequestModel):
         if value is not None and not is_safe_request_id(value):
             raise invalid(f"must be 1..{MAX_REQUEST_ID_CHARS} printable ASCII characters without spaces or quotes")
         return value
+
+    @field_validator("n")
+    @classmethod
+    def _bounded_n(cls, n: int) -> int:
+        if not 1 <= n <= MAX_N:
+            raise invalid(f"must be an integer in [1, {MAX_N}], got {n}")
+        return n
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> SamplingRequest:
@@ -181,6 +192,11 @@ class CompletionRequest(SamplingRequest):
 
     @model_validator(mode="after")
     def _check_completion(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of > MAX_N:
+            raise invalid(f"must be at most {MAX_N}, got {self.best_of}", "best_of")
+        if len(self.prompts) * self.num_sequences > MAX_SUB_REQUESTS:
+            raise invalid(f"{len(self.prompts)} prompts x {self.num_sequences} sequences is over "
+                          f"{MAX_SUB_REQUESTS} sequences per request", "prompt")
         if self.best_of is not None:
             if self.best_of < self.n:
                 raise invalid(f"must be at least n ({self.n}), got {self.best_of}", "best_of")

@@ -168,6 +168,10 @@ def test_invalid_chat_requests_name_the_field(payload, param):
     ({"prompt": "x", "suffix": "end"}, "suffix", "not supported"),
     ({"prompt": "x", "best_of": 1, "n": 2}, "best_of", "at least n"),
     ({"prompt": "x", "best_of": 2, "stream": True}, "best_of", "not supported with stream"),
+    ({"prompt": "x", "n": 10**18}, "n", "must be an integer in [1, 128]"),          # one sub-request per sequence
+    ({"prompt": "x", "n": 0}, "n", "must be an integer in [1, 128]"),
+    ({"prompt": "x", "best_of": 129}, "best_of", "at most 128"),
+    ({"prompt": ["a"] * 9, "n": 128}, "prompt", "over 1024 sequences"),
     ({"prompt": "x", "logprobs": True}, "logprobs", "valid integer"),  # chat's bool is not completions' int
 ])
 def test_invalid_completion_requests_name_the_field(payload, param, words):
