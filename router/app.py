@@ -36,7 +36,7 @@ from shared.openai.fanout import fan_out, needs_fan_out
 from shared.openai.requests import ChatCompletionRequest, CompletionRequest
 from shared.openai.responses import ModelCard, ModelList
 from shared.http import (ClientDisconnected, bearer_token, install_error_handlers, parse_json, read_body,
-                         read_json_object, until_disconnect)
+                         read_json_body, read_json_object, until_disconnect)
 from shared.model_config import ModelConfig
 from shared.openai.prompts import prepare_chat, prepare_completion
 from shared.prompt.tokenizer import KimiTokenizer
@@ -142,14 +142,16 @@ async def _model(request: Request, model_id: str) -> JSONResponse:
 async def _tokenize(request: Request) -> JSONResponse:
     _check_client(request)
     st = request.app.state
-    req = tokenize_api.TokenizeRequest.model_validate(await read_json_body(request))
+    limit = request.app.state.settings.max_request_bytes
+    req = tokenize_api.TokenizeRequest.model_validate(await read_json_body(request, limit))
     _check_model(request, req.model)
     return JSONResponse(tokenize_api.tokenize(req, st.tokenizer, st.max_model_len, st.vision_config))
 
 
 async def _detokenize(request: Request) -> JSONResponse:
     _check_client(request)
-    req = tokenize_api.DetokenizeRequest.model_validate(await read_json_body(request))
+    limit = request.app.state.settings.max_request_bytes
+    req = tokenize_api.DetokenizeRequest.model_validate(await read_json_body(request, limit))
     _check_model(request, req.model)
     return JSONResponse(tokenize_api.detokenize(req, request.app.state.tokenizer))
 

@@ -103,6 +103,9 @@ def test_restarted_router_rebuilds_its_index_from_the_store(fleet):
     fleet.wait(fresh, "/ready")
     eventually(lambda: workers_view(fresh.url).get(holder, {}).get("cached_blocks", 0) >= 28,
                what="the new router to rebuild the prefix index")
+    # the load-beats-prefix test before this one may have left the prefix on a second worker too: the
+    # rebuilt index must know every holder, and the request must go to one of them
+    holders = {w for w, v in workers_view(fresh.url).items() if v.get("cached_blocks", 0) >= 28}
     resp = completion(fresh.url, [931, 932, 933])
-    assert resp.headers["x-kimi-pd-prefill-worker"] == holder
+    assert holder in holders and resp.headers["x-kimi-pd-prefill-worker"] in holders
     assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 100
