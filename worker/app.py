@@ -135,12 +135,17 @@ async def _tokenizer_info(request: Request) -> JSONResponse:
     return JSONResponse(tokenize_api.tokenizer_info(rt.tokenizer, rt.engine.engine.max_model_len))
 
 
-async def _chat(request: Request) -> Response:
+async def _validated_then_fanned_out(request: Request, model_cls, one) -> Response:
+    """Parse the body as `model_cls`; several choices (n, best_of, prompt lists) become sub-requests."""
     _check_api_key(request)
-    req = ChatCompletionRequest.model_validate(await read_json_body(request, _rt(request).settings.max_request_bytes))
+    req = model_cls.model_validate(await read_json_body(request, _rt(request).settings.max_request_bytes))
     if needs_fan_out(req):
-        return await fan_out(req, lambda sub: _chat_one(request, sub))
-    return await _chat_one(request, req)
+        return await fan_out(req, lambda sub: one(request, sub))
+    return await one(request, req)
+
+
+async def _chat(request: Request) -> Response:
+    return await _validated_then_fanned_out(request, ChatCompletionRequest, _chat_one)
 
 
 async def _chat_one(request: Request, req: ChatCompletionRequest) -> Response:
@@ -154,11 +159,7 @@ async def _chat_one(request: Request, req: ChatCompletionRequest) -> Response:
 
 
 async def _completions(request: Request) -> Response:
-    _check_api_key(request)
-    req = CompletionRequest.model_validate(await read_json_body(request, _rt(request).settings.max_request_bytes))
-    if needs_fan_out(req):
-        return await fan_out(req, lambda sub: _completion_one(request, sub))
-    return await _completion_one(request, req)
+    return await _validated_then_fanned_out(request, CompletionRequest, _completion_one)
 
 
 async def _completion_one(request: Request, req: CompletionRequest) -> Response:
