@@ -68,6 +68,9 @@ class WorkerPresence:
             self._registered = True
             await self._snapshot()
         if not await self.store.heartbeat(self.info.worker_id, self.load(), self.ttl_s):
+            # routers dropped us for up to a heartbeat: a stalled loop or a store that lost our keys
+            log.warning("registration of %s lapsed (no heartbeat within %.1f s); registering again",
+                        self.info.worker_id, self.ttl_s)
             self._registered = False
             return
         events = await self.engine.call(lambda: self.engine.engine.cache.drain_events())

@@ -145,9 +145,21 @@ def test_both_routers_see_both_nodes_workers(fleet):
     expected = {f"prefill-127.0.0.1:{a['KIMI_PD_PREFILL_PORT']}": f"http://127.0.0.1:{a['KIMI_PD_PREFILL_PORT']}",
                 f"decode-127.0.0.1:{b['KIMI_PD_DECODE_PORT']}": f"http://127.0.0.1:{b['KIMI_PD_DECODE_PORT']}"}
     for router in fleet["routers"]:
-        workers = httpx.get(router + "/admin/workers", timeout=5,
-                            headers={"Authorization": "Bearer rehearsal-admin"}).json()["workers"]
-        assert {w["worker_id"]: w["url"] for w in workers} == expected
+        # a router learns the fleet from the store on its refresh tick, after its own health probe passes
+        seen: dict[str, str] = {}
+
+        def sees_both() -> bool:
+            workers = httpx.get(router + "/admin/workers", timeout=5,
+                                headers={"Authorization": "Bearer rehearsal-admin"}).json()["workers"]
+            seen.clear()
+            seen.update({w["worker_id"]: w["url"] for w in workers})
+            return seen == expected
+        try:
+            eventually(sees_both, 30, f"{router} to list both nodes' workers")
+        except AssertionError:
+            procs = fleet["procs"]
+            raise AssertionError(f"{router} lists {seen}, expected {expected}\nprefill-a log:\n{procs.log('prefill-a')}"
+                                 f"\nrouter log:\n{procs.log('router-a' if router == fleet['routers'][0] else 'router-b')}")
 
 
 def start_lb(fleet, kind: str) -> tuple[str, str]:
