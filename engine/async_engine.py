@@ -105,6 +105,8 @@ class AsyncEngine:
         self._stop.set()
         self._commands.put((lambda: None, concurrent.futures.Future()))
         self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.engine.close()
 
     # ---- engine thread --------------------------------------------------------------------------
     def _loop(self) -> None:

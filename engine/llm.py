@@ -26,6 +26,16 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop the engine's other tensor-parallel ranks (none at tensor_parallel_size=1)."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def generate(self, prompts: PromptLike | Sequence[PromptLike],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion together (continuous batching); outputs in prompt order.

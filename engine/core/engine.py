@@ -61,12 +61,15 @@ class EngineConfig:
     seed: int = 0
     model_id: str | None = None          # names the prefix-hash chain; defaults to the config hash
     speculative_config: SpeculativeConfig | dict | str | None = None   # vLLM's --speculative-config (DSpark)
+    tensor_parallel_size: int = 1          # ranks (processes) sharing the model (engine/parallel/)
+    enable_expert_parallel: bool = False   # routed experts split whole across those ranks
 
     def validate(self) -> None:
         checks = {"max_num_seqs": self.max_num_seqs >= 1, "max_num_batched_tokens": self.max_num_batched_tokens >= 1,
                   "block_size": self.block_size >= 1, "kda_chunk_size": self.kda_chunk_size >= 1,
                   "snapshot_interval_blocks": self.snapshot_interval_blocks >= 1,
-                  "dtype": self.dtype in TORCH_DTYPE_NAMES, "export_lease_s": self.export_lease_s is None or self.export_lease_s > 0}
+                  "dtype": self.dtype in TORCH_DTYPE_NAMES, "export_lease_s": self.export_lease_s is None or self.export_lease_s > 0,
+                  "tensor_parallel_size": self.tensor_parallel_size >= 1}
         bad = [k for k, ok in checks.items() if not ok]
         if bad:
             raise ValueError(f"invalid engine settings: {', '.join(f'{k}={getattr(self, k)!r}' for k in bad)}")
@@ -77,7 +80,12 @@ class LLMEngine:
         config.validate()
         self.config = config
         options = ModelOptions(kda=KDAOptions(chunk_size=config.kda_chunk_size))
-        self.model = load_checkpoint(config.model, torch_dtype(config.dtype), config.device, options)
+        self.tp = None
+        if config.tensor_parallel_size > 1:
+            from engine.parallel.launch import TensorParallel
+            self.tp = TensorParallel(config)          # starts ranks 1..N-1; rank 0 holds its shard
+        self.model = self.tp.model if self.tp else load_checkpoint(config.model, torch_dtype(config.dtype),
+                                                                    config.device, options)
         self.tokenizer = KimiTokenizer.from_dir(config.model)
         text = self.model.config.text_config
         self.max_model_len = min(config.max_model_len or text.max_position_embeddings, text.max_position_embeddings)
@@ -106,8 +114,9 @@ class LLMEngine:
                                         torch_dtype(config.dtype), torch.device(config.device))
                          if self.spec else None)
         self.spec_stats = SpecDecodeStats(num_spec) if self.spec else None
-        self.runner = ModelRunner(self.model, self.cache_config, self.identity,
-                                  self.proposer.capture_layers if self.proposer else (), self.proposer)
+        self.runner = (self.tp.make_runner(self.cache_config, self.identity) if self.tp else
+                       ModelRunner(self.model, self.cache_config, self.identity,
+                                   self.proposer.capture_layers if self.proposer else (), self.proposer))
         self.hash_root = root_hash(config.model_id or config_hash)
         self.eos_token_ids = {self.tokenizer.eos_id}
         self.grammars = GrammarCompiler(self.tokenizer, text.vocab_size)   # compiles on first use
@@ -119,6 +128,11 @@ class LLMEngine:
         log.info("engine ready: %d MLA pages x %d tokens (%d tokens), %d+%d KDA slots",
                  self.cache_config.num_blocks, config.block_size, self.capacity_tokens,
                  self.cache_config.num_working_slots, self.cache_config.num_snapshot_slots)
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (idempotent; a TP=1 engine holds no processes)."""
+        if self.tp is not None:
+            self.tp.close()
 
     @property
     def capacity_tokens(self) -> int:

@@ -43,9 +43,12 @@ class ModelRunner:
         self.spec_slots_per_seq = cache_config.spec_slots_per_seq
         self.spec_slot_base = cache_config.num_working_slots + cache_config.num_snapshot_slots
         num_slots = self.spec_slot_base + cache_config.num_working_slots * cache_config.spec_slots_per_seq
-        self.cache = HybridCacheTensors.allocate(self.text_config, cache_config.num_blocks, num_slots,
-                                                 cache_config.block_size, self.dtype, self.device)
+        self.cache = self._allocate_cache(cache_config, num_slots)
         self.block_size = cache_config.block_size
+
+    def _allocate_cache(self, cache_config: CacheConfig, num_slots: int) -> HybridCacheTensors:
+        return HybridCacheTensors.allocate(self.text_config, cache_config.num_blocks, num_slots,
+                                           cache_config.block_size, self.dtype, self.device)
 
     # ---- state moves ----------------------------------------------------------------------------
     def spec_slots(self, working_slot: int, count: int) -> tuple[int, ...]:
@@ -138,13 +141,17 @@ class ModelRunner:
                              torch.cat(mm_embeds) if mm_embeds else None,
                              torch.tensor(mm_pos, device=self.device) if mm_pos else None,
                              capture_layers=self.capture_layers)
-        logits = self.model(torch.tensor(ids, device=self.device), batch)
+        logits = self.run_model(torch.tensor(ids, device=self.device), batch)
         features = torch.cat(batch.captured, dim=-1) if batch.captured else None
         prompt_logits, at = {}, num_sampling
         for index, (start, rows) in prompt_rows.items():
             prompt_logits[index] = (start, logits[at:at + len(rows)])
             at += len(rows)
         return RunnerOutput(logits[:num_sampling], features, offsets, prompt_logits)
+
+    def run_model(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The forward itself (a tensor-parallel runner broadcasts its inputs to the other ranks first)."""
+        return self.model(input_ids, batch)
 
     def _prepare(self, s: ScheduledSeq) -> None:
         if s.import_state:

@@ -58,6 +58,9 @@ class LatentMoE(nn.Module):
         self.routed_expert_norm = RMSNorm(latent, cfg.rms_norm_eps) if cfg.latent_moe_use_norm else None
         self.shared_experts = (SiTUMLP(d, cfg.num_shared_experts * cfg.moe_intermediate_size,
                                        self.beta, self.linear_beta) if cfg.num_shared_experts else None)
+        # Expert parallelism (engine/parallel/shard.py): this rank's experts and the sum over ranks.
+        self.expert_range: tuple[int, int] | None = None
+        self.reduce_routed = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate.logits(x), self.gate.e_score_correction_bias, self.top_k,
@@ -65,12 +68,16 @@ class LatentMoE(nn.Module):
         h = self.routed_expert_down_proj(x)
         y = torch.zeros(h.shape, dtype=upcast(h).dtype, device=h.device)
         for e in torch.unique(ids).tolist():
+            if self.expert_range is not None and not self.expert_range[0] <= e < self.expert_range[1]:
+                continue
             tok, slot = (ids == e).nonzero(as_tuple=True)
             expert = self.experts[e]
             he = h[tok]
             out = expert.w2(situ(expert.w1(he), expert.w3(he), self.beta, self.linear_beta))
             # index_put_ rather than index_add_: the latter costs ~30 ms a call on this CPU build of torch.
             y.index_put_((tok,), upcast(out) * weights[tok, slot, None], accumulate=True)
+        if self.reduce_routed is not None:
+            y = self.reduce_routed(y)
         y = y.to(x.dtype)
         if self.routed_expert_norm is not None:
             y = self.routed_expert_norm(y)

@@ -1,0 +1,100 @@
+"""Start an engine's follower ranks, join the group, shard; and stop them again.
+
+Rank 0 is the engine's own process; ranks 1..N-1 are child processes (`follower.py`) started with the
+same interpreter and environment, talking over 127.0.0.1 on a free port. `TensorParallel.close()`
+stops them (a `stop` command, then terminate/kill after a grace period); it also runs at garbage
+collection and interpreter exit, and each follower exits by itself when rank 0 dies.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import subprocess
+import sys
+import weakref
+from pathlib import Path
+
+import torch
+
+from engine.checkpoint.loader import load_checkpoint
+from engine.dtypes import torch_dtype
+from engine.model.kda import KDAOptions
+from engine.model.kimi_k3 import KimiK3ForConditionalGeneration, ModelOptions
+from engine.parallel.comm import TPGroup, free_port, rank_device
+from engine.parallel.config import ParallelConfig
+from engine.parallel.runner import TPModelRunner
+from engine.parallel.shard import shard_model
+from shared.model_config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+
+def parallel_config(config) -> ParallelConfig:
+    return ParallelConfig(config.tensor_parallel_size, config.enable_expert_parallel)
+
+
+def build_rank(config, rank: int, port: int) -> tuple[TPGroup, KimiK3ForConditionalGeneration]:
+    """Join the group as `rank`, load the checkpoint on this rank's device and keep its shard."""
+    parallel = parallel_config(config)
+    device = rank_device(config.device, rank)
+    group = TPGroup.join(rank, parallel.tensor_parallel_size, port, device)
+    options = ModelOptions(kda=KDAOptions(chunk_size=config.kda_chunk_size))
+    model = load_checkpoint(config.model, torch_dtype(config.dtype), device, options)
+    shard_model(model, parallel, group)
+    return group, model
+
+
+def _stop_processes(procs: list[subprocess.Popen], timeout: float) -> None:
+    for p in procs:
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.terminate()
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+class TensorParallel:
+    """Rank 0's handle on the engine's ranks."""
+
+    def __init__(self, config) -> None:
+        self.parallel = parallel_config(config)
+        if config.speculative_config is not None:
+            raise ValueError("speculative decoding with tensor_parallel_size > 1 is not supported")
+        self.parallel.check(ModelConfig.from_file(Path(config.model) / "config.json").text_config)
+        port = free_port()
+        payload = json.dumps(dataclasses.asdict(config))
+        threads = max(1, torch.get_num_threads() // self.parallel.tensor_parallel_size)
+        self.procs = [subprocess.Popen([sys.executable, "-m", "engine.parallel.follower", "--rank", str(r),
+                                        "--port", str(port), "--config", payload, "--threads", str(threads)])
+                      for r in range(1, self.parallel.tensor_parallel_size)]
+        self._finalizer = weakref.finalize(self, _stop_processes, self.procs, 0.0)
+        self.runner: TPModelRunner | None = None
+        try:
+            self.group, self.model = build_rank(config, 0, port)
+        except BaseException:
+            self._finalizer()
+            raise
+        log.info("tensor parallel: %d ranks%s", self.parallel.tensor_parallel_size,
+                 ", expert parallel" if self.parallel.enable_expert_parallel else "")
+
+    def make_runner(self, cache_config, identity) -> TPModelRunner:
+        self.group.broadcast((cache_config, identity))
+        self.runner = TPModelRunner(self.model, cache_config, identity, self.group)
+        return self.runner
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop every follower (idempotent)."""
+        if not self._finalizer.alive:
+            return
+        try:
+            if self.runner is not None and all(p.poll() is None for p in self.procs):
+                self.runner.stop()
+        finally:
+            self.group.close()
+            self._finalizer.detach()
+            _stop_processes(self.procs, timeout)
