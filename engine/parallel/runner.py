@@ -43,6 +43,15 @@ class ShardedRunner(ModelRunner):
 
     def local_state(self, state: ExportedState) -> ExportedState:
         """This rank's share of a TP=1-layout state (raises StateMismatch on a malformed one)."""
+        world = self.group.world_size
+        for kind, store, dim in (("kda_conv", self.cache.kda_conv, -1), ("kda_recurrent", self.cache.kda_recurrent, 0)):
+            for layer, local in store.items():
+                full = list(local.shape[1:])
+                full[dim] *= world
+                got = getattr(state, kind).get(layer)
+                if got is None or list(got.shape) != full:
+                    raise StateMismatch(f"imported {kind}.{layer} has shape {None if got is None else list(got.shape)}, "
+                                        f"expected {full}")
         try:
             conv, rec = split_kda(state.kda_conv, state.kda_recurrent, self.group.rank, self.group.world_size)
         except (RuntimeError, IndexError, ValueError) as exc:

@@ -7,7 +7,7 @@
 | MLA `q_a_proj`, `kv_a_proj_with_mqa`, latent norms | replicated | - (the cached latent is replicated) |
 | KDA `q/k/v_proj`, convs, `f_b_proj`, `dt_bias`, `A_log`, `b_proj`, `g_proj` | heads | - (the KDA state is sharded by heads) |
 | dense MLP and shared experts | `gate/up` by columns, `down` by rows | all-reduce |
-| routed experts, TP | `w1/w3` by columns, `w2` by rows | all-reduce per expert |
+| routed experts, TP | `w1/w3` by columns, `w2` by rows | one all-reduce of the routed sum (W4A8: per expert, exact) |
 | routed experts, EP | whole experts, E/N per rank | one all-reduce of the routed sum |
 | router, latent down/up projections, norms, AttnRes | replicated | - |
 | `embed_tokens`, `lm_head` | vocabulary rows | all-reduce / all-gather |
@@ -103,7 +103,13 @@ def _shard_moe(moe: LatentMoE, expert_parallel: bool, rank: int, world: int, gro
         moe.expert_range = (e0, e1)
         moe.reduce_routed = group.all_reduce
         return
+    quantized = not isinstance(moe.experts[0].w2, nn.Linear)
     for expert in moe.experts:
         lo, hi = _range(expert.w1.out_features, rank, world)
         expert.w1, expert.w3 = shard_out(expert.w1, lo, hi), shard_out(expert.w3, lo, hi)
-        expert.w2 = RowParallelLinear(shard_in(expert.w2, lo, hi), group)
+        down = shard_in(expert.w2, lo, hi)
+        # Float: partial expert outputs sum linearly, so one all-reduce of the routed sum serves all
+        # experts. Quantized: each expert reduces its own int32 products (bit-exact, see layers.py).
+        expert.w2 = RowParallelLinear(down, group) if quantized else down
+    if not quantized:
+        moe.reduce_routed = group.all_reduce
