@@ -25,6 +25,8 @@ from engine.core.outputs import CompletionOutput, PromptLogprob, RequestOutput
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.core.state_export import ExportedState, StateIdentity
+from engine.graphs.config import CompilationConfig
+from engine.graphs.decode import setup_decode_graphs
 from shared.prompt.detokenizer import IncrementalDetokenizer
 from shared.errors import InvalidRequest, InvalidTokenIds, RequestTooLarge
 from engine.model.kda import KDAOptions
@@ -63,6 +65,8 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | dict | str | None = None   # vLLM's --speculative-config (DSpark)
     tensor_parallel_size: int = 1          # ranks (processes) sharing the model (engine/parallel/)
     enable_expert_parallel: bool = False   # routed experts split whole across those ranks
+    compilation_config: dict | str | None = None   # vLLM's --compilation-config: {"cudagraph_mode": ...}
+    enforce_eager: bool = False            # never capture graphs
 
     def validate(self) -> None:
         checks = {"max_num_seqs": self.max_num_seqs >= 1, "max_num_batched_tokens": self.max_num_batched_tokens >= 1,
@@ -81,6 +85,7 @@ class LLMEngine:
         self.config = config
         options = ModelOptions(kda=KDAOptions(chunk_size=config.kda_chunk_size))
         self.tp = None
+        CompilationConfig.parse(config.compilation_config)        # a bad --compilation-config stops start-up here
         if config.tensor_parallel_size > 1:
             from engine.parallel.launch import TensorParallel
             self.tp = TensorParallel(config)          # starts ranks 1..N-1; rank 0 holds its shard
@@ -117,6 +122,8 @@ class LLMEngine:
         self.runner = (self.tp.make_runner(self.cache_config, self.identity) if self.tp else
                        ModelRunner(self.model, self.cache_config, self.identity,
                                    self.proposer.capture_layers if self.proposer else (), self.proposer))
+        setup_decode_graphs(self.runner, self.model, config.device, config.max_num_seqs,
+                            CompilationConfig.parse(config.compilation_config), config.enforce_eager)
         self.hash_root = root_hash(config.model_id or config_hash)
         self.eos_token_ids = {self.tokenizer.eos_id}
         self.grammars = GrammarCompiler(self.tokenizer, text.vocab_size)   # compiles on first use

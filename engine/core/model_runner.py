@@ -43,7 +43,9 @@ class ModelRunner:
         self.spec_slots_per_seq = cache_config.spec_slots_per_seq
         self.spec_slot_base = cache_config.num_working_slots + cache_config.num_snapshot_slots
         num_slots = self.spec_slot_base + cache_config.num_working_slots * cache_config.spec_slots_per_seq
+        self.cache_config = cache_config
         self.cache = self._allocate_cache(cache_config, num_slots)
+        self.decode_graphs = None          # engine/graphs: padded (graph-replayed) decode steps
         self.block_size = cache_config.block_size
 
     def _allocate_cache(self, cache_config: CacheConfig, num_slots: int) -> HybridCacheTensors:
@@ -151,6 +153,8 @@ class ModelRunner:
 
     def run_model(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """The forward itself (a tensor-parallel runner broadcasts its inputs to the other ranks first)."""
+        if self.decode_graphs is not None:
+            return self.decode_graphs.forward(self.model, input_ids, batch)
         return self.model(input_ids, batch)
 
     def _prepare(self, s: ScheduledSeq) -> None:

@@ -35,6 +35,7 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     from engine.core.engine import EngineConfig
+    from engine.parallel.comm import rank_device
     from engine.parallel.launch import build_rank
     config = EngineConfig(**json.loads(args.config))
     group, model = build_rank(config, args.rank, args.port)
@@ -42,6 +43,10 @@ def main() -> int:
         cache_config, identity = group.broadcast()
         from engine.parallel.runner import ShardedRunner
         runner = ShardedRunner(model, cache_config, identity, group)
+        from engine.graphs.config import CompilationConfig
+        from engine.graphs.decode import setup_decode_graphs
+        setup_decode_graphs(runner, model, rank_device(config.device, args.rank), config.max_num_seqs,
+                            CompilationConfig.parse(config.compilation_config), config.enforce_eager)
         while runner.apply(group.broadcast()):
             pass
     finally:

@@ -1,0 +1,75 @@
+"""Device graphs behind one interface: CUDA graphs (`torch.cuda.graphs`), NPU graphs (torch-npu's
+`torch.npu.NPUGraph`), none elsewhere. `StaticGraphs` captures a function of fixed-shape tensors once
+per bucket and replays it after copying the real inputs into the captured buffers."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GraphBackend:
+    name: str
+    graph_class: Any                # CUDAGraph / NPUGraph
+    graph_context: Any              # torch.cuda.graph / torch.npu.graph
+    pool_handle: Callable[[], Any]
+    synchronize: Callable[[], None]
+    stream: Callable[[], Any]
+    stream_context: Callable[[Any], Any]
+
+
+def graph_backend(device: str | torch.device) -> GraphBackend | None:
+    """The graph API of `device`, or None (CPU, or an accelerator without graph support here)."""
+    kind = torch.device(device).type
+    if kind == "cuda" and torch.cuda.is_available():
+        return GraphBackend("cuda", torch.cuda.CUDAGraph, torch.cuda.graph, torch.cuda.graph_pool_handle,
+                            torch.cuda.synchronize, torch.cuda.Stream, torch.cuda.stream)
+    if kind == "npu":
+        try:
+            import torch_npu  # noqa: F401  (registers torch.npu)
+        except ImportError:
+            return None
+        npu = getattr(torch, "npu", None)
+        if npu is not None and hasattr(npu, "NPUGraph"):
+            return GraphBackend("npu", npu.NPUGraph, npu.graph, npu.graph_pool_handle, npu.synchronize,
+                                npu.Stream, npu.stream)
+    return None
+
+
+class StaticGraphs:
+    """`fn(**inputs) -> Tensor` captured per batch-size bucket over static input buffers.
+
+    `make_inputs(size)` builds example inputs of a bucket (their values are only used for warm-up);
+    `run(size, **inputs)` copies inputs of exactly that bucket's shapes in and replays. The output is the
+    captured buffer: copy it before the next replay if it must survive.
+    """
+
+    def __init__(self, backend: GraphBackend, fn: Callable[..., torch.Tensor],
+                 make_inputs: Callable[[int], dict[str, torch.Tensor]], sizes: tuple[int, ...], warmup: int = 2) -> None:
+        self.backend, self.fn = backend, fn
+        self.graphs: dict[int, tuple[Any, dict[str, torch.Tensor], torch.Tensor]] = {}
+        pool = backend.pool_handle()
+        for size in sorted(sizes, reverse=True):          # largest first: smaller graphs reuse its pool
+            inputs = make_inputs(size)
+            side = backend.stream()
+            with backend.stream_context(side):
+                for _ in range(warmup):
+                    fn(**inputs)
+            backend.synchronize()
+            graph = backend.graph_class()
+            with backend.graph_context(graph, pool=pool):
+                out = fn(**inputs)
+            self.graphs[size] = (graph, inputs, out)
+        log.info("captured %s graphs for batch sizes %s", backend.name, sorted(self.graphs))
+
+    def run(self, size: int, **inputs: torch.Tensor) -> torch.Tensor:
+        graph, static, out = self.graphs[size]
+        for name, value in inputs.items():
+            static[name].copy_(value)
+        graph.replay()
+        return out
