@@ -21,7 +21,10 @@ def settings_from_args(args: argparse.Namespace, model_dir: str) -> WorkerSettin
                           enable_prefix_caching=args.enable_prefix_caching, block_size=args.block_size,
                           device=args.device, dtype=args.dtype, cache_memory_bytes=args.cache_memory,
                           kda_chunk_size=args.kda_chunk_size, export_lease_s=None,  # the transfer lease is the one clock
-                          model_id=args.served_model_name, speculative_config=speculative)
+                          model_id=args.served_model_name, speculative_config=speculative,
+                          tensor_parallel_size=args.tensor_parallel_size,
+                          enable_expert_parallel=args.enable_expert_parallel,
+                          compilation_config=args.compilation_config, enforce_eager=args.enforce_eager)
     extra = {"worker_id": args.worker_id} if args.worker_id else {}
     return WorkerSettings(engine=engine, host=args.host, port=args.port,
                           served_model_name=args.served_model_name, advertise_url=args.advertise_url,

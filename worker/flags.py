@@ -36,6 +36,13 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", default=None,
                    help='JSON, vLLM\'s fields: {"method": "dspark", "model": DRAFT_DIR, "num_speculative_tokens": 7, '
                         '"draft_sample_method": "greedy"|"probabilistic", "max_model_len": N, ...}')
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks (processes, one device each) sharing the model; gloo on CPU, nccl/hccl on accelerators")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="split the routed experts whole across the tensor-parallel ranks")
+    p.add_argument("--compilation-config", default=None,
+                   help='JSON, vLLM\'s fields: {"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2, 4, 8]}')
+    p.add_argument("--enforce-eager", action="store_true", help="never capture decode graphs")
     p.add_argument("--tokenizer-mode", default="kimi_k3", choices=["auto", "kimi_k3"])
     p.add_argument("--reasoning-parser", default="kimi_k3", choices=ACCEPTED_PARSERS)
     p.add_argument("--tool-call-parser", default="kimi_k3", choices=ACCEPTED_PARSERS)
