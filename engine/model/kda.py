@@ -55,8 +55,20 @@ class KimiDeltaAttention(nn.Module):
         raise NotImplementedError("per-channel A_log reading is not implemented")
 
     def conv_weight(self) -> torch.Tensor:
-        """q, k, v depthwise conv kernels concatenated along channels: [3*H*K, W]."""
-        return torch.cat([m.weight.squeeze(1) for m in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
+        """q, k, v depthwise conv kernels concatenated along channels: [3*H*K, W].
+
+        Cached for inference (serving concatenated them every step); the key is each kernel's storage
+        and version, so an in-place update (training, a reload) rebuilds it, and grad mode never caches.
+        """
+        kernels = [m.weight for m in (self.q_conv1d, self.k_conv1d, self.v_conv1d)]
+        if torch.is_grad_enabled():
+            return torch.cat([w.squeeze(1) for w in kernels])
+        key = tuple((w.data_ptr(), w._version) for w in kernels)
+        cached = getattr(self, "_conv_weight_cache", None)
+        if cached is None or cached[0] != key:
+            cached = (key, torch.cat([w.squeeze(1) for w in kernels]))
+            self._conv_weight_cache = cached
+        return cached[1]
 
     # ---- forward -----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:

@@ -58,8 +58,12 @@ class GatedMLA(nn.Module):
         pages = batch.cache.mla_pages[self.layer_id]
         flat_pages = pages.view(-1, pages.shape[-1])
         out = x.new_empty(x.shape[0], nh, self.v_dim)
-        for s, start in zip(batch.slices, batch.token_offsets):
-            if not s.num_new_tokens:
+        decode = [i for i, s in enumerate(batch.slices) if s.num_new_tokens == 1] if self._use_absorbed(1) else []
+        if len(decode) > 1:
+            self._decode_batched(decode, q, latent, flat_pages, batch, out)
+        batched = set(decode) if len(decode) > 1 else set()
+        for i, (s, start) in enumerate(zip(batch.slices, batch.token_offsets)):
+            if not s.num_new_tokens or i in batched:
                 continue
             rows = slice(start, start + s.num_new_tokens)
             flat_pages[self._slot_index(s, s.num_cached_tokens, s.num_total_tokens, batch)] = latent[rows].to(pages.dtype)
@@ -67,6 +71,23 @@ class GatedMLA(nn.Module):
             out[rows] = self._attend(q[rows], context, s.num_cached_tokens)
         gate = torch.sigmoid(upcast(self.g_proj(x))).to(x.dtype)
         return self.o_proj(out.reshape(x.shape[0], -1) * gate)
+
+    def _decode_batched(self, idx: list[int], q: torch.Tensor, latent: torch.Tensor, flat_pages: torch.Tensor,
+                        batch: ForwardBatch, out: torch.Tensor) -> None:
+        """Every one-token slice in one absorbed attention over contexts padded to the longest (masked).
+
+        The same arithmetic as `_attend` per sequence; the masked positions get probability exactly 0.
+        """
+        rows, index, valid, write = _decode_plan(idx, batch)
+        flat_pages[write] = latent[rows].to(flat_pages.dtype)
+        c, k_pe = upcast(flat_pages[index].to(q.dtype)).split([self.kv_lora, self.rope], dim=-1)   # [B, L, .]
+        q_nope, q_pe = upcast(q[rows]).split([self.nope, self.rope], dim=-1)                        # [B, H, .]
+        w_uk, w_uv = self._absorb_weights()
+        ql = (q_nope.transpose(0, 1) @ w_uk).transpose(0, 1)                                          # [B, H, kv_lora]
+        scores = ql @ c.transpose(1, 2) + q_pe @ k_pe.transpose(1, 2)                                # [B, H, L]
+        probs = torch.softmax((scores * self.scale).masked_fill(~valid[:, None, :], float("-inf")), dim=-1)
+        latent_out = (probs @ c).transpose(0, 1)                                                     # [H, B, kv_lora]
+        out[rows] = (latent_out @ w_uv.transpose(1, 2)).transpose(0, 1).to(out.dtype)
 
     @staticmethod
     def _slot_index(s: SequenceSlice, lo: int, hi: int, batch: ForwardBatch) -> torch.Tensor:
@@ -78,6 +99,23 @@ class GatedMLA(nn.Module):
         mode = self.options.mode
         return mode == "absorbed" or (mode == "auto" and num_new <= self.options.absorb_max_tokens)
 
+    def _absorb_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK [H, nope, kv_lora], W_UV [H, v, kv_lora]) in the accumulation dtype.
+
+        Cached for inference: upcasting (or dequantising a quantized kv_b_proj) every step re-read the
+        whole matrix. Keyed on the weight's storage and version; grad mode never caches.
+        """
+        source = self.kv_b_proj.weight
+        key = (source.data_ptr(), source._version, source.dtype)
+        cached = getattr(self, "_absorb_cache", None)
+        if cached is not None and cached[0] == key and not torch.is_grad_enabled():
+            return cached[1]
+        w_kvb = upcast(linear_weight(self.kv_b_proj)).view(self.num_heads, self.nope + self.v_dim, self.kv_lora)
+        pair = (w_kvb[:, : self.nope], w_kvb[:, self.nope:])
+        if not torch.is_grad_enabled():
+            self._absorb_cache = (key, pair)
+        return pair
+
     def _attend(self, q: torch.Tensor, context: torch.Tensor, num_cached: int) -> torch.Tensor:
         """q: [t, H, nope+rope]; context: [ctx+t, kv_lora+rope] -> [t, H, v_dim]; causal."""
         t, total = q.shape[0], context.shape[0]
@@ -85,8 +123,7 @@ class GatedMLA(nn.Module):
         mask = torch.arange(total, device=q.device)[None, :] > q_pos[:, None]          # [t, total]
         q_nope, q_pe = upcast(q).split([self.nope, self.rope], dim=-1)
         c, k_pe = upcast(context).split([self.kv_lora, self.rope], dim=-1)
-        w_kvb = upcast(linear_weight(self.kv_b_proj)).view(self.num_heads, self.nope + self.v_dim, self.kv_lora)
-        w_uk, w_uv = w_kvb[:, : self.nope], w_kvb[:, self.nope:]
+        w_uk, w_uv = self._absorb_weights()
         q_nope, q_pe = q_nope.transpose(0, 1), q_pe.transpose(0, 1)                   # [H, t, .]
         pe_scores = q_pe @ k_pe.t()                                                     # [H, t, total]
         if self._use_absorbed(t):
@@ -100,3 +137,28 @@ class GatedMLA(nn.Module):
             probs = torch.softmax((scores * self.scale).masked_fill(mask, float("-inf")), dim=-1)
             out = probs @ v
         return out.transpose(0, 1).to(q.dtype)
+
+
+def _decode_plan(idx: list[int], batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(flat rows [B], page index [B, L], valid [B, L], write index [B]) of the one-token slices `idx`.
+
+    The same for every MLA layer of a forward (they share block tables), so it is built once per batch.
+    """
+    cached = getattr(batch, "_mla_decode_plan", None)
+    if cached is not None and cached[0] == idx:
+        return cached[1]
+    slices = [batch.slices[i] for i in idx]
+    device = slices[0].block_table.device
+    bs = batch.cache.block_size
+    lens = torch.tensor([s.num_total_tokens for s in slices], device=device)
+    longest = int(lens.max())
+    tables = torch.nn.utils.rnn.pad_sequence([s.block_table for s in slices], batch_first=True)   # [B, nb]
+    pos = torch.arange(longest, device=device)
+    index = tables[:, (pos // bs).clamp(max=tables.shape[1] - 1)] * bs + pos % bs
+    valid = pos[None, :] < lens[:, None]
+    index = torch.where(valid, index, index[:, :1])          # padding reads a valid page, then is masked
+    write = index[torch.arange(len(idx), device=device), lens - 1]
+    rows = torch.tensor([batch.token_offsets[i] for i in idx], device=device)
+    plan = (rows, index, valid, write)
+    batch._mla_decode_plan = (list(idx), plan)
+    return plan
