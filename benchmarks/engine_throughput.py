@@ -92,18 +92,26 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--ttft-prompt-tokens", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="ranks sharing the model (they share this machine's memory bandwidth)")
+    parser.add_argument("--enable-expert-parallel", action="store_true")
     parser.add_argument("--out", default="benchmarks/results/engine_throughput.json")
     args = parser.parse_args()
     ckpt = Path(args.checkpoint or f"checkpoints/{args.preset}")
     if not (ckpt / "config.json").exists():
         create_checkpoint(args.preset, ckpt)
     engine = LLMEngine(EngineConfig(model=str(ckpt), dtype=args.dtype, max_num_seqs=max(args.batch_sizes),
-                                    max_num_batched_tokens=4096, cache_memory_bytes=1 << 30, block_size=16))
+                                    max_num_batched_tokens=4096, cache_memory_bytes=1 << 30, block_size=16,
+                                    tensor_parallel_size=args.tensor_parallel_size,
+                                    enable_expert_parallel=args.enable_expert_parallel))
     bandwidth = measure_bandwidth()
     rows = []
     for b in args.batch_sizes:
         step = decode_step_seconds(engine, b, args.prompt_tokens, args.steps)
-        moved = weight_bytes_per_step(engine, b) + state_bytes_per_step(engine, b, args.prompt_tokens)
+        # TP: rank 0 holds 1/N of the sharded weights and every rank reads its own, so N x rank 0's bytes
+        # (an estimate under EP, where a rank's routed experts are not a 1/N sample of the touched ones).
+        moved = (weight_bytes_per_step(engine, b) * args.tensor_parallel_size
+                 + state_bytes_per_step(engine, b, args.prompt_tokens))
         rows.append({"batch": b, "decode_step_ms": step * 1e3, "output_tokens_per_s": b / step,
                      "bytes_per_step": moved, "achieved_bytes_per_s": moved / step,
                      "roofline_fraction": moved / step / bandwidth})
@@ -114,6 +122,9 @@ def main() -> None:
               "memory_bandwidth_bytes_per_s": bandwidth, "decode": rows,
               "ttft": {"prompt_tokens": len(prompt), "cold_s": cold, "prefix_hit_s": warm,
                        "cached_tokens": cached, "hit_over_cold": warm / cold}}
+    result["tensor_parallel_size"] = args.tensor_parallel_size
+    result["enable_expert_parallel"] = args.enable_expert_parallel
+    engine.close()
     text = json.dumps(result, indent=2)
     print(text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
