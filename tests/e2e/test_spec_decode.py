@@ -34,8 +34,12 @@ def fleet(tmp_path_factory, e2e_model):
         yield f
 
 
-def test_router_pd_with_speculation_equals_plain_offline(fleet, e2e_model):
-    offline = LLM(str(e2e_model), block_size=4, kda_chunk_size=8, cache_memory_bytes=8 << 20)
+@pytest.fixture(scope="module")
+def offline(e2e_model):
+    return LLM(str(e2e_model), block_size=4, kda_chunk_size=8, cache_memory_bytes=8 << 20)
+
+
+def test_router_pd_with_speculation_equals_plain_offline(fleet, offline):
     for prompt in PROMPTS:
         body = {"model": "kimi-k3", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
         got = httpx.post(fleet.r.url + "/v1/completions", json=body, timeout=60)
@@ -84,14 +88,13 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 
-def test_router_pd_constrained_requests_speculate_and_equal_offline(fleet, e2e_model):
+def test_router_pd_constrained_requests_speculate_and_equal_offline(fleet, offline):
     """Structured output and bad words / logit bias through P/D with a speculating
     decode worker: the same tokens as offline plain greedy, and the decode worker drafted for them."""
     pytest.importorskip("xgrammar")
     import jsonschema
 
     from shared.structured_output import StructuredOutput
-    offline = LLM(str(e2e_model), block_size=4, kda_chunk_size=8, cache_memory_bytes=8 << 20)
     drafts_before = metric(fleet.d.url, "kimi_pd_worker_spec_decode_num_drafts_total")
     free = offline.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
     banned = free[0].output.token_ids[1]
@@ -115,12 +118,11 @@ def test_router_pd_constrained_requests_speculate_and_equal_offline(fleet, e2e_m
     assert metric(fleet.d.url, "kimi_pd_worker_spec_decode_num_drafts_total") > drafts_before
 
 
-def test_router_pd_forced_tool_call_speculates_and_equals_offline(fleet, e2e_model):
+def test_router_pd_forced_tool_call_speculates_and_equals_offline(fleet, offline):
     pytest.importorskip("xgrammar")
     from shared.openai.convert import shape_chat_message
     from shared.prompt.tool_grammar import forced_tool_call_grammar
     from shared.structured_output import StructuredOutput
-    offline = LLM(str(e2e_model), block_size=4, kda_chunk_size=8, cache_memory_bytes=8 << 20)
     drafts_before = metric(fleet.d.url, "kimi_pd_worker_spec_decode_num_drafts_total")
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     body = {"model": "kimi-k3", "messages": messages, "tools": [WEATHER], "tool_choice": "required",
