@@ -248,3 +248,23 @@ def test_seeded_constrained_sampling_never_emits_a_masked_token(tiny_dir, draft7
     again = llm.generate([PROMPTS[n] for n in order], [hot[n] for n in order])
     assert tokens(again) == [by_name[n].output.token_ids for n in order]
     llm.engine.check_integrity()
+
+
+def test_constrained_speculation_across_preemption_equals_plain(tiny_dir, draft7):
+    """A grammar and allowed ids + bias through preemption mid-speculation (recompute keeps the matcher)."""
+    prompts = [prompt_ids(20, 30), prompt_ids(20, 31)]
+    params = [SamplingParams(temperature=0.0, max_tokens=14, structured_output=StructuredOutput("regex", "[a-z]{20}")),
+              SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, allowed_token_ids=list(range(0, 1024, 7)),
+                             logit_bias={7: 2.0, 14: -100.0})]
+    no_cache = make_llm(tiny_dir, enable_prefix_caching=False)
+    reference = tokens(no_cache.generate(prompts, params))
+    budget = dict(enable_prefix_caching=False, max_num_seqs=2, num_snapshot_slots=0,
+                  cache_memory_bytes=2 * 8 * 12800 + 15 * (768 + 2 * 4 * 24 * 4))
+    tight = make_llm(tiny_dir, speculative_config=spec(draft7), **budget)
+    oracle_drafts(tight, {tuple(p): p + r for p, r in zip(prompts, reference)}, wrong_at=lambda s: (s * 3) % 9)
+    outs = tight.generate(prompts, params)
+    assert tokens(outs) == reference
+    assert re.fullmatch("[a-z]{1,20}", outs[0].output.text)
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert tight.engine.spec_stats.num_accepted_tokens > 0
+    tight.engine.check_integrity()
