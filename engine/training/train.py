@@ -51,7 +51,8 @@ class TrainConfig:
     num_layers: int = 4
     # 1-based layer numbers with KDA, the rest gated NoPE MLA. KDA, MLA, KDA, MLA: a second KDA layer
     # (position from its conv and decay, above the first MLA) lowered the 400-step answer loss 1.01 ->
-    # 0.89 for +14 % step time; KDA on 1-3 (0.98) and hidden 192 (1.01) were no better (10:20 UTC).
+    # 0.89 for +14 % step time; KDA on 1-3 (0.98) and hidden 192 (1.01), run with a different
+    # vocabulary so only roughly comparable, were no better (400-step ablations, 10:20 UTC).
     kda_layers: tuple[int, ...] = (1, 3)
     kda_chunk_size: int = 8          # 8 was ~10 % faster than 16 and ~25 % faster than 32 per training step
     # One intra-op thread: on the shared 2-core machine (load 8-10) two OpenMP threads spin against
