@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import httpx
 
 from router.capacity import capacity_tokens_from_metrics
+from router.vllm_metrics import load_from_vllm_metrics
 from router.registry import WorkerRegistry
 
 log = logging.getLogger(__name__)
@@ -21,7 +23,9 @@ async def check_once(client: httpx.AsyncClient, registry: WorkerRegistry, timeou
             ok = resp.status_code == 200
         except Exception:                                  # noqa: BLE001 - any failure is a failed check
             ok = False
-        if ok and info.worker_id in registry.unsized:
+        if ok and registry.is_vllm(info.worker_id):
+            await load_from_metrics(client, registry, info, timeout_s)      # sizes its index too
+        elif ok and info.worker_id in registry.unsized:
             await size_from_metrics(client, registry, info, timeout_s)
         was = registry.health.is_healthy(info.worker_id)
         registry.health.record_check(info.worker_id, ok)
@@ -46,6 +50,25 @@ async def size_from_metrics(client: httpx.AsyncClient, registry: WorkerRegistry,
     else:
         log.warning("worker %s does not report its cache size; its approximate prefix index keeps %d blocks "
                     "(set --static-cache-tokens)", info.worker_id, registry.index.approximate.capacity_blocks)
+
+
+async def load_from_metrics(client: httpx.AsyncClient, registry: WorkerRegistry, info, timeout_s: float) -> None:
+    """A stock vLLM worker's load from its /metrics (router/vllm_metrics.py), every health round: the
+    heartbeat such a worker does not send. A page that cannot be read keeps the last report."""
+    try:
+        resp = await client.get(f"{info.url}/metrics", timeout=timeout_s)
+        report = load_from_vllm_metrics(resp.text, time.time()) if resp.status_code == 200 else None
+    except Exception as exc:                               # noqa: BLE001 - load is best effort
+        log.debug("metrics of %s unreadable: %s", info.worker_id, exc)
+        return
+    if report is None:
+        return
+    registry.loads[info.worker_id] = report
+    if info.worker_id in registry.unsized and report.capacity_tokens:
+        registry.unsized.discard(info.worker_id)
+        registry.index.size_for(info, report.capacity_tokens)
+        log.info("worker %s caches %d tokens: approximate index sized to %d blocks", info.worker_id,
+                 report.capacity_tokens, registry.index.approximate.capacity(info.worker_id))
 
 
 async def run(client: httpx.AsyncClient, registry: WorkerRegistry, interval_s: float, stop: asyncio.Event) -> None:
