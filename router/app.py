@@ -60,7 +60,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
         pipeline = build_pipeline(**settings.pipeline_spec())
         app.state.settings, app.state.registry, app.state.metrics = settings, registry, metrics
         app.state.prompts = prompts = load_prompt_source(settings.model)
-        app.state.tokenizer = getattr(prompts, "tokenizer", None)     # the K3 tokenizer, for /tokenize
+        app.state.tokenizer = prompts.tokenizer if prompts.kind == "kimi-k3" else None   # K3's, for /tokenize
         app.state.vision_config = prompts.vision_config
         app.state.max_model_len = prompts.max_model_len
         log.info("prompt hashing: %s (%s)", prompts.kind, settings.model or "no tokenizer")
