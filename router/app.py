@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from router import health_checker
 from router.dashboard import install as install_dashboard
 from router.fast_path import FastPath
+from router.kv_events_relay import KVEventsRelay
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator, Trace
 from router.placement.pipeline import build_pipeline
@@ -70,6 +71,10 @@ def create_app(settings: RouterSettings) -> FastAPI:
         await health_checker.check_once(client, registry, settings.connect_timeout_s)
         tasks = [asyncio.create_task(registry.run(stop)),
                  asyncio.create_task(health_checker.run(client, registry, settings.health_check_s, stop))]
+        if settings.kv_events:                   # stock vLLM's ZMQ KV events -> the exact prefix index
+            app.state.kv_events = relay = KVEventsRelay(settings.kv_events, registry.index.exact,
+                                                        registry.index.exact_workers, registry.hash_chain)
+            tasks.append(asyncio.create_task(relay.run(stop)))
         log.info("router on %s:%d (%d static workers, store %s)", settings.host, settings.port,
                  len(registry.static), "yes" if store else "no")
         yield

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from router.kv_events_relay import parse_kv_events_flag
 from router.settings import RouterSettings
 
 API_KEYS_ENV = "KIMI_PD_API_KEYS"          # comma-separated client keys (optional)
@@ -28,6 +29,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mooncake-bootstrap-port", type=int, default=8998,
                    help="--kv-connector mooncake: the port of each prefill's bootstrap server "
                         "(vLLM's VLLM_MOONCAKE_BOOTSTRAP_PORT), on the prefill's host")
+    p.add_argument("--kv-events", action="append", default=[], metavar="URL=ENDPOINT",
+                   help="a static vLLM worker's ZMQ KV events (its --kv-events-config endpoint, e.g. "
+                        "http://10.0.0.5:8100=tcp://10.0.0.5:5557): an exact prefix index for it (needs pyzmq)")
     p.add_argument("--prefill", action="append", default=[], metavar="URL", help="static prefill worker")
     p.add_argument("--decode", action="append", default=[], metavar="URL", help="static decode worker")
     p.add_argument("--worker", action="append", default=[], metavar="URL", help="static colocated worker")
@@ -60,6 +64,7 @@ def settings_from_args(args: argparse.Namespace, model_dir: str | None) -> Route
     return RouterSettings(model=model_dir, host=args.host, port=args.port, served_model_name=args.served_model_name[0],
                           served_model_aliases=tuple(args.served_model_name[1:]), kv_connector=args.kv_connector,
                           mooncake_bootstrap_port=args.mooncake_bootstrap_port,
+                          kv_events=parse_kv_events_flag(args.kv_events),
                           static_prefill=tuple(args.prefill), static_decode=tuple(args.decode),
                           static_both=tuple(args.worker), block_size=args.block_size, store_url=args.redis_url,
                           static_cache_tokens=args.static_cache_tokens, max_request_bytes=args.max_request_bytes,

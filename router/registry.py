@@ -141,6 +141,11 @@ class WorkerRegistry:
         """The P/D protocol a worker speaks (a worker known nowhere is treated as ours)."""
         return self.static_connectors.get(worker_id) or CONNECTORS["kimi-pd"]
 
+    def hash_chain(self, worker_id: str) -> tuple[int, int]:
+        """(hash root, block size) placement hashes a worker's prompts with."""
+        info = self.all_infos()[worker_id]
+        return info.hash_root, info.block_size
+
     def is_vllm(self, worker_id: str) -> bool:
         return self.connector_of(worker_id).vllm
 

@@ -14,6 +14,7 @@ class RouterSettings:
     served_model_aliases: tuple[str, ...] = ()    # more names clients may use (vLLM's --served-model-name A B)
     kv_connector: str = "kimi-pd"                 # the P/D protocol of static workers (router/connectors.py)
     mooncake_bootstrap_port: int = 8998           # upstream Mooncake: a prefill's bootstrap server port
+    kv_events: tuple[tuple[str, str], ...] = ()   # (static worker URL, vLLM ZMQ endpoint): exact prefix index
     static_prefill: tuple[str, ...] = ()          # worker URLs given on the command line
     static_decode: tuple[str, ...] = ()
     static_both: tuple[str, ...] = ()
@@ -69,6 +70,10 @@ class RouterSettings:
         if self.api_keys and not (self.admin_token or self.worker_api_key):
             raise ValueError("client API keys are on, so calls to workers must be authenticated too: set "
                              "KIMI_PD_ADMIN_TOKEN (or KIMI_PD_WORKER_API_KEY)")
+        unknown = [url for url, _ in self.kv_events
+                   if url not in (*self.static_prefill, *self.static_decode, *self.static_both)]
+        if unknown:
+            raise ValueError(f"--kv-events names workers that are not static workers: {', '.join(unknown)}")
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
         if self.prefill_tokens_per_s <= 0 or self.static_cache_tokens < 0:

@@ -7,6 +7,7 @@ counters), not recomputed it.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import threading
@@ -114,62 +115,85 @@ def test_aliases_and_models(fleet):
     assert bad.status_code == 404 and bad.json()["error"]["message"]
 
 
-def test_two_prefill_instances_get_prefix_affinity(fleet):
-    """Requests sharing a long prefix go to the prefill instance that holds it (its own prefix-cache
-    hits rise), and different prefixes are not all sent to one instance."""
-    router = fleet.urls["router"]
-    chosen: dict[int, set[str]] = {}
-    hits = {n: metric(fleet.urls[n], "vllm:prefix_cache_hits_total") for n in ("p1", "p2")}
-    for group in range(8):
-        prefix = sentence(500 + group, 120)
-        for k in range(3):
-            body = {"model": SERVED, "temperature": 0, "max_tokens": 2, "prompt": f"{prefix} {sentence(900 + k, 8)}"}
-            chosen.setdefault(group, set()).add(post(router, "/v1/completions", body).headers["x-kimi-pd-prefill-worker"])
-    assert all(len(workers) == 1 for workers in chosen.values()), chosen
-    assert len(set().union(*chosen.values())) == 2, f"every prefix went to one instance: {chosen}"
-    gained = sum(metric(fleet.urls[n], "vllm:prefix_cache_hits_total") - hits[n] for n in ("p1", "p2"))
-    assert gained >= 8 * 2 * 96, f"the prefill instances hit their prefix caches for only {gained} tokens"
+def workers_view(router: str) -> dict[str, dict]:
+    return {w["worker_id"]: w for w in httpx.get(router + "/admin/workers", headers=AUTH, timeout=10).json()["workers"]}
 
 
-def test_load_from_vllm_metrics_reaches_the_scorer(fleet):
-    """Requests the router never saw (sent to p1 directly) show up as p1's load, read from its
-    /metrics, and placement moves a prefix that p1 holds to p2 while p1 is that busy."""
-    router, p1 = fleet.urls["router"], fleet.urls["p1"]
-    prefix = sentence(700, 120)
-    first = post(router, "/v1/completions", {"model": SERVED, "max_tokens": 2, "temperature": 0, "prompt": prefix})
-    holder = first.headers["x-kimi-pd-prefill-worker"]
-    busy_name = "p1" if holder == p1 else "p2"
-    busy = fleet.urls[busy_name]
+def wait_for_load(router: str, worker: str, check, timeout_s: float = 60) -> dict:
+    deadline, seen = time.monotonic() + timeout_s, None
+    while time.monotonic() < deadline:
+        seen = workers_view(router)[worker]
+        if seen["load"] and check(seen["load"]["running"] + seen["load"]["waiting"]):
+            return seen
+        time.sleep(0.2)
+    raise AssertionError(f"the router never saw the load it waited for on {worker}: {seen}")
+
+
+@contextlib.contextmanager
+def busy(url: str, requests: int = 14):
+    """Long streamed requests sent to one vLLM instance directly (the router never sees them)."""
     stop = threading.Event()
 
     def hog(i: int) -> None:
         body = {"model": SERVED, "prompt": sentence(i, 6), "max_tokens": 480, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", busy + "/v1/completions", json=body, timeout=300) as resp:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as resp:
             for _ in resp.iter_lines():
                 if stop.is_set():
                     return
 
-    threads = [threading.Thread(target=hog, args=(i,), daemon=True) for i in range(14)]
+    threads = [threading.Thread(target=hog, args=(i,), daemon=True) for i in range(requests)]
     for t in threads:
         t.start()
     try:
-        deadline, seen = time.monotonic() + 60, None
-        while time.monotonic() < deadline:
-            workers = {w["worker_id"]: w for w in httpx.get(router + "/admin/workers", headers=AUTH,
-                                                            timeout=10).json()["workers"]}
-            seen = workers[busy]
-            if seen["load"] and seen["load"]["running"] + seen["load"]["waiting"] >= 12:
-                break
-            time.sleep(0.2)
-        assert seen["load"]["extra"]["source"] == "vllm-metrics", seen
-        assert seen["load"]["running"] + seen["load"]["waiting"] >= 12 and seen["active_requests"] >= 12, seen
-        moved = post(router, "/v1/completions", {"model": SERVED, "max_tokens": 2, "temperature": 0,
-                                                 "prompt": prefix + " " + sentence(1, 6)})
-        assert moved.headers["x-kimi-pd-prefill-worker"] != busy, "placement ignored the load it read"
+        yield
     finally:
         stop.set()
         for t in threads:
             t.join(timeout=60)
+
+
+def prefill_of(router: str, prompt: str) -> str:
+    body = {"model": SERVED, "temperature": 0, "max_tokens": 2, "prompt": prompt}
+    resp = post(router, "/v1/completions", body)
+    assert resp.headers["x-kimi-pd-decision"] == "prefill-decode"
+    return resp.headers["x-kimi-pd-prefill-worker"]
+
+
+def test_load_from_vllm_metrics_reaches_the_scorer(fleet):
+    """Requests the router never saw (sent to one prefill instance directly) show up as its load,
+    read from its /metrics, and placement moves a prefix that instance holds to the other one."""
+    router = fleet.urls["router"]
+    prefix = sentence(700, 120)
+    holder = prefill_of(router, prefix)
+    with busy(holder):
+        seen = wait_for_load(router, holder, lambda n: n >= 12)
+        assert seen["load"]["extra"]["source"] == "vllm-metrics" and seen["active_requests"] >= 12, seen
+        assert prefill_of(router, prefix + " " + sentence(1, 6)) != holder, "placement ignored the load it read"
+    wait_for_load(router, holder, lambda n: n == 0)
+    assert prefill_of(router, prefix + " " + sentence(2, 6)) == holder
+
+
+def test_two_prefill_instances_get_prefix_affinity(fleet):
+    """Prefixes first placed on either prefill instance (the second gets some while the first is
+    busy) stay there: continuations go to their holder, whose own prefix-cache hits rise."""
+    router, names = fleet.urls["router"], {fleet.urls["p1"]: "p1", fleet.urls["p2"]: "p2"}
+    idle = [sentence(500 + g, 120) for g in range(3)]
+    moved = [sentence(600 + g, 120) for g in range(3)]
+    holders = {p: prefill_of(router, p) for p in idle}
+    first = holders[idle[-1]]
+    with busy(first):
+        wait_for_load(router, first, lambda n: n >= 12)
+        holders.update({p: prefill_of(router, p) for p in moved})
+    assert {holders[p] for p in moved} == set(names) - {first}, holders     # placed on the other one
+    wait_for_load(router, first, lambda n: n == 0)
+    hits = {n: metric(u, "vllm:prefix_cache_hits_total") for u, n in names.items()}
+    for k in range(2):
+        for prefix, holder in holders.items():
+            assert prefill_of(router, f"{prefix} {sentence(900 + k, 8)}") == holder, prefix[:40]
+    for url, name in names.items():
+        held = sum(1 for h in holders.values() if h == url)
+        gained = metric(url, "vllm:prefix_cache_hits_total") - hits[name]
+        assert gained >= held * 2 * 96, f"{name} hit its prefix cache for only {gained} tokens"
 
 
 def test_router_metrics_for_vllm_workers(fleet):
