@@ -68,9 +68,10 @@ def create_app(settings: RouterSettings) -> FastAPI:
         app.state.orchestrator = Orchestrator(settings, registry, client, pipeline, metrics, settings.admin_token,
                                               session)
         await registry.refresh()
-        await health_checker.check_once(client, registry, settings.connect_timeout_s)
+        await health_checker.check_once(client, registry, settings.connect_timeout_s, metrics)
         tasks = [asyncio.create_task(registry.run(stop)),
-                 asyncio.create_task(health_checker.run(client, registry, settings.health_check_s, stop))]
+                 asyncio.create_task(health_checker.run(client, registry, settings.health_check_s, stop,
+                                                                     metrics))]
         if settings.kv_events:                   # stock vLLM's ZMQ KV events -> the exact prefix index
             app.state.kv_events = relay = KVEventsRelay(settings.kv_events, registry.index.exact,
                                                         registry.index.exact_workers, registry.hash_chain)

@@ -198,3 +198,28 @@ def test_tokenizer_endpoints_and_text_mode(hf_dir, tmp_path):
         load_prompt_source(str(tmp_path))
     text = load_prompt_source(None)
     assert text.encode("héllo") == list("héllo".encode()) and text.decode(text.encode("héllo")) == "héllo"
+
+
+HISTOGRAMS = """# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{{engine="0"}} 0.0
+# TYPE vllm:request_queue_time_seconds histogram
+vllm:request_queue_time_seconds_bucket{{engine="0",le="0.3"}} {count}
+vllm:request_queue_time_seconds_bucket{{engine="0",le="+Inf"}} {count}
+vllm:request_queue_time_seconds_count{{engine="0"}} {count}
+vllm:request_queue_time_seconds_sum{{engine="0"}} {total}
+# TYPE vllm:nixl_xfer_time_seconds histogram
+vllm:nixl_xfer_time_seconds_count{{engine="0"}} {count}
+vllm:nixl_xfer_time_seconds_sum{{engine="0"}} {xfer}
+"""
+
+
+def test_vllm_timing_histograms_become_interval_observations():
+    from router.vllm_metrics import timing_deltas
+    before = load_from_vllm_metrics(HISTOGRAMS.format(count=2, total=0.5, xfer=0.02), 1.0)
+    after = load_from_vllm_metrics(HISTOGRAMS.format(count=6, total=1.7, xfer=0.1), 2.0)
+    assert before.extra["queue_count"] == 2 and before.extra["transfer_sum"] == pytest.approx(0.02)
+    deltas = timing_deltas(before, after)
+    assert deltas["queue"][1] == 4 and deltas["queue"][0] == pytest.approx(1.2)
+    assert deltas["transfer"][1] == 4 and deltas["transfer"][0] == pytest.approx(0.08)
+    assert timing_deltas(None, after) == {}
+    assert timing_deltas(after, before) == {}                   # a restarted worker: counters went down
