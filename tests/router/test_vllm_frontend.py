@@ -223,3 +223,31 @@ def test_vllm_timing_histograms_become_interval_observations():
     assert deltas["transfer"][1] == 4 and deltas["transfer"][0] == pytest.approx(0.08)
     assert timing_deltas(None, after) == {}
     assert timing_deltas(after, before) == {}                   # a restarted worker: counters went down
+
+
+def test_router_flags_for_vllm():
+    import argparse
+    from router.cli import add_router_args, settings_from_args
+    parser = argparse.ArgumentParser()
+    add_router_args(parser)
+    args = parser.parse_args(["--served-model-name", "llama", "a1", "a2", "--kv-connector", "MooncakeConnector",
+                              "--mooncake-bootstrap-port", "9000", "--prefill", "http://127.0.0.1:1",
+                              "--decode", "http://127.0.0.1:2", "--kv-events", "http://127.0.0.1:1=tcp://127.0.0.1:3"])
+    s = settings_from_args(args, None)
+    assert (s.served_model_name, s.served_model_aliases, s.served_model_names) == ("llama", ("a1", "a2"),
+                                                                                   ("llama", "a1", "a2"))
+    assert s.kv_connector == "MooncakeConnector" and s.mooncake_bootstrap_port == 9000
+    assert s.kv_events == (("http://127.0.0.1:1", "tcp://127.0.0.1:3"),) and s.model is None
+    s.validate()
+    bad = settings_from_args(parser.parse_args(["--decode", "http://127.0.0.1:2", "--kv-events",
+                                                "http://127.0.0.1:9=tcp://127.0.0.1:3"]), None)
+    with pytest.raises(ValueError, match="not static workers"):
+        bad.validate()
+
+
+def test_cli_refuses_model_and_no_tokenizer_together():
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-m", "kimi_pd", "router", "--model", "x", "--no-tokenizer",
+                           "--decode", "http://127.0.0.1:2"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "not both" in proc.stderr
