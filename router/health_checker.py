@@ -31,6 +31,8 @@ async def check_once(client: httpx.AsyncClient, registry: WorkerRegistry, timeou
             await size_from_metrics(client, registry, info, timeout_s)
         was = registry.health.is_healthy(info.worker_id)
         registry.health.record_check(info.worker_id, ok)
+        if ok and not was:
+            registry.mooncake_engines.pop(info.worker_id, None)   # a restarted prefill has a new engine id
         if was != registry.health.is_healthy(info.worker_id):
             log.warning("worker %s is now %s", info.worker_id, "healthy" if ok else "unhealthy")
 

@@ -166,6 +166,10 @@ class Orchestrator:
         for attempt in range(self.s.max_attempts):
             worker = self._pick(ctx, states, tried)
             tried.add(worker.worker_id)
+            if kind.router_transfer_id and await self._mooncake_engine(worker) is None:
+                # asked before the prefill is sent, so a failure strands no blocks held for a transfer
+                raise UpstreamError("no_engine_id", "the prefill worker's Mooncake bootstrap server did not "
+                                    "name its engine", 502, worker_fault=False)
             start = time.perf_counter()
             self._record_sent(ctx, worker)               # FIFO: what later requests will find cached there
             leg = self.registry.ledger.open(worker.worker_id, ctx.uncached_tokens(worker.info))
@@ -194,10 +198,7 @@ class Orchestrator:
         """What the decode leg gets, per the pool's protocol (router/connectors.py). A protocol that
         promises parameters and got none is a real fallback: the decode computes the prompt."""
         if kind.router_transfer_id:                    # upstream Mooncake: the router arranges the pull
-            engine = await self._mooncake_engine(worker)
-            if engine is None:
-                raise UpstreamError("no_engine_id", "the prefill worker's Mooncake bootstrap server did not "
-                                    "name its engine", 502, worker_fault=False)
+            engine = self.registry.mooncake_engines[worker.worker_id]      # asked before the prefill leg
             trace.decode_params = mooncake_decode_params(transfer_id, engine, self._bootstrap_addr(worker))
             return
         if not kind.answers_params:                    # storage-backed: the decode finds the KV itself

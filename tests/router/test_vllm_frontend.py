@@ -116,6 +116,7 @@ def test_mooncake_without_a_bootstrap_server_falls_back(hf_dir):
         resp = client.post("/v1/chat/completions", json=CHAT)
         assert resp.status_code == 200 and resp.headers["x-kimi-pd-decision"] == "decode-only"
         assert kv_params(d) == [None]
+        assert p.posts() == []                 # nothing sent to hold blocks for a transfer nobody can make
 
 
 def test_aliases_are_accepted_and_the_workers_get_their_own_name(hf_dir):
