@@ -10,7 +10,7 @@ import pytest
 from tests.interop.test_vllm_nixl import answer, post, requests_for, streamed_text
 from tests.interop.vllm_fleet import VllmFleet, metric
 
-pytestmark = pytest.mark.timeout(1200)
+pytestmark = pytest.mark.timeout(1800)
 
 
 @pytest.fixture(scope="module")

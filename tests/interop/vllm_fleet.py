@@ -24,7 +24,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 SERVED = "tiny-llama"
 ADMIN = "interop-admin-token"
-START_TIMEOUT_S = float(os.environ.get("KIMI_PD_INTEROP_START_TIMEOUT", "480"))
+START_TIMEOUT_S = float(os.environ.get("KIMI_PD_INTEROP_START_TIMEOUT", "900"))
 VENV_BUILD_TIMEOUT_S = 1800
 
 
