@@ -124,6 +124,10 @@ def _worker(command: str):
 
 def _router(args: argparse.Namespace) -> int:
     from router.cli import run_router
+    if args.no_tokenizer:
+        if args.model:
+            raise SystemExit("kimi-pd router: give --model or --no-tokenizer, not both")
+        return run_router(args, None)
     return run_router(args, str(_ensure_model(args.model)))
 
 
