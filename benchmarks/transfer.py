@@ -35,7 +35,12 @@ from pathlib import Path
 
 import torch
 
-from kv_transfer.interface import KVTransferParams, TransferConfig, make_receiver, make_sender
+from kv_transfer.interface import (
+    KVTransferParams,
+    TransferConfig,
+    make_receiver,
+    make_sender,
+)
 from kv_transfer.payload import ModelIdentity, TransferPayload, byte_view
 from kv_transfer.wire import Gmac
 
