@@ -11,7 +11,9 @@ bytes into a pre-touched buffer, no framing, hashing or copies; `mooncake-raw` i
 TransferEngine (protocol tcp, P2PHANDSHAKE) reading the same tensors into pre-registered buffers,
 no control plane and no digests. The machine is shared and noisy, so rounds are interleaved:
 round r pulls once per transport (order rotated each round), round 0 is a warm-up. Ratios are of
-medians over the timed rounds. Prints JSON and writes benchmarks/results/transfer.json. A
+medians over the timed rounds. Beside wall time each pull records the CPU seconds sender and
+receiver spent on it (from /proc; Linux only), a figure less at the mercy of other tenants'
+load than GiB/s: `cpu_s_per_gib`, the median, says what moving a GiB costs. Prints JSON and writes benchmarks/results/transfer.json. A
 transport that cannot run here (e.g. mooncake not installed) is reported with its error.
 """
 
@@ -33,7 +35,12 @@ from pathlib import Path
 
 import torch
 
-from kv_transfer.interface import KVTransferParams, TransferConfig, make_receiver, make_sender
+from kv_transfer.interface import (
+    KVTransferParams,
+    TransferConfig,
+    make_receiver,
+    make_sender,
+)
 from kv_transfer.payload import ModelIdentity, TransferPayload, byte_view
 from kv_transfer.wire import Gmac
 
@@ -46,12 +53,24 @@ GOALS = {"best_transport_vs_plain": 0.8, "every_transport_vs_plain": 0.6, "moonc
 
 
 def k3_state(tokens: int) -> TransferPayload:
-    """A Kimi-K3-shaped export filled with random bits."""
+    """A Kimi-K3-shaped export of random-looking bytes: a random block just over 8 MiB, tiled, so
+    no two tensors (or chunks) are alike but six senders can build their states quickly on a
+    loaded 2-core host (generating 0.63 GiB of random numbers each took minutes there)."""
     g = torch.Generator().manual_seed(0)
+    size = (8 << 20) + 4099
+    twice = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g).repeat(2)
+    offset = 0
 
     def rand(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        return torch.randint(-2**15, 2**15, shape, dtype=torch.int16, generator=g).view(dtype) \
-            if dtype.itemsize == 2 else torch.randn(shape, generator=g, dtype=dtype)
+        nonlocal offset
+        out = torch.empty(shape, dtype=dtype)
+        flat = out.view(-1).view(torch.uint8)
+        for start in range(0, flat.numel(), size):
+            piece = flat[start:start + size]
+            begin = offset % size
+            piece.copy_(twice[begin:begin + piece.numel()])
+            offset += piece.numel() + 12347
+        return out
 
     tensors = {f"mla.{i}": rand((tokens, LATENT), torch.bfloat16) for i in range(MLA_LAYERS)}
     for i in range(KDA_LAYERS):
@@ -70,6 +89,18 @@ def state_digest(tensors) -> str:
 def make_config(transport: str, args: argparse.Namespace) -> TransferConfig:
     return TransferConfig(identity=IDENTITY, secret=SECRET, transport=transport, streams=args.streams,
                           chunk_bytes=args.chunk_mib << 20, lease_s=600, transfer_timeout_s=300)
+
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process `pid` so far (all its threads), or None off Linux."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / _TICK
 
 
 def _init_group(rank: int, port: int) -> None:
@@ -219,7 +250,13 @@ class Row:
         self.proc = ctx.Process(target=_child, args=(name, args, child, self.dist_port), daemon=True)
         self.puller = None
         self.times: list[float] = []
+        self.cpu: list[float] = []
         self.error: str | None = None
+
+    def _cpu(self) -> float | None:
+        """CPU seconds of this process and this row's sender so far."""
+        mine, theirs = cpu_seconds(os.getpid()), cpu_seconds(self.proc.pid)
+        return None if mine is None or theirs is None else mine + theirs
 
     def start(self) -> None:
         self.proc.start()
@@ -247,9 +284,13 @@ class Row:
         if self.puller is None:
             return
         try:
+            before = self._cpu()
             took = await self.puller.pull(round_)
+            after = self._cpu()
             if round_ > 0:
                 self.times.append(took)
+                if before is not None and after is not None:
+                    self.cpu.append(after - before)
         except Exception as exc:  # noqa: BLE001
             self.fail(exc)
 
@@ -267,8 +308,11 @@ class Row:
         if self.error is not None or not self.times:
             return {"error": self.error or "no timed pulls"}
         rates = sorted(nbytes / t / 2**30 for t in self.times)
-        return {"seconds": [round(t, 4) for t in self.times], "gib_s": round(statistics.median(rates), 3),
-                "gib_s_min": round(rates[0], 3), "gib_s_max": round(rates[-1], 3)}
+        out = {"seconds": [round(t, 4) for t in self.times], "gib_s": round(statistics.median(rates), 3),
+               "gib_s_min": round(rates[0], 3), "gib_s_max": round(rates[-1], 3)}
+        if self.cpu:
+            out["cpu_s_per_gib"] = round(statistics.median(self.cpu) / (nbytes / 2**30), 3)
+        return out
 
 
 async def run_rounds(rows: list[Row], rounds: int) -> None:
@@ -293,6 +337,13 @@ def hash_speeds() -> dict[str, float]:
                 fn(view)
             out[f"{name}_{temp}_gib_s_one_core"] = round(len(view) * reps / 2**30 / (time.perf_counter() - start), 2)
     return out
+
+
+def _load() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
 
 
 def _free_port() -> int:
@@ -328,6 +379,7 @@ def main() -> None:
     parser.add_argument("--chunk-mib", type=int, default=TransferConfig.chunk_bytes >> 20)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
+    load_at_start = _load()
     nbytes = k3_state(args.tokens).nbytes()
     names = [PLAIN, *args.transports] + ([RAW] if "mooncake" in args.transports else [])
     ctx = mp.get_context("spawn")
@@ -347,7 +399,7 @@ def main() -> None:
     report = {"state": {"tokens": args.tokens, "bytes": nbytes, "gib": round(nbytes / 2**30, 3),
                         "mla_layers": MLA_LAYERS, "kda_layers": KDA_LAYERS},
               "config": {"streams": args.streams, "chunk_mib": args.chunk_mib, "rounds": args.rounds},
-              "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+              "machine": {"cpus": os.cpu_count(), "load_average": {"start": load_at_start, "end": _load()}, "python": platform.python_version(),
                           "torch": torch.__version__, **hash_speeds()},
               "results": results, **summarize(results)}
     text = json.dumps(report, indent=2)

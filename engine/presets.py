@@ -119,7 +119,8 @@ def preset_config(name: str) -> ModelConfig:
     return ModelConfig.from_dict(PRESETS[name]())
 
 
-def tiny_chat_config(num_ranks: int, hidden_size: int = 128, num_layers: int = 4) -> dict[str, Any]:
+def tiny_chat_config(num_ranks: int, hidden_size: int = 128, num_layers: int = 4,
+                     kda_layers: tuple[int, ...] = (1,)) -> dict[str, Any]:
     """The trained `tiny-chat` model: every K3 mixer, sized to train in 20 CPU minutes.
 
     KDA on layer 1 (position-aware: its short conv and decay give the NoPE attention above it the
@@ -129,7 +130,7 @@ def tiny_chat_config(num_ranks: int, hidden_size: int = 128, num_layers: int = 4
     (engine/training/corpus.py), whose special tokens sit above it.
     """
     d = hidden_size
-    mla = list(range(2, num_layers + 1))
+    mla = [i for i in range(1, num_layers + 1) if i not in kda_layers]
     text = {
         **tiny_config()["text_config"],
         "vocab_size": num_ranks + NUM_SPECIAL_TOKENS, "hidden_size": d, "num_hidden_layers": num_layers,

@@ -10,7 +10,8 @@ from pathlib import Path
 DEFAULT_TINY_DIR = Path("checkpoints/tiny")
 # Kept in step with engine.training (not imported here: the parser must build without torch loaded).
 FAMILY_NAMES = ("add", "sub", "reverse", "sort", "tool_call", "tool_answer", "multi_turn")
-TRAIN_STEPS = 800
+TRAIN_STEPS = 2000
+TRAIN_WORKERS = 2
 _DTYPES = ("float32", "bfloat16")
 
 
@@ -48,7 +49,7 @@ def _checkpoint_train_draft(args: argparse.Namespace) -> int:
 
 def _checkpoint_train(args: argparse.Namespace) -> int:
     from engine.training.train import TrainConfig, train
-    cfg = TrainConfig(seed=args.seed, steps=args.steps)
+    cfg = TrainConfig(seed=args.seed, steps=args.steps, workers=args.workers)
     result = train(cfg, args.out, progress=not args.quiet)
     print(f"trained {result['num_params']:,} parameters for {cfg.steps} steps in {result['seconds']:.0f} s "
           f"(final loss {sum(result['losses'][-20:]) / 20:.4f}); checkpoint, loss.png and train_log.json in {args.out}")
@@ -123,6 +124,10 @@ def _worker(command: str):
 
 def _router(args: argparse.Namespace) -> int:
     from router.cli import run_router
+    if args.no_tokenizer:
+        if args.model:
+            raise SystemExit("kimi-pd router: give --model or --no-tokenizer, not both")
+        return run_router(args, None)
     return run_router(args, str(_ensure_model(args.model)))
 
 
@@ -179,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     trn.add_argument("--out", required=True)
     trn.add_argument("--seed", type=int, default=0)
     trn.add_argument("--steps", type=int, default=TRAIN_STEPS)
+    trn.add_argument("--workers", type=int, default=TRAIN_WORKERS,
+                     help="data-parallel processes, one per core (gradients averaged every step)")
     trn.add_argument("--quiet", action="store_true", help="no progress bar")
     trn.set_defaults(func=_checkpoint_train)
     ev = ckpt.add_parser("eval", help="accuracy per task family on held-out instances (offline or via --url)",

@@ -81,8 +81,7 @@ def up(model_dir: str, port: int, num_prefill: int, num_decode: int, redis_url: 
               f"store {redact(redis_url)})")
         print(f"logs: {log_dir}/   stop: Ctrl-C")
         print(f"""curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' """
-              """-d '{"model": "kimi-k3", "messages": [{"role": "user", "content": "What is 347 + 586?"}], """
-              """"chat_template_kwargs": {"thinking": false}}'""",
+              """-d '{"model": "kimi-k3", "messages": [{"role": "user", "content": "What is 347 + 586?"}]}'""",
               flush=True)
         while not stopping["flag"]:
             supervisor.poll()

@@ -1,8 +1,9 @@
 """`mooncake` transport: the receiver reads the sender's registered tensor memory with the Mooncake
 Transfer Engine (one-sided batch reads); the control plane is the shared TCP one
 (`kv_transfer.sideband`), whose authenticated manifest carries the engine session, the remote
-addresses; the receiver reads in groups of about `GROUP_BYTES` and tags (GMAC) each group
-while the next one is read, then checks the sender's tags (`kv_transfer.sideband`).
+addresses; the receiver keeps about `WINDOW_BYTES` of one-region async reads in flight, tags
+(GMAC) each tensor as soon as it landed while later ones are read, then checks the sender's tags
+(`kv_transfer.sideband`).
 
 Engine setup: `TransferEngine.initialize(config.host, config.mooncake_metadata_server,
 config.mooncake_protocol, config.mooncake_device_name)`: here `P2PHANDSHAKE` metadata and the
@@ -21,12 +22,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
-from kv_transfer.errors import ConfigError, CorruptFrame, TransferError
+from kv_transfer.errors import ConfigError, CorruptFrame, PeerTimeout, TransferError
 from kv_transfer.interface import TransferConfig
 from kv_transfer.leases import Lease
 from kv_transfer.server import HeldState
@@ -34,7 +36,8 @@ from kv_transfer.sideband import DataTagger, SidebandReceiver, SidebandSender
 from kv_transfer.wire import Channel
 
 logger = logging.getLogger(__name__)
-GROUP_BYTES = 64 << 20   # bytes per engine read: small enough to tag one while the next is read
+WINDOW_BYTES = 32 << 20  # reads in flight: enough to keep the engine busy, few enough to land in order
+POLL_S = 0.0005          # how often landed reads are collected (a 9 MiB tensor takes ~5-15 ms here)
 Region = tuple[list[int], list[torch.Tensor]]  # registered addresses, and the tensors they live in
 
 
@@ -74,10 +77,28 @@ def _regions(tensors: list[torch.Tensor]) -> tuple[list[int], list[int]]:
     return [p for p, _ in pairs], [n for _, n in pairs]
 
 
-def _read_done(engine: Any, local: list[int], read: asyncio.Future) -> None:
+def _registration(addrs: list[int], sizes: list[int]) -> tuple[list[int], list[int]]:
+    """What to register for these regions: one span when they are laid out in order with only
+    alignment gaps (a receive arena: one registration instead of one per tensor), else each."""
+    end = addrs[-1] + sizes[-1]
+    ordered = all(a + n <= b for a, n, b in zip(addrs, sizes, addrs[1:]))
+    if ordered and end - addrs[0] <= sum(sizes) + 64 * len(sizes):
+        return [addrs[0]], [end - addrs[0]]
+    return addrs, sizes
+
+
+_ABANDONED: list[object] = []   # receive buffers an engine read may still write into: never freed
+
+
+def _read_done(engine: Any, local: list[int], keep: object, read: asyncio.Future) -> None:
+    error = None if read.cancelled() else read.exception()
+    if isinstance(error, _Abandoned):
+        logger.error("mooncake reads abandoned in flight; keeping %d receive regions forever", len(local))
+        _ABANDONED.append(keep)
+        return
     engine.batch_unregister_memory(local)
-    if not read.cancelled() and read.exception() is not None:
-        logger.warning("mooncake read raised %r", read.exception())
+    if error is not None:
+        logger.warning("mooncake read raised %r", error)
 
 
 class MooncakeSender(SidebandSender):
@@ -186,42 +207,93 @@ class MooncakeReceiver(SidebandReceiver):
             return
         if not all(isinstance(a, int) for a in remote):
             raise CorruptFrame("mooncake manifest has non-integer addresses")
-        if engine.batch_register_memory(local, sizes) != 0:
+        bases, lengths = _registration(local, sizes)
+        if engine.batch_register_memory(bases, lengths) != 0:
             raise TransferError("mooncake failed to register the receive buffers")
         owners = [i for i, t in enumerate(tensors) if t.numel()]
         read = asyncio.get_running_loop().run_in_executor(
-            None, _read_groups, engine, session, local, remote, sizes, owners, tagger)
+            None, _read_windows, engine, session, local, remote, sizes, owners, tagger,
+            self.config.transfer_timeout_s)
         # If we are cancelled, the read still writes into `tensors` until it returns: the callback
-        # keeps them alive and registered until then.
-        read.add_done_callback(lambda f, keep=tensors: _read_done(engine, local, f))
+        # keeps them alive and registered until then (forever if reads were abandoned).
+        read.add_done_callback(lambda f, keep=tensors: _read_done(engine, bases, keep, f))
         await asyncio.shield(read)
 
 
-def read_groups(sizes: list[int], group_bytes: int = GROUP_BYTES) -> list[list[int]]:
-    """Consecutive regions batched into reads of about `group_bytes` each (at least one region)."""
-    groups: list[list[int]] = []
-    load = group_bytes
-    for k, size in enumerate(sizes):
-        if load >= group_bytes:
-            groups.append([])
-            load = 0
-        groups[-1].append(k)
-        load += size
-    return groups
+class _Reads:
+    """One-region async engine reads, polled (never spun on) until each landed or failed."""
+
+    def __init__(self, engine: Any, session: str) -> None:
+        self.engine, self.session = engine, session
+        self.pending: dict[int, int] = {}            # region index -> engine batch id
+        self.failed: str | None = None
+
+    def submit(self, k: int, local: int, remote: int, size: int) -> None:
+        batch = self.engine.batch_transfer_async_read(self.session, [local], [remote], [size])
+        if not batch:
+            raise TransferError(f"mooncake could not submit a read from {self.session}")
+        self.pending[k] = batch
+
+    def landed(self) -> list[int]:
+        """Regions whose read completed since the last call; a failed read is remembered
+        (`failed`) and its region dropped, so `pending` only holds reads still in flight."""
+        done = []
+        for k, batch in list(self.pending.items()):
+            status = self.engine.transfer_check_status(batch)   # frees the batch once settled
+            if status == 0:
+                continue
+            del self.pending[k]
+            if status == 1:
+                done.append(k)
+            elif status == -2:
+                self.pending[k] = batch
+                self.failed = self.failed or "timed out in the engine"
+            else:
+                self.failed = self.failed or f"failed (status {status})"
+        return done
 
 
-def _read_groups(engine: Any, session: str, local: list[int], remote: list[int], sizes: list[int],
-                 owners: list[int], tagger: DataTagger | None) -> None:
-    """Blocking: read group after group; a second thread tags each group as soon as it landed,
-    while the engine reads the next one."""
+def _read_windows(engine: Any, session: str, local: list[int], remote: list[int], sizes: list[int],
+                  owners: list[int], tagger: DataTagger | None, deadline_s: float) -> None:
+    """Blocking: one engine read per region, about `WINDOW_BYTES` of them in flight (the next
+    submitted as soon as one lands), each region tagged in a second thread once it landed
+    (still in cache) while later ones are read. Mooncake's sync calls spin a core on the batch
+    status; this polls every `POLL_S` instead, which on a host with few cores leaves that core
+    to the engine and the MAC.
+
+    Returns only once no read is in flight; past `deadline_s` it raises `_Abandoned` with reads
+    still in flight (the caller must then keep their memory forever, see `_read_done`).
+    """
+    reads = _Reads(engine, session)
+    deadline = time.monotonic() + deadline_s
     with ThreadPoolExecutor(1, thread_name_prefix="kv-mooncake-tag") as tagging:
-        pending = []
-        for group in read_groups(sizes):
-            rc = engine.batch_transfer_sync_read(session, [local[k] for k in group],
-                                                 [remote[k] for k in group], [sizes[k] for k in group])
-            if rc != 0:
-                raise TransferError(f"mooncake read from {session} failed (rc {rc})")
-            if tagger is not None:
-                pending.append(tagging.submit(lambda g=group: [tagger.tag(owners[k]) for k in g]))
-        for job in pending:
+        jobs, k, in_flight = [], 0, 0
+        try:
+            while k < len(sizes) or reads.pending:
+                while k < len(sizes) and (in_flight < WINDOW_BYTES or not reads.pending):
+                    reads.submit(k, local[k], remote[k], sizes[k])
+                    in_flight += sizes[k]
+                    k += 1
+                landed = reads.landed()
+                if reads.failed is not None:
+                    raise TransferError(f"mooncake read from {session} {reads.failed}")
+                in_flight -= sum(sizes[j] for j in landed)
+                if tagger is not None:
+                    jobs += [tagging.submit(tagger.tag, owners[j]) for j in landed]
+                if not landed:
+                    if time.monotonic() > deadline:
+                        raise PeerTimeout(f"mooncake read from {session} did not finish "
+                                          f"within {deadline_s:.3g}s")
+                    time.sleep(POLL_S)
+        finally:
+            while reads.pending and time.monotonic() <= deadline:   # never leave a read writing
+                reads.landed()
+                time.sleep(POLL_S)
+            if reads.pending:
+                raise _Abandoned(f"mooncake reads from {session} still in flight after {deadline_s:.3g}s")
+        for job in jobs:
             job.result()
+
+
+class _Abandoned(PeerTimeout):
+    """Reads still in flight at the deadline: their destination memory must never be reused."""

@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from router import health_checker
 from router.dashboard import install as install_dashboard
 from router.fast_path import FastPath
+from router.kv_events_relay import KVEventsRelay
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator, Trace
 from router.placement.pipeline import build_pipeline
@@ -37,9 +38,8 @@ from shared.openai.requests import ChatCompletionRequest, CompletionRequest
 from shared.openai.responses import ModelCard, ModelList
 from shared.http import (ClientDisconnected, bearer_token, install_error_handlers, parse_json, read_body,
                          read_json_body, read_json_object, until_disconnect)
-from shared.model_config import ModelConfig
-from shared.openai.prompts import prepare_chat, prepare_completion
-from shared.prompt.tokenizer import KimiTokenizer
+from router.connectors import ALIASES as CONNECTOR_ALIASES, CONNECTORS
+from router.prompt_source import foreign_detokenize, foreign_tokenize, load_prompt_source
 from shared.store.factory import make_store
 
 log = logging.getLogger(__name__)
@@ -60,16 +60,22 @@ def create_app(settings: RouterSettings) -> FastAPI:
         metrics = RouterMetrics()
         pipeline = build_pipeline(**settings.pipeline_spec())
         app.state.settings, app.state.registry, app.state.metrics = settings, registry, metrics
-        app.state.tokenizer = KimiTokenizer.from_dir(settings.model)
-        model_config = ModelConfig.from_file(settings.model)
-        app.state.vision_config = model_config.vision_config
-        app.state.max_model_len = model_config.text_config.max_position_embeddings
+        app.state.prompts = prompts = load_prompt_source(settings.model)
+        app.state.tokenizer = prompts.tokenizer if prompts.kind == "kimi-k3" else None   # K3's, for /tokenize
+        app.state.vision_config = prompts.vision_config
+        app.state.max_model_len = prompts.max_model_len
+        log.info("prompt hashing: %s (%s)", prompts.kind, settings.model or "no tokenizer")
         app.state.orchestrator = Orchestrator(settings, registry, client, pipeline, metrics, settings.admin_token,
                                               session)
         await registry.refresh()
-        await health_checker.check_once(client, registry, settings.connect_timeout_s)
+        await health_checker.check_once(client, registry, settings.connect_timeout_s, metrics)
         tasks = [asyncio.create_task(registry.run(stop)),
-                 asyncio.create_task(health_checker.run(client, registry, settings.health_check_s, stop))]
+                 asyncio.create_task(health_checker.run(client, registry, settings.health_check_s, stop,
+                                                                     metrics))]
+        if settings.kv_events:                   # stock vLLM's ZMQ KV events -> the exact prefix index
+            app.state.kv_events = relay = KVEventsRelay(settings.kv_events, registry.index.exact,
+                                                        registry.index.exact_workers, registry.hash_chain)
+            tasks.append(asyncio.create_task(relay.run(stop)))
         log.info("router on %s:%d (%d static workers, store %s)", settings.host, settings.port,
                  len(registry.static), "yes" if store else "no")
         yield
@@ -118,25 +124,27 @@ def _check_admin(request: Request) -> None:
 
 
 def _check_model(request: Request, model: str | None) -> None:
-    if model not in (None, request.app.state.settings.served_model_name):
+    if model not in (None, *request.app.state.settings.served_model_names):
         raise ModelNotFound(model)
 
 
-def _card(request: Request) -> ModelCard:
+def _card(request: Request, name: str) -> ModelCard:
     st = request.app.state
-    return ModelCard(id=st.settings.served_model_name, owned_by="kimi-pd", root=st.settings.model,
+    return ModelCard(id=name, owned_by="kimi-pd", root=st.settings.model or st.settings.served_model_name,
                      max_model_len=st.max_model_len)
 
 
 async def _models(request: Request) -> JSONResponse:
+    """Every served name, as vLLM lists them (aliases of one model)."""
     _check_client(request)
-    return JSONResponse(ModelList(data=[_card(request)]).model_dump(mode="json"))
+    cards = [_card(request, name) for name in request.app.state.settings.served_model_names]
+    return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
 
 
 async def _model(request: Request, model_id: str) -> JSONResponse:
     _check_client(request)
     _check_model(request, model_id)
-    return JSONResponse(_card(request).model_dump(mode="json"))
+    return JSONResponse(_card(request, model_id).model_dump(mode="json"))
 
 
 async def _tokenize(request: Request) -> JSONResponse:
@@ -145,6 +153,8 @@ async def _tokenize(request: Request) -> JSONResponse:
     limit = request.app.state.settings.max_request_bytes
     req = tokenize_api.TokenizeRequest.model_validate(await read_json_body(request, limit))
     _check_model(request, req.model)
+    if st.tokenizer is None:                       # an HF tokenizer, or none (text mode refuses)
+        return JSONResponse(foreign_tokenize(st.prompts, req))
     return JSONResponse(tokenize_api.tokenize(req, st.tokenizer, st.max_model_len, st.vision_config))
 
 
@@ -153,19 +163,21 @@ async def _detokenize(request: Request) -> JSONResponse:
     limit = request.app.state.settings.max_request_bytes
     req = tokenize_api.DetokenizeRequest.model_validate(await read_json_body(request, limit))
     _check_model(request, req.model)
+    if request.app.state.tokenizer is None:
+        return JSONResponse(foreign_detokenize(request.app.state.prompts, req))
     return JSONResponse(tokenize_api.detokenize(req, request.app.state.tokenizer))
 
 
 async def _tokenizer_info(request: Request) -> JSONResponse:
     _check_client(request)
-    st = request.app.state
-    return JSONResponse(tokenize_api.tokenizer_info(st.tokenizer, st.max_model_len))
+    return JSONResponse(request.app.state.prompts.tokenizer_info())
 
 
 async def _serve(request: Request, endpoint: str, req, prepare, body_bytes: int) -> Response:
     st = request.app.state
     _check_model(request, req.model)
-    to_sampling_params(req)                      # reject bad parameters here, before any worker is busy
+    if st.prompts.kind == "kimi-k3":
+        to_sampling_params(req)                  # reject bad parameters here, before any worker is busy
     # a small prompt renders and tokenises in less time than a hop to a thread costs; big ones must not
     # stall the event loop (bodies are bounded by max_request_bytes)
     prepared = prepare() if body_bytes <= INLINE_PREPARE_BYTES else await asyncio.to_thread(prepare)
@@ -206,7 +218,7 @@ async def _chat(request: Request) -> Response:
     st = request.app.state
 
     def one(sub: ChatCompletionRequest):
-        return _serve(request, "chat", sub, lambda: prepare_chat(sub, st.tokenizer, st.vision_config), size)
+        return _serve(request, "chat", sub, lambda: st.prompts.prepare_chat(sub), size)
     return await (fan_out(req, one) if needs_fan_out(req) else one(req))
 
 
@@ -216,8 +228,7 @@ async def _completions(request: Request) -> Response:
     req = CompletionRequest.model_validate(body)
 
     def one(sub: CompletionRequest):
-        return _serve(request, "completions", sub, lambda: prepare_completion(sub, request.app.state.tokenizer),
-                      size)
+        return _serve(request, "completions", sub, lambda: request.app.state.prompts.prepare_completion(sub), size)
     return await (fan_out(req, one) if needs_fan_out(req) else one(req))
 
 
@@ -230,7 +241,7 @@ def _ready_state(registry: WorkerRegistry) -> dict:
     roles = {s.info.role for s in usable}
     ready = "both" in roles or {"prefill", "decode"} <= roles or "decode" in roles
     return {"ready": ready, "workers": {r: sum(s.info.role == r for s in usable) for r in ("prefill", "decode", "both")},
-            "store": "ok" if registry.store_ok else "unavailable"}
+            "store": "none" if registry.store is None else "ok" if registry.store_ok else "unavailable"}
 
 
 async def _ready(request: Request) -> JSONResponse:
@@ -253,13 +264,16 @@ async def _list_workers(request: Request) -> JSONResponse:
 
 
 async def _add_worker(request: Request) -> JSONResponse:
-    """Add a static worker: {"url": ..., "role": "prefill"|"decode"|"both"}."""
+    """Add a static worker: {"url": ..., "role": "prefill"|"decode"|"both", "kv_connector": optional
+    (its pool's P/D protocol; default --kv-connector)}."""
     _check_admin(request)
     body = await read_json_object(request, request.app.state.settings.max_request_bytes)
-    url, role = body.get("url"), body.get("role")
+    url, role, kind = body.get("url"), body.get("role"), body.get("kv_connector")
     if not _valid_worker_url(url) or role not in ("prefill", "decode", "both"):
         raise OpenAIError("give url (http[s]://host:port) and role (prefill, decode or both)", status=400)
-    request.app.state.registry.add_static(url, role)
+    if kind is not None and (not isinstance(kind, str) or kind not in (*CONNECTORS, *CONNECTOR_ALIASES)):
+        raise OpenAIError(f"kv_connector: one of {', '.join(sorted(CONNECTORS))}", status=400)
+    request.app.state.registry.add_static(url, role, kind)
     return JSONResponse({"added": url})
 
 

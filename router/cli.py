@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from router.kv_events_relay import parse_kv_events_flag
 from router.settings import RouterSettings
 
 API_KEYS_ENV = "KIMI_PD_API_KEYS"          # comma-separated client keys (optional)
@@ -13,10 +14,24 @@ WORKER_API_KEY_ENV = "KIMI_PD_WORKER_API_KEY"  # the key workers expect (their K
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="checkpoint directory (tokenizer + config; default: the tiny generated one)")
+    p.add_argument("--model", help="for prompt hashing: a Kimi-K3 checkpoint or any Hugging Face tokenizer "
+                                   "directory (tokenizer.json + its chat template); default: the tiny generated K3 one")
+    p.add_argument("--no-tokenizer", action="store_true",
+                   help="run without a tokenizer: the prefix index hashes prompt text (approximate)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default="kimi-k3")
+    p.add_argument("--served-model-name", nargs="+", default=["kimi-k3"], metavar="NAME",
+                   help="names clients may use; the first is the workers' own (sent to them), as in vLLM")
+    p.add_argument("--kv-connector", default="kimi-pd",
+                   help="P/D protocol of the static workers: kimi-pd (ours), or a stock vLLM connector: "
+                        "nixl, mooncake (vLLM's: the router makes the transfer id), mooncake-ascend, "
+                        "p2p-nccl, lmcache, example (shared storage)")
+    p.add_argument("--mooncake-bootstrap-port", type=int, default=8998,
+                   help="--kv-connector mooncake: the port of each prefill's bootstrap server "
+                        "(vLLM's VLLM_MOONCAKE_BOOTSTRAP_PORT), on the prefill's host")
+    p.add_argument("--kv-events", action="append", default=[], metavar="URL=ENDPOINT",
+                   help="a static vLLM worker's ZMQ KV events (its --kv-events-config endpoint, e.g. "
+                        "http://10.0.0.5:8100=tcp://10.0.0.5:5557): an exact prefix index for it (needs pyzmq)")
     p.add_argument("--prefill", action="append", default=[], metavar="URL", help="static prefill worker")
     p.add_argument("--decode", action="append", default=[], metavar="URL", help="static decode worker")
     p.add_argument("--worker", action="append", default=[], metavar="URL", help="static colocated worker")
@@ -44,9 +59,12 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info")
 
 
-def settings_from_args(args: argparse.Namespace, model_dir: str) -> RouterSettings:
+def settings_from_args(args: argparse.Namespace, model_dir: str | None) -> RouterSettings:
     keys = tuple(k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip())
-    return RouterSettings(model=model_dir, host=args.host, port=args.port, served_model_name=args.served_model_name,
+    return RouterSettings(model=model_dir, host=args.host, port=args.port, served_model_name=args.served_model_name[0],
+                          served_model_aliases=tuple(args.served_model_name[1:]), kv_connector=args.kv_connector,
+                          mooncake_bootstrap_port=args.mooncake_bootstrap_port,
+                          kv_events=parse_kv_events_flag(args.kv_events),
                           static_prefill=tuple(args.prefill), static_decode=tuple(args.decode),
                           static_both=tuple(args.worker), block_size=args.block_size, store_url=args.redis_url,
                           static_cache_tokens=args.static_cache_tokens, max_request_bytes=args.max_request_bytes,
@@ -59,7 +77,7 @@ def settings_from_args(args: argparse.Namespace, model_dir: str) -> RouterSettin
                           worker_api_key=os.environ.get(WORKER_API_KEY_ENV) or None)
 
 
-def run_router(args: argparse.Namespace, model_dir: str) -> int:
+def run_router(args: argparse.Namespace, model_dir: str | None) -> int:
     import uvicorn
 
     from router.app import create_app

@@ -143,8 +143,8 @@ def fleet_state(app_state, history: History, ready_state: Callable[[object], dic
             load.pop("extra", None)
         workers.append({**w, "load": load})
     oldest, newest = history.samples[0], history.samples[-1]
-    return {"router": {"model": app_state.settings.served_model_name, "store": "ok" if registry.store_ok else
-                       ("none" if registry.store is None else "unavailable"),
+    return {"router": {"model": app_state.settings.served_model_name, "store": "none" if registry.store is None else
+                       ("ok" if registry.store_ok else "unavailable"),
                        "ready": bool(ready_state(registry)["ready"]), "time": now},
             "workers": workers,
             "traffic": traffic(oldest, newest) if len(history.samples) > 1 else None,

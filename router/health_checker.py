@@ -3,16 +3,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import httpx
 
 from router.capacity import capacity_tokens_from_metrics
+from router.metrics import RouterMetrics
+from router.vllm_metrics import load_from_vllm_metrics, timing_deltas
 from router.registry import WorkerRegistry
 
 log = logging.getLogger(__name__)
 
 
-async def check_once(client: httpx.AsyncClient, registry: WorkerRegistry, timeout_s: float) -> None:
+async def check_once(client: httpx.AsyncClient, registry: WorkerRegistry, timeout_s: float,
+                     metrics: RouterMetrics | None = None) -> None:
     infos = list(registry.all_infos().values())
 
     async def probe(info) -> None:
@@ -21,10 +25,14 @@ async def check_once(client: httpx.AsyncClient, registry: WorkerRegistry, timeou
             ok = resp.status_code == 200
         except Exception:                                  # noqa: BLE001 - any failure is a failed check
             ok = False
-        if ok and info.worker_id in registry.unsized:
+        if ok and registry.is_vllm(info.worker_id):
+            await load_from_metrics(client, registry, info, timeout_s, metrics)      # sizes its index too
+        elif ok and info.worker_id in registry.unsized:
             await size_from_metrics(client, registry, info, timeout_s)
         was = registry.health.is_healthy(info.worker_id)
         registry.health.record_check(info.worker_id, ok)
+        if ok and not was:
+            registry.mooncake_engines.pop(info.worker_id, None)   # a restarted prefill has a new engine id
         if was != registry.health.is_healthy(info.worker_id):
             log.warning("worker %s is now %s", info.worker_id, "healthy" if ok else "unhealthy")
 
@@ -48,10 +56,36 @@ async def size_from_metrics(client: httpx.AsyncClient, registry: WorkerRegistry,
                     "(set --static-cache-tokens)", info.worker_id, registry.index.approximate.capacity_blocks)
 
 
-async def run(client: httpx.AsyncClient, registry: WorkerRegistry, interval_s: float, stop: asyncio.Event) -> None:
+async def load_from_metrics(client: httpx.AsyncClient, registry: WorkerRegistry, info, timeout_s: float,
+                            metrics: RouterMetrics | None = None) -> None:
+    """A stock vLLM worker's load from its /metrics (router/vllm_metrics.py), every health round: the
+    heartbeat such a worker does not send. A page that cannot be read keeps the last report."""
+    try:
+        resp = await client.get(f"{info.url}/metrics", timeout=timeout_s)
+        report = load_from_vllm_metrics(resp.text, time.time()) if resp.status_code == 200 else None
+    except Exception as exc:                               # noqa: BLE001 - load is best effort
+        log.debug("metrics of %s unreadable: %s", info.worker_id, exc)
+        return
+    if report is None:
+        return
+    if metrics is not None and info.role in ("decode", "both"):     # what vLLM's answers carry no header for
+        for key, (seconds, count) in timing_deltas(registry.loads.get(info.worker_id), report).items():
+            histogram = metrics.decode_queue if key == "queue" else metrics.transfer_seconds
+            for _ in range(min(count, 10000)):
+                histogram.observe(seconds / count)
+    registry.loads[info.worker_id] = report
+    if info.worker_id in registry.unsized and report.capacity_tokens:
+        registry.unsized.discard(info.worker_id)
+        registry.index.size_for(info, report.capacity_tokens)
+        log.info("worker %s caches %d tokens: approximate index sized to %d blocks", info.worker_id,
+                 report.capacity_tokens, registry.index.approximate.capacity(info.worker_id))
+
+
+async def run(client: httpx.AsyncClient, registry: WorkerRegistry, interval_s: float, stop: asyncio.Event,
+              metrics: RouterMetrics | None = None) -> None:
     while not stop.is_set():
         try:
-            await check_once(client, registry, min(interval_s, 2.0))
+            await check_once(client, registry, min(interval_s, 2.0), metrics)
         except Exception:                                  # noqa: BLE001 - the checker must outlive any bug
             log.exception("health check round failed")
         try:

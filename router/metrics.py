@@ -6,8 +6,12 @@
   leg_failures_total{leg, reason}                leg: prefill | decode; reason: connect, timeout, http_5xx, ...
   retries_total{leg}                             a connect failure retried on another worker
   prefill_fallbacks_total{reason}                prefill pool down/failing: decode computed the prompt
-  prefill_seconds, transfer_seconds              per leg (transfer as reported by the decode worker)
-  decode_queue_seconds                           decode worker: arrival -> first scheduled
+                                                 (no_kv_transfer_params: a connector that promises them sent
+                                                 none; no_engine_id: a Mooncake bootstrap server did not answer)
+  prefill_seconds, transfer_seconds              per leg (transfer as reported by the decode worker; for a
+                                                 stock vLLM decode, its vllm:nixl_xfer_time_seconds growth)
+  decode_queue_seconds                           decode worker: arrival -> first scheduled (stock vLLM: the
+                                                 growth of its vllm:request_queue_time_seconds per health round)
   ttft_seconds, tpot_seconds, e2e_seconds        client-visible latencies
   stream_errors_total                            streams ended with an SSE error event
   migrations_total{outcome}                      decode legs moved to another decode worker (ok | failed)

@@ -19,6 +19,7 @@ import aiohttp
 import httpx
 from fastapi.responses import Response, StreamingResponse
 
+from router.connectors import connector, engine_id_from_query, mooncake_decode_params
 from router.metrics import RouterMetrics
 from router.placement.context import build_context
 from router.placement.ledger import Leg
@@ -68,6 +69,8 @@ class Trace:
     decode_worker: str | None = None
     cached_tokens: int | None = None
     kv_transfer_params: KVTransferParams | None = None
+    decode_params: dict | None = None                # a stock vLLM decode leg's kv_transfer_params, as sent
+    kv_connector: str = "kimi-pd"                    # the P/D protocol of this request's pool
     decode_connected: bool = False
     outcome: str | None = None                       # a stream's outcome, set when its relay ends
 
@@ -97,8 +100,12 @@ class Orchestrator:
         decode = self._pick(ctx, states, exclude=set())
         prefill_ctx = replace(ctx, role="prefill")      # same prompt hashes and cached prefixes
         trace.decision = self._decide(ctx, prefill_ctx, decode, states)
+        trace.kv_connector = self.registry.connector_of(decode.worker_id).name
         if trace.decision == "prefill-decode":
-            await self._prefill_or_fall_back(trace, req, prefill_ctx, states)
+            # only prefill workers of the decode's pool (same connector) can hand it their KV
+            other_pools = {w.worker_id for w in states if w.info.role == "prefill"
+                           and self.registry.connector_of(w.worker_id).name != trace.kv_connector}
+            await self._prefill_or_fall_back(trace, req, prefill_ctx, states, other_pools)
         self.metrics.decisions.labels(decision=trace.decision).inc()
         self._record_sent(ctx, decode)
         return await self._decode_leg(trace, req, decode, ctx, states)
@@ -120,18 +127,21 @@ class Orchestrator:
             prefill_ready = [w for w in self.pipeline.candidates(prefill_ctx, states) if w.info.role == "prefill"]
         except NoWorkerAvailable:
             prefill_ready = []
+        kind = self.registry.connector_of(decode.worker_id).name
+        prefill_ready = [w for w in prefill_ready if self.registry.connector_of(w.worker_id).name == kind]
         if not prefill_ready:
-            return "decode-only"
+            return "decode-only"                         # no prefill worker speaks this decode's protocol
         return decide_disaggregation(ctx, decode, self.s.disagg_threshold_tokens)
 
     def _record_sent(self, ctx: RoutingContext, worker: WorkerState) -> None:
         self.registry.index.record_sent(worker.worker_id, ctx.hashes_for(worker.info))
 
     # ---- prefill leg --------------------------------------------------------------------------
-    async def _prefill_or_fall_back(self, trace: Trace, req, ctx: RoutingContext, states: list[WorkerState]) -> None:
+    async def _prefill_or_fall_back(self, trace: Trace, req, ctx: RoutingContext, states: list[WorkerState],
+                                    exclude: set[str]) -> None:
         """A prefill pool that is down or failing costs latency, not the request: decode computes it."""
         try:
-            await self._prefill_leg(trace, req, ctx, states)
+            await self._prefill_leg(trace, req, ctx, states, exclude)
         except NoWorkerAvailable as exc:
             self._fall_back(trace, "no_worker", exc)
         except UpstreamError as err:
@@ -143,22 +153,30 @@ class Orchestrator:
         log.warning("prefill leg of %s failed (%s); decode worker computes the prompt: %s", trace.request_id,
                     reason, exc)
         self.metrics.prefill_fallbacks.labels(reason=reason).inc()
-        trace.decision, trace.kv_transfer_params = "decode-only", None
+        trace.decision, trace.kv_transfer_params, trace.decode_params = "decode-only", None, None
 
-    async def _prefill_leg(self, trace: Trace, req, ctx: RoutingContext, states: list[WorkerState]) -> None:
-        tried: set[str] = set()
-        body = prefill_body(req)
+    async def _prefill_leg(self, trace: Trace, req, ctx: RoutingContext, states: list[WorkerState],
+                           exclude: set[str]) -> None:
+        tried: set[str] = set(exclude)
+        kind = connector(trace.kv_connector)
+        transfer_id = kind.new_transfer_id(trace.request_id)
+        body = self._for_worker(prefill_body(req))
+        body["kv_transfer_params"] = kind.prefill_params(transfer_id)
         timeout = leg_timeout(self.s.connect_timeout_s, self.s.prefill_timeout_s)
         for attempt in range(self.s.max_attempts):
             worker = self._pick(ctx, states, tried)
             tried.add(worker.worker_id)
+            if kind.router_transfer_id and await self._mooncake_engine(worker) is None:
+                # asked before the prefill is sent, so a failure strands no blocks held for a transfer
+                raise UpstreamError("no_engine_id", "the prefill worker's Mooncake bootstrap server did not "
+                                    "name its engine", 502, worker_fault=False)
             start = time.perf_counter()
             self._record_sent(ctx, worker)               # FIFO: what later requests will find cached there
             leg = self.registry.ledger.open(worker.worker_id, ctx.uncached_tokens(worker.info))
             answered = False
             try:
                 reply = await self._call(worker, lambda w=worker: post_json(
-                    self.session, self._url(w, trace), body, timeout, self._headers(trace), "prefill"))
+                    self.session, self._url(w, trace), body, timeout, self._headers(trace, w), "prefill"))
                 answered = True
             except UpstreamError as err:
                 self.metrics.leg_failures.labels(leg="prefill", reason=err.reason).inc()
@@ -170,13 +188,47 @@ class Orchestrator:
                 self.registry.ledger.settle(leg, calibrate=answered)
             self.metrics.prefill_seconds.observe(time.perf_counter() - start)
             trace.prefill_worker = worker.worker_id
-            raw = reply.body.get("kv_transfer_params")
-            trace.kv_transfer_params = KVTransferParams.from_dict(raw) if raw and isinstance(raw, dict) else None
             details = (reply.body.get("usage") or {}).get("prompt_tokens_details") or {}
             trace.cached_tokens = details.get("cached_tokens")
-            if trace.kv_transfer_params is None:
-                log.warning("prefill worker %s returned no kv_transfer_params; decode will recompute", worker.worker_id)
+            await self._adopt_prefill_answer(trace, kind, worker, reply.body.get("kv_transfer_params"), transfer_id)
             return
+
+    async def _adopt_prefill_answer(self, trace: Trace, kind, worker: WorkerState, raw, transfer_id: str | None
+                                    ) -> None:
+        """What the decode leg gets, per the pool's protocol (router/connectors.py). A protocol that
+        promises parameters and got none is a real fallback: the decode computes the prompt."""
+        if kind.router_transfer_id:                    # upstream Mooncake: the router arranges the pull
+            engine = self.registry.mooncake_engines[worker.worker_id]      # asked before the prefill leg
+            trace.decode_params = mooncake_decode_params(transfer_id, engine, self._bootstrap_addr(worker))
+            return
+        if not kind.answers_params:                    # storage-backed: the decode finds the KV itself
+            return
+        if not (raw and isinstance(raw, dict)):
+            raise UpstreamError("no_kv_transfer_params", f"the prefill worker answered no kv_transfer_params "
+                                f"({kind.name} always sends them)", 502, worker_fault=False)
+        trace.kv_transfer_params = KVTransferParams.from_dict(raw)
+        if kind.vllm:
+            trace.decode_params = dict(raw)            # forwarded exactly as the prefill's vLLM wrote it
+
+    def _bootstrap_addr(self, worker: WorkerState) -> str:
+        host = httpx.URL(worker.info.url).host
+        host = f"[{host}]" if ":" in host else host
+        return f"http://{host}:{self.s.mooncake_bootstrap_port}"
+
+    async def _mooncake_engine(self, worker: WorkerState) -> str | None:
+        """A prefill's engine id, from its bootstrap server's /query (asked once, then cached)."""
+        known = self.registry.mooncake_engines.get(worker.worker_id)
+        if known:
+            return known
+        try:
+            resp = await self.client.get(self._bootstrap_addr(worker) + "/query", timeout=self.s.connect_timeout_s)
+            engine = engine_id_from_query(resp.json()) if resp.status_code == 200 else None
+        except (httpx.HTTPError, ValueError) as exc:
+            log.warning("Mooncake bootstrap of %s unreachable: %s", worker.worker_id, exc)
+            return None
+        if engine:
+            self.registry.mooncake_engines[worker.worker_id] = engine
+        return engine
 
     async def _call(self, worker: WorkerState, send):
         """begin/end around one call; a cancelled call (client gone) records no health outcome."""
@@ -194,19 +246,28 @@ class Orchestrator:
 
     # ---- decode leg ---------------------------------------------------------------------------
     def _decode_body(self, trace: Trace, req) -> dict:
-        if trace.kv_transfer_params is not None:
+        if trace.decode_params is not None:              # a stock vLLM pool: its connector's own params
+            body = wire_body(req)
+            body["kv_transfer_params"] = dict(trace.decode_params)
+        elif trace.kv_transfer_params is not None:
             body = decode_body(req, trace.kv_transfer_params)
         else:
             body = wire_body(req)
             body.pop("kv_transfer_params", None)        # clients never steer transfers (SSRF, lease tampering)
         if req.stream:
             body["return_token_ids"] = True             # what a migration resumes from (stripped for the client)
+        return self._for_worker(body)
+
+    def _for_worker(self, body: dict) -> dict:
+        """Workers know the model by its first served name; clients may use any alias."""
+        if body.get("model") in self.s.served_model_aliases:
+            body["model"] = self.s.served_model_name
         return body
 
     async def _decode_leg(self, trace: Trace, req, decode: WorkerState, ctx: RoutingContext,
                           states: list[WorkerState]) -> Response:
         body = self._decode_body(trace, req)
-        tried: set[str] = set()
+        tried = {w.worker_id for w in states if self.registry.connector_of(w.worker_id).name != trace.kv_connector}
         worker, resp, leg = await self._open_with_retries(trace, body, req.stream, decode, ctx, states, tried)
         trace.decode_worker = worker.worker_id
         if req.stream:
@@ -268,7 +329,7 @@ class Orchestrator:
         self.registry.begin(worker.worker_id)
         try:
             resp = await self.session.post(self._url(worker, trace), data=dumps(body),
-                                           headers={**JSON_HEADERS, **self._headers(trace)},
+                                           headers={**JSON_HEADERS, **self._headers(trace, worker)},
                                            timeout=leg_timeout(self.s.connect_timeout_s, read))
         except TRANSPORT_ERRORS as exc:
             err = classify(exc, "decode", replay_safe="kv_transfer_params" not in body)
@@ -437,6 +498,8 @@ class Orchestrator:
         ktp = trace.kv_transfer_params
         if ktp is None or trace.decode_connected or not trace.prefill_worker:
             return
+        if self.registry.is_vllm(trace.prefill_worker):
+            return           # /internal/kv/release is ours; vLLM frees the blocks at its own timeout
         info = self.registry.all_infos().get(trace.prefill_worker)
         if info is None or not self.admin_token:
             return
@@ -457,9 +520,12 @@ class Orchestrator:
         path = "/v1/chat/completions" if trace.endpoint == "chat" else "/v1/completions"
         return worker.info.url + path
 
-    def _headers(self, trace: Trace) -> dict[str, str]:
+    def _headers(self, trace: Trace, worker: WorkerState) -> dict[str, str]:
         headers = {"x-request-id": trace.request_id}
-        token = self.s.worker_api_key or (self.admin_token if self.s.api_keys else None)
+        # our admin token authenticates to our workers only; a stock vLLM worker gets its own --api-key
+        # (KIMI_PD_WORKER_API_KEY) or nothing
+        admin = None if self.registry.is_vllm(worker.worker_id) else self.admin_token
+        token = self.s.worker_api_key or (admin if self.s.api_keys else None)
         if token:                       # with client keys on, workers only serve authenticated callers
             headers["authorization"] = f"Bearer {token}"
         return headers

@@ -19,6 +19,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from router.connectors import CONNECTORS, Connector, connector
 from router.placement.health import HealthTracker
 from router.placement.ledger import LedgerConfig, WorkLedger
 from router.placement.prefix_index import ApproximatePrefixIndex, PrefixIndex
@@ -81,6 +82,10 @@ class WorkerRegistry:
                  clock: Callable[[], float] = time.time) -> None:
         self.settings, self.store, self._clock = settings, store, clock
         self.static: dict[str, WorkerInfo] = self._static_workers(settings)
+        # each static worker's P/D protocol (a pool: workers given with one --kv-connector, or added by
+        # the admin API with theirs); discovered workers are ours ("kimi-pd")
+        self.static_connectors: dict[str, Connector] = {url: connector(settings.kv_connector) for url in self.static}
+        self.mooncake_engines: dict[str, str] = {}    # prefill worker -> engine id (its bootstrap /query)
         self.discovered: dict[str, WorkerInfo] = {}
         self.loads: dict[str, LoadReport] = {}
         self.inflight: dict[str, int] = {}
@@ -126,9 +131,23 @@ class WorkerRegistry:
                 backlog_s=ledger.backlog_s(wid), tokens_per_s=ledger.tokens_per_s(wid)))
         return out
 
-    def add_static(self, url: str, role: str) -> None:
+    def add_static(self, url: str, role: str, kv_connector: str | None = None) -> None:
         self.static[url] = info = self.static_info(self.settings, url, role)
+        self.static_connectors[url] = connector(kv_connector or self.settings.kv_connector)
+        self.mooncake_engines.pop(url, None)
         self._size_static(info)
+
+    def connector_of(self, worker_id: str) -> Connector:
+        """The P/D protocol a worker speaks (a worker known nowhere is treated as ours)."""
+        return self.static_connectors.get(worker_id) or CONNECTORS["kimi-pd"]
+
+    def hash_chain(self, worker_id: str) -> tuple[int, int]:
+        """(hash root, block size) placement hashes a worker's prompts with."""
+        info = self.all_infos()[worker_id]
+        return info.hash_root, info.block_size
+
+    def is_vllm(self, worker_id: str) -> bool:
+        return self.connector_of(worker_id).vllm
 
     def _size_static(self, info: WorkerInfo) -> None:
         if self.settings.static_cache_tokens:
@@ -246,7 +265,9 @@ class WorkerRegistry:
             out.append({"worker_id": s.info.worker_id, "role": s.info.role, "url": s.info.url,
                         "model": s.info.model_id, "source": "static" if s.info.worker_id in self.static else "store",
                         "healthy": s.healthy, "circuit": s.circuit.value, "draining": s.is_draining,
-                        "inflight": s.inflight, "load": None if s.load is None else s.load.to_dict(),
+                        "kv_connector": self.connector_of(s.info.worker_id).name,
+                        "inflight": s.inflight, "active_requests": s.active_requests,
+                        "load": None if s.load is None else s.load.to_dict(),
                         "cached_blocks": self.index.exact.num_blocks(s.info.worker_id)
                         if s.info.worker_id in self.index.exact_workers
                         else self.index.approximate.num_blocks(s.info.worker_id)})

@@ -7,10 +7,14 @@ from typing import Any
 
 @dataclass(frozen=True)
 class RouterSettings:
-    model: str                                    # checkpoint dir: tokenizer + config (for prompt hashing)
+    model: str | None                             # K3 checkpoint or HF tokenizer dir (prompt hashing); None: text
     host: str = "127.0.0.1"
     port: int = 8000
-    served_model_name: str = "kimi-k3"
+    served_model_name: str = "kimi-k3"            # the workers' name: what the router sends them
+    served_model_aliases: tuple[str, ...] = ()    # more names clients may use (vLLM's --served-model-name A B)
+    kv_connector: str = "kimi-pd"                 # the P/D protocol of static workers (router/connectors.py)
+    mooncake_bootstrap_port: int = 8998           # upstream Mooncake: a prefill's bootstrap server port
+    kv_events: tuple[tuple[str, str], ...] = ()   # (static worker URL, vLLM ZMQ endpoint): exact prefix index
     static_prefill: tuple[str, ...] = ()          # worker URLs given on the command line
     static_decode: tuple[str, ...] = ()
     static_both: tuple[str, ...] = ()
@@ -50,12 +54,26 @@ class RouterSettings:
         scorers = {name: (w if isinstance(w, (int, float)) else (w[0], dict(w[1]))) for name, w in self.scorer_weights}
         return {"filters": tuple(spec(f) for f in self.placement_filters), "scorers": scorers}
 
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        return (self.served_model_name, *self.served_model_aliases)
+
     def validate(self) -> None:
+        from router.connectors import CONNECTORS, connector
+        try:
+            connector(self.kv_connector)
+        except KeyError:
+            raise ValueError(f"unknown --kv-connector {self.kv_connector!r}; one of "
+                             f"{', '.join(sorted(CONNECTORS))}") from None
         if not (self.static_prefill or self.static_decode or self.static_both or self.store_url):
             raise ValueError("give workers (--prefill/--decode/--worker URLs) or a state store (--redis-url)")
         if self.api_keys and not (self.admin_token or self.worker_api_key):
             raise ValueError("client API keys are on, so calls to workers must be authenticated too: set "
                              "KIMI_PD_ADMIN_TOKEN (or KIMI_PD_WORKER_API_KEY)")
+        unknown = [url for url, _ in self.kv_events
+                   if url not in (*self.static_prefill, *self.static_decode, *self.static_both)]
+        if unknown:
+            raise ValueError(f"--kv-events names workers that are not static workers: {', '.join(unknown)}")
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
         if self.prefill_tokens_per_s <= 0 or self.static_cache_tokens < 0:

@@ -310,7 +310,7 @@ class LLMEngine:
                 n = len(s.draft_token_ids)
                 checked = self._verify(req, s, result.logits[row: row + n + 1])
                 row += n + 1
-                consumed = 1 + checked.num_accepted_drafts
+                consumed = checked.num_consumed
                 if consumed < n + 1:
                     self.runner.rollback_kda(req.kda_slot, consumed)
                 req.num_computed_tokens += consumed
@@ -357,7 +357,8 @@ class LLMEngine:
 
     # ---- speculative decoding ---------------------------------------------------------------------
     def _verify(self, req: Request, s, logits: torch.Tensor):
-        state = SamplingState(req.params, req.prompt_token_ids, req.output_token_ids, req.generator)
+        state = SamplingState(req.params, req.prompt_token_ids, req.output_token_ids, req.generator,
+                              req.bad_words_token_ids, req.grammar)
         checked = verify(logits, s.draft_token_ids, state, self.eos_token_ids,
                          s.num_computed_before, req.sampling_seed, req.spec_draft_logits)
         self.spec_stats.record_draft(len(s.draft_token_ids), checked.num_accepted_drafts)
@@ -370,7 +371,7 @@ class LLMEngine:
         Bounded by its remaining output (a verify step emits up to drafts+1 tokens), the context
         length, and the draft's `max_model_len` (longer sequences decode without speculation)."""
         if not req.draft_context_ready or req.status != RequestStatus.RUNNING \
-                or req.num_tokens != req.num_computed_tokens + 1 or _constrained(req):
+                or req.num_tokens != req.num_computed_tokens + 1:
             return 0
         n = self.spec.num_speculative_tokens
         if req.num_tokens + n > self.spec.max_model_len:
@@ -471,11 +472,3 @@ def record_prompt_logprobs(req: Request, start: int, logits: torch.Tensor) -> No
     tops = list(zip(top_ids.tolist(), top_values.tolist())) if n else [([], [])] * len(chosen_l)
     for i, (token_id, lp, rank, (ids, values)) in enumerate(zip(targets.tolist(), chosen_l, ranks_l, tops)):
         req.prompt_logprobs[start + 1 + i] = PromptLogprob(token_id, lp, rank, list(zip(ids, values)))
-
-
-def _constrained(req: Request) -> bool:
-    """Requests whose tokens a mask constrains (grammar, bad words, logit bias, allowed ids) decode
-    without speculation: verification applies penalties and min_tokens, not these masks."""
-    p = req.params
-    return req.grammar is not None or bool(req.bad_words_token_ids) or bool(p.logit_bias) \
-        or p.allowed_token_ids is not None

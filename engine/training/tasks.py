@@ -157,14 +157,14 @@ def make_reverse(word: str) -> Instance:
     forward = " ".join(f"{i + 1}{ch}" for i, ch in enumerate(word))
     backward = " ".join(f"{i + 1}{word[i]}" for i in range(n - 1, -1, -1))
     return Instance("reverse", f"reverse:{word}", (_user(f"Reverse the word: {word}"),), word[::-1],
-                    f"{n} letters: {forward}\nreversed: {backward}")
+                    f"{forward}\nreversed: {backward}")
 
 
 def make_sort(numbers: list[int]) -> Instance:
     text = ", ".join(map(str, numbers))
     ordered = ", ".join(map(str, sorted(numbers)))
     return Instance("sort", f"sort:{text}", (_user(f"Sort these numbers: {text}"),), ordered,
-                    f"{len(numbers)} numbers, ascending")
+                    "ascending order")
 
 
 def _weather_question(city: str) -> dict[str, Any]:

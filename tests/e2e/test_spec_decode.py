@@ -34,8 +34,12 @@ def fleet(tmp_path_factory, e2e_model):
         yield f
 
 
-def test_router_pd_with_speculation_equals_plain_offline(fleet, e2e_model):
-    offline = LLM(str(e2e_model), block_size=4, kda_chunk_size=8, cache_memory_bytes=8 << 20)
+@pytest.fixture(scope="module")
+def offline(e2e_model):
+    return LLM(str(e2e_model), block_size=4, kda_chunk_size=8, cache_memory_bytes=8 << 20)
+
+
+def test_router_pd_with_speculation_equals_plain_offline(fleet, offline):
     for prompt in PROMPTS:
         body = {"model": "kimi-k3", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
         got = httpx.post(fleet.r.url + "/v1/completions", json=body, timeout=60)
@@ -75,3 +79,63 @@ def test_streamed_speculative_answer_concatenates_to_the_whole(fleet):
     text, events = stream_text(fleet.r.url + "/v1/chat/completions", body)
     assert text == (whole.get("reasoning_content") or "") + (whole.get("content") or "")
     assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                          "maximum": 9}},
+          "required": ["ok", "n"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_router_pd_constrained_requests_speculate_and_equal_offline(fleet, offline):
+    """Structured output and bad words / logit bias through P/D with a speculating
+    decode worker: the same tokens as offline plain greedy, and the decode worker drafted for them."""
+    pytest.importorskip("xgrammar")
+    import jsonschema
+
+    from shared.structured_output import StructuredOutput
+    drafts_before = metric(fleet.d.url, "kimi_pd_worker_spec_decode_num_drafts_total")
+    free = offline.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    banned = free[0].output.token_ids[1]
+    schema = StructuredOutput("json", json.dumps(SCHEMA))
+    cases = [({"structured_outputs": {"json": SCHEMA}, "max_tokens": 40},
+              SamplingParams(temperature=0.0, max_tokens=40, structured_output=schema)),
+             ({"logit_bias": {str(banned): -100}, "bad_words": ["the"], "max_tokens": MAX_TOKENS, "ignore_eos": True},
+              SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logit_bias={banned: -100.0},
+                             bad_words=["the"]))]
+    for extra, params in cases:
+        body = {"model": "kimi-k3", "prompt": PROMPTS[0], "temperature": 0, **extra}
+        got = httpx.post(fleet.r.url + "/v1/completions", json=body, timeout=60)
+        assert got.status_code == 200, got.text
+        assert got.headers["x-kimi-pd-decision"] == "prefill-decode"
+        want = offline.generate(PROMPTS[0], params)[0].output
+        assert got.json()["choices"][0]["text"] == want.text
+        assert want.token_ids != free[0].output.token_ids
+    other = httpx.post(fleet.r.url + "/v1/completions", timeout=60, json={
+        "model": "kimi-k3", "prompt": PROMPTS[1], "temperature": 0, "max_tokens": 40, "structured_outputs": {"json": SCHEMA}})
+    jsonschema.validate(json.loads(other.json()["choices"][0]["text"]), SCHEMA)       # still valid for its schema
+    assert metric(fleet.d.url, "kimi_pd_worker_spec_decode_num_drafts_total") > drafts_before
+
+
+def test_router_pd_forced_tool_call_speculates_and_equals_offline(fleet, offline):
+    pytest.importorskip("xgrammar")
+    from shared.openai.convert import shape_chat_message
+    from shared.prompt.tool_grammar import forced_tool_call_grammar
+    from shared.structured_output import StructuredOutput
+    drafts_before = metric(fleet.d.url, "kimi_pd_worker_spec_decode_num_drafts_total")
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    body = {"model": "kimi-k3", "messages": messages, "tools": [WEATHER], "tool_choice": "required",
+            "max_tokens": 120, "temperature": 0}
+    got = httpx.post(fleet.r.url + "/v1/chat/completions", json=body, timeout=60)
+    assert got.status_code == 200, got.text
+    choice = got.json()["choices"][0]
+    grammar = forced_tool_call_grammar([WEATHER], thinking=True)
+    params = SamplingParams(temperature=0.0, max_tokens=120, skip_special_tokens=False,
+                            structured_output=StructuredOutput("xtml", grammar))
+    text = offline.chat(messages, params, tools=[WEATHER])[0].output.text
+    expected = shape_chat_message(text, thinking=True, tools_requested=True).tool_calls
+    assert choice["finish_reason"] == "tool_calls"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in choice["message"]["tool_calls"]] \
+        == [(c.function.name, json.loads(c.function.arguments)) for c in expected]
+    assert metric(fleet.d.url, "kimi_pd_worker_spec_decode_num_drafts_total") > drafts_before

@@ -23,8 +23,9 @@ SAMPLE_PER_FAMILY = 4
 GOAL = 0.95
 # Where the shipped checkpoint stands (kimi-pd checkpoint eval, README "tiny-chat"); strict, so the
 # marker must go when a retrained checkpoint reaches the goal.
-GOAL_GAP = ("shipped tiny-chat (800 steps, 34 min at load 4-8) scores 0/10 on every family and thinking mode "
-            "offline: it has learned the XTML format and the answer shapes but not yet copying or carrying")
+GOAL_GAP = ("shipped tiny-chat (2000 steps, 21 min at load 13-23) is below 95 % on every family: offline, n=50, "
+            "thinking on add 86 %, sub 62 %, multi_turn 64 %, tool_call 55 %, sort 30 %, reverse 18 %, tool_answer 2 %; "
+            "thinking off sort 28 %, tool_call 55 %, the rest 0-2 % (README 'tiny-chat')")
 
 
 def _recording(answer_all, into: dict):
@@ -83,13 +84,9 @@ def test_every_family_reaches_the_goal_through_the_router(routed_scores_and_answ
     assert all(s.accuracy >= GOAL for s in scores), format_scores(scores, router_url)
 
 
-@pytest.mark.parametrize("thinking", [False])
+@pytest.mark.parametrize("thinking", [False, True])
 def test_tool_call_is_parsed_into_tool_calls(router_url, thinking):
-    """The model's K3 tools channel arrives as an OpenAI tool call (which city it names is the goal test's).
-
-    Thinking off only: the shipped checkpoint does not yet open the tools channel after its reasoning
-    (tool_call with thinking on is 0 %, see GOAL_GAP); the goal test scores that case.
-    """
+    """The model's K3 tools channel arrives as an OpenAI tool call (which city it names is the goal test's)."""
     client = openai.OpenAI(base_url=router_url + "/v1", api_key="none", max_retries=0, timeout=120)
     inst = eval_instances("tool_call", 1, seed=99)[0]
     messages = [{"role": "user", "content": inst.messages[0]["content"]}]

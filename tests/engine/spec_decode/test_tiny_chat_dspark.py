@@ -54,3 +54,34 @@ def test_trained_pair_greedy_equals_plain_and_drafts_are_accepted(target):
     stats = spec.engine.spec_stats
     assert stats.mean_acceptance_length >= 3.0, stats
     spec.engine.check_integrity()
+
+
+def test_trained_pair_constrained_greedy_equals_plain(target):
+    """Masks at verification with the trained draft: json schema, choice, bad words, allowed ids +
+    logit bias; outputs equal plain greedy whatever the draft's acceptance on them."""
+    pytest.importorskip("xgrammar")
+    from dataclasses import replace
+
+    from shared.structured_output import StructuredOutput
+    schema = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["answer"],
+              "additionalProperties": False}
+    plain = LLM(str(target), max_num_seqs=8)
+    spec = LLM(str(target), max_num_seqs=8, speculative_config={"method": "dspark", "model": "tiny-chat-dspark"})
+    asks = ["What is 12 plus 7? Reply in JSON.", "Is the sky blue? Answer yes or no.", "Name a colour.",
+            "Count from one to five."]
+    prompts = [plain.render([{"role": "user", "content": a}], thinking=False) for a in asks]
+    free = plain.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40))
+    base = SamplingParams(temperature=0.0, max_tokens=40)
+    params = [replace(base, structured_output=StructuredOutput("json", json.dumps(schema))),
+              replace(base, structured_output=StructuredOutput("choice", json.dumps(["yes", "no"]))),
+              replace(base, bad_words=[plain.tokenizer.decode(free[2].output.token_ids[:1]).strip() or "a"]),
+              replace(base, allowed_token_ids=sorted(set(free[3].output.token_ids[::2]) | {plain.tokenizer.eos_id}),
+                      logit_bias={free[3].output.token_ids[0]: -5.0})]
+    want = plain.generate(prompts, params)
+    got = spec.generate(prompts, params)
+    assert [o.output.token_ids for o in got] == [o.output.token_ids for o in want]
+    assert got[0].output.finish_reason == "stop" and isinstance(json.loads(got[0].output.text)["answer"], int)
+    assert got[1].output.text in ("yes", "no")
+    assert spec.engine.spec_stats.num_drafts > 0
+    spec.engine.check_integrity()

@@ -17,7 +17,7 @@ from engine.training.tasks import (FAMILIES, add_working, eval_instances, is_hel
 from engine.training.train import BatchStream, TrainConfig, make_batch, masked_loss, new_model, setup_determinism
 
 SMALL = TrainConfig(hidden_size=32, num_layers=4, tokens_per_step=768, steps=12, lr=1e-2, warmup_steps=2,
-                    kda_chunk_size=8, pool_batches=4)
+                    kda_chunk_size=8, pool_batches=4, workers=1)
 
 
 @pytest.fixture(scope="module")
@@ -123,3 +123,19 @@ def test_instances_follow_the_templates():
     assert make_reverse("hello").content == "olleh"
     inst = make_sub(12, 700)
     assert inst.messages[0]["content"] == "What is 12 - 700?" and inst.content == "-688"
+
+
+def test_data_parallel_training_is_deterministic_and_writes_the_checkpoint(tmp_path):
+    """Two worker processes (gloo all-reduce): same seed, same losses and tensors; the result loads."""
+    from safetensors.torch import load_file
+
+    from engine.checkpoint.loader import load_checkpoint
+    from engine.training.train import train
+
+    cfg = replace(SMALL, workers=2, steps=3)
+    runs = [train(cfg, tmp_path / name, progress=False) for name in ("a", "b")]
+    assert runs[0]["losses"] == runs[1]["losses"] and len(runs[0]["losses"]) == 3
+    ta, tb = (load_file(next((tmp_path / n).glob("*.safetensors"))) for n in ("a", "b"))
+    assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+    assert load_checkpoint(tmp_path / "a").config.text_config.num_hidden_layers == SMALL.num_layers
+    assert (tmp_path / "a" / "loss.png").stat().st_size > 0

@@ -1,0 +1,202 @@
+"""kimi-pd's router in front of stock vLLM 0.32 (CPU) prefill and decode instances with NixlConnector.
+
+Two prefill instances and one decode instance, all on 127.0.0.1; the router knows them as static
+workers (`--kv-connector nixl`). Greedy answers through the router's P/D must equal one vLLM
+instance's, and the decode instance must have loaded the prompt's KV (its external-prefix-cache
+counters), not recomputed it.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.interop.vllm_fleet import ADMIN, SERVED, VllmFleet, metric
+
+pytestmark = pytest.mark.timeout(2400)          # first module: may build the venv (minutes) + start 3 vLLMs
+NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+WORDS = ("router worker prefill decode cache block token transfer state prompt answer question number the a of "
+         "to and in is it that was for on are with as be at by this had not but from or have an they").split()
+AUTH = {"authorization": f"Bearer {ADMIN}"}
+
+
+def sentence(seed: int, n: int) -> str:
+    return " ".join(WORDS[(seed * 31 + i * 7 + i * i) % len(WORDS)] for i in range(n))
+
+
+@pytest.fixture(scope="module")
+def fleet(vllm_python, tiny_llama, tmp_path_factory):
+    with VllmFleet(tmp_path_factory.mktemp("nixl"), vllm_python, tiny_llama) as f:
+        for name in ("p1", "p2", "d"):
+            f.start_vllm(name, NIXL)
+        started = time.monotonic()
+        f.wait_all()
+        print(f"3 vLLM instances ready in {time.monotonic() - started:.0f} s")
+        f.start_router("nixl", ["p1", "p2"], ["d"])
+        yield f
+
+
+def post(url: str, path: str, body: dict, **kw) -> httpx.Response:
+    resp = httpx.post(url + path, json=body, timeout=120, **kw)
+    assert resp.status_code == 200, resp.text
+    return resp
+
+
+def streamed_text(url: str, path: str, body: dict) -> tuple[str, dict]:
+    parts, headers = [], {}
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=120) as resp:
+        assert resp.status_code == 200, resp.read()
+        headers = dict(resp.headers)
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            assert "error" not in chunk, chunk
+            for choice in chunk.get("choices", []):
+                parts.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+    return "".join(parts), headers
+
+
+def answer(resp: httpx.Response) -> str:
+    choice = resp.json()["choices"][0]
+    return choice["text"] if "text" in choice else choice["message"]["content"]
+
+
+def requests_for(seed: int) -> list[tuple[str, dict]]:
+    chat = {"model": SERVED, "temperature": 0, "max_tokens": 24,
+            "messages": [{"role": "system", "content": sentence(seed, 40)},
+                         {"role": "user", "content": sentence(seed + 1, 60)}]}
+    completion = {"model": SERVED, "temperature": 0, "max_tokens": 24, "prompt": sentence(seed + 2, 100)}
+    return [("/v1/chat/completions", chat), ("/v1/completions", completion)]
+
+
+def test_all_listeners_are_on_loopback(fleet):
+    out = subprocess.run(["ss", "-Hltnup"], capture_output=True, text=True, check=True).stdout
+    pids = set().union(*(fleet.pids(n) for n in ("p1", "p2", "d", "router")))
+    mine = [line for line in out.splitlines() if any(f"pid={pid}," in line for pid in pids)]
+    assert len(mine) >= 4, out                           # at least every HTTP server
+    for line in mine:
+        local = line.split()[4]
+        assert local.startswith(("127.0.0.1:", "[::1]:")), f"a listener off loopback: {line}"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_pd_answers_equal_one_vllm_instance(fleet, stream):
+    """Chat and completions, greedy: router P/D == the same request to one vLLM instance by itself."""
+    router, single = fleet.urls["router"], fleet.urls["p2"]
+    hits_before = metric(fleet.urls["d"], "vllm:external_prefix_cache_hits_total")
+    for i, (path, body) in enumerate(requests_for(100 + 10 * stream)):
+        expected = answer(post(single, path, body))
+        if stream:
+            got, headers = streamed_text(router, path, body)
+        else:
+            resp = post(router, path, body)
+            got, headers = answer(resp), dict(resp.headers)
+        assert headers["x-kimi-pd-decision"] == "prefill-decode", headers
+        assert headers["x-kimi-pd-decode-worker"] == fleet.urls["d"]
+        assert got == expected and got, (path, got, expected)
+    loaded = metric(fleet.urls["d"], "vllm:external_prefix_cache_hits_total") - hits_before
+    assert loaded >= 2 * 32, f"the decode instance loaded {loaded} prompt tokens through NIXL"
+
+
+def test_aliases_and_models(fleet):
+    router = fleet.urls["router"]
+    names = [m["id"] for m in httpx.get(router + "/v1/models", timeout=10).json()["data"]]
+    assert names == [SERVED, "tiny"]
+    path, body = requests_for(300)[1]
+    expected = answer(post(fleet.urls["p2"], path, body))
+    assert answer(post(router, path, {**body, "model": "tiny"})) == expected   # the alias reaches vLLM as its name
+    bad = httpx.post(router + path, json={**body, "model": "nope"}, timeout=30)
+    assert bad.status_code == 404 and bad.json()["error"]["message"]
+
+
+def workers_view(router: str) -> dict[str, dict]:
+    return {w["worker_id"]: w for w in httpx.get(router + "/admin/workers", headers=AUTH, timeout=10).json()["workers"]}
+
+
+def wait_for_load(router: str, worker: str, check, timeout_s: float = 60) -> dict:
+    deadline, seen = time.monotonic() + timeout_s, None
+    while time.monotonic() < deadline:
+        seen = workers_view(router)[worker]
+        if seen["load"] and check(seen["load"]["running"] + seen["load"]["waiting"]):
+            return seen
+        time.sleep(0.2)
+    raise AssertionError(f"the router never saw the load it waited for on {worker}: {seen}")
+
+
+@contextlib.contextmanager
+def busy(url: str, requests: int = 14):
+    """Long streamed requests sent to one vLLM instance directly (the router never sees them)."""
+    stop = threading.Event()
+
+    def hog(i: int) -> None:
+        body = {"model": SERVED, "prompt": sentence(i, 6), "max_tokens": 480, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as resp:
+            for _ in resp.iter_lines():
+                if stop.is_set():
+                    return
+
+    threads = [threading.Thread(target=hog, args=(i,), daemon=True) for i in range(requests)]
+    for t in threads:
+        t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+
+
+def prefill_of(router: str, prompt: str) -> str:
+    body = {"model": SERVED, "temperature": 0, "max_tokens": 2, "prompt": prompt}
+    resp = post(router, "/v1/completions", body)
+    assert resp.headers["x-kimi-pd-decision"] == "prefill-decode"
+    return resp.headers["x-kimi-pd-prefill-worker"]
+
+
+def test_load_from_vllm_metrics_reaches_the_scorer(fleet):
+    """Requests the router never saw (sent to one prefill instance directly) show up as its load,
+    read from its /metrics, and placement moves a prefix that instance holds to the other one."""
+    router = fleet.urls["router"]
+    prefix = sentence(700, 120)
+    holder = prefill_of(router, prefix)
+    with busy(holder):
+        seen = wait_for_load(router, holder, lambda n: n >= 12)
+        assert seen["load"]["extra"]["source"] == "vllm-metrics" and seen["active_requests"] >= 12, seen
+        assert prefill_of(router, prefix + " " + sentence(1, 6)) != holder, "placement ignored the load it read"
+    wait_for_load(router, holder, lambda n: n == 0)      # and the load it read falls back when vLLM's does
+
+
+def test_two_prefill_instances_get_prefix_affinity(fleet):
+    """Prefixes first placed on either prefill instance (the second gets some while the first is
+    busy) stay there: continuations go to their holder, whose own prefix-cache hits rise."""
+    router, names = fleet.urls["router"], {fleet.urls["p1"]: "p1", fleet.urls["p2"]: "p2"}
+    idle = [sentence(500 + g, 120) for g in range(3)]
+    moved = [sentence(600 + g, 120) for g in range(3)]
+    holders = {p: prefill_of(router, p) for p in idle}
+    first = holders[idle[-1]]
+    with busy(first):
+        wait_for_load(router, first, lambda n: n >= 12)
+        holders.update({p: prefill_of(router, p) for p in moved})
+    assert {holders[p] for p in moved} == set(names) - {first}, holders     # placed on the other one
+    wait_for_load(router, first, lambda n: n == 0)
+    hits = {n: metric(u, "vllm:prefix_cache_hits_total") for u, n in names.items()}
+    for k in range(2):
+        for prefix, holder in holders.items():
+            assert prefill_of(router, f"{prefix} {sentence(900 + k, 8)}") == holder, prefix[:40]
+    for url, name in names.items():
+        held = sum(1 for h in holders.values() if h == url)
+        gained = metric(url, "vllm:prefix_cache_hits_total") - hits[name]
+        assert gained >= held * 2 * 96, f"{name} hit its prefix cache for only {gained} tokens"
+
+
+def test_router_metrics_for_vllm_workers(fleet):
+    text = httpx.get(fleet.urls["router"] + "/metrics", timeout=10).text
+    assert 'kimi_pd_router_prefill_fallbacks_total{reason="no_kv_transfer_params"}' not in text
+    ready = httpx.get(fleet.urls["router"] + "/ready", timeout=10).json()
+    assert ready == {"ready": True, "workers": {"prefill": 2, "decode": 1, "both": 0}, "store": "none"}
