@@ -9,10 +9,11 @@ paths and methods, lifespan, websockets - passes through to the app unchanged.
 """
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Mapping
 
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -41,3 +42,40 @@ class FastPath:
             if cls in handlers:
                 return await handlers[cls](request, exc)
         raise exc
+
+
+class EventStreamResponse(StreamingResponse):
+    """A relayed SSE stream that notices a client leaving with one asyncio watcher task.
+
+    uvicorn speaks ASGI 2.3, where a gone client shows only through `receive`; Starlette then runs
+    every stream inside an anyio task group with a listener task, which costs more CPU per stream
+    than the relay itself. Here the watcher cancels the sending task when `http.disconnect` comes
+    (the body iterator's cleanup then closes the upstream leg), and is cancelled when the stream
+    ends. `body_iterator` stays public: the fan-out merge reads sub-streams through it.
+    """
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope, receive: Receive, send: Send) -> None:
+        task = asyncio.current_task()
+        gone = False
+
+        async def watch() -> None:
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            task.cancel()
+
+        watcher = asyncio.get_running_loop().create_task(watch())
+        try:
+            await self.stream_response(send)
+        except asyncio.CancelledError:
+            if not gone:
+                raise
+            task.uncancel()                          # the client left: the stream just ends
+        finally:
+            watcher.cancel()
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()                       # a generator stopped at a yield runs its cleanup now

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field, replace
 
 import aiohttp
 import httpx
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
+from router.fast_path import EventStreamResponse
 from router.metrics import RouterMetrics
 from router.placement.context import build_context
 from router.placement.ledger import Leg
@@ -212,7 +213,7 @@ class Orchestrator:
         if req.stream:
             trace.outcome = "cancelled"                  # until the relay says otherwise; it records the request
             relay = self._relay(trace, req, body, worker, resp, ctx, states, tried, leg)
-            return StreamingResponse(relay, media_type="text/event-stream", headers=trace_headers(trace))
+            return EventStreamResponse(relay, headers=trace_headers(trace))
         for attempt in range(self.s.max_attempts):
             try:
                 return await self._whole(trace, worker, resp, leg)
@@ -391,12 +392,9 @@ class Orchestrator:
         Always closes the response and ends the worker's `begin`."""
         outcome, last_at = None, None
         try:
-            iterator = resp.content.iter_any().__aiter__()
-            while True:
-                try:
-                    chunk = await asyncio.wait_for(iterator.__anext__(), self.s.idle_timeout_s)
-                except StopAsyncIteration:
-                    break
+            # the idle timeout is the session's sock_read bound (set in `_open`): a wait_for per chunk
+            # cost a task and a timer per streamed token
+            async for chunk in resp.content.iter_any():
                 now = time.perf_counter()
                 if last_at is None:
                     self.registry.ledger.settle(leg)         # the prompt is computed: the first token is out

@@ -26,6 +26,8 @@ TIKTOKEN_FILE = "tiktoken.model"
 CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_MAP_FILE = "special_tokens_map.json"
 
+SHORT_TEXT_CHARS = 64                  # texts up to this long are memoised by `encode` ...
+SHORT_CACHE_ENTRIES = 4096             # ... in a table of at most this many entries
 # K3's native context; written to tokenizer_config.json when no other value is given.
 DEFAULT_MODEL_MAX_LENGTH = 1_048_576
 # `eos_id` is always the chat stop token (config.json eos_token_id on K3), whatever a config calls eos.
@@ -66,6 +68,7 @@ class KimiTokenizer:
         self.bos_token, self.pad_token, self.unk_token = bos_token, pad_token, unk_token
         self.eos_token = EOS_TOKEN
         self.model_max_length = model_max_length
+        self._short: dict[tuple[str, bool], tuple[int, ...]] = {}
 
     # ---- loading and saving -------------------------------------------------------------------
 
@@ -176,7 +179,22 @@ class KimiTokenizer:
     # ---- encode / decode ----------------------------------------------------------------------
 
     def encode(self, text: str, allow_special: bool = False) -> list[int]:
-        """BPE ids of `text`. Special-token text is plain text unless `allow_special`."""
+        """BPE ids of `text`. Special-token text is plain text unless `allow_special`.
+
+        Short texts are memoised: a chat render encodes a dozen tags and attribute pieces per
+        message, the same few strings every time (the router renders every prompt it places)."""
+        if len(text) > SHORT_TEXT_CHARS:
+            return self._encode(text, allow_special)
+        key = (text, allow_special)
+        ids = self._short.get(key)
+        if ids is None:
+            ids = tuple(self._encode(text, allow_special))
+            if len(self._short) >= SHORT_CACHE_ENTRIES:
+                self._short.clear()                  # bounded: junk cannot grow it
+            self._short[key] = ids
+        return list(ids)
+
+    def _encode(self, text: str, allow_special: bool) -> list[int]:
         encode_piece = self._encode_with_specials if allow_special else self._enc.encode_ordinary
         return [i for piece in _encode_pieces(text) for i in encode_piece(piece)]
 
