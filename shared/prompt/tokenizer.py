@@ -20,14 +20,13 @@ import tiktoken
 
 from shared.prompt.bpe_train import PAT_STR, dump_tiktoken_model, parse_tiktoken_model
 from shared.prompt.special_tokens import NAMED_SPECIAL_OFFSETS, NUM_SPECIAL_TOKENS, special_token_table
+from shared.prompt.token_memo import SegmentMemo
 
 GENERATED_DIR = Path(__file__).parent / "data"
 TIKTOKEN_FILE = "tiktoken.model"
 CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_MAP_FILE = "special_tokens_map.json"
 
-SHORT_TEXT_CHARS = 64                  # texts up to this long are memoised by `encode` ...
-SHORT_CACHE_ENTRIES = 4096             # ... in a table of at most this many entries
 # K3's native context; written to tokenizer_config.json when no other value is given.
 DEFAULT_MODEL_MAX_LENGTH = 1_048_576
 # `eos_id` is always the chat stop token (config.json eos_token_id on K3), whatever a config calls eos.
@@ -68,7 +67,7 @@ class KimiTokenizer:
         self.bos_token, self.pad_token, self.unk_token = bos_token, pad_token, unk_token
         self.eos_token = EOS_TOKEN
         self.model_max_length = model_max_length
-        self._short: dict[tuple[str, bool], tuple[int, ...]] = {}
+        self._memo = SegmentMemo()
 
     # ---- loading and saving -------------------------------------------------------------------
 
@@ -181,18 +180,11 @@ class KimiTokenizer:
     def encode(self, text: str, allow_special: bool = False) -> list[int]:
         """BPE ids of `text`. Special-token text is plain text unless `allow_special`.
 
-        Short texts are memoised: a chat render encodes a dozen tags and attribute pieces per
-        message, the same few strings every time (the router renders every prompt it places)."""
-        if len(text) > SHORT_TEXT_CHARS:
+        Plain text up to MAX_RUN_CHARS goes through the segment memo (`token_memo`): equal ids,
+        without re-encoding the tags and repeated prefixes every prompt carries."""
+        if allow_special or len(text) > MAX_RUN_CHARS:
             return self._encode(text, allow_special)
-        key = (text, allow_special)
-        ids = self._short.get(key)
-        if ids is None:
-            ids = tuple(self._encode(text, allow_special))
-            if len(self._short) >= SHORT_CACHE_ENTRIES:
-                self._short.clear()                  # bounded: junk cannot grow it
-            self._short[key] = ids
-        return list(ids)
+        return self._memo.encode(text, self._enc.encode_ordinary)
 
     def _encode(self, text: str, allow_special: bool) -> list[int]:
         encode_piece = self._encode_with_specials if allow_special else self._enc.encode_ordinary
