@@ -1,5 +1,6 @@
-"""The request path's ASGI shortcut: POST /v1/chat/completions and /v1/completions go straight to
-their handlers, past FastAPI's routing, dependency and exception layers.
+"""The request path's ASGI shortcuts: POST /v1/chat/completions and /v1/completions go straight to
+their handlers, past FastAPI's middleware, routing, dependency and exception layers; relayed
+streams watch for a leaving client with one task.
 
 Those handlers already own their validation and errors, and the layers they skip cost more CPU
 per request than the router's own work (benchmarks/router_overhead.py, py-spy). Exceptions are
@@ -12,22 +13,30 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Mapping
 
+from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-class FastPath:
-    def __init__(self, app: ASGIApp, routes: Mapping[str, Handler]) -> None:
-        self.app, self.routes = app, dict(routes)
+class FastPathApp(FastAPI):
+    """A FastAPI app whose hot POST routes (`fast_routes`) are called straight from `__call__`.
+
+    uvicorn calls the app object itself, so this skips Starlette's middleware stack too (server
+    error, FastAPI's telemetry and body-limit layers), not only its routing. Errors are rendered
+    by the app's own exception handlers, looked up along the exception's MRO as Starlette does.
+    """
+
+    fast_routes: Mapping[str, Handler] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        handler = self.routes.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        handler = self.fast_routes.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
         if handler is None:
-            await self.app(scope, receive, send)
+            await super().__call__(scope, receive, send)
             return
+        scope["app"] = self
         request = Request(scope, receive, send)
         try:
             response = await handler(request)
@@ -35,9 +44,8 @@ class FastPath:
             response = await self._render(request, exc)
         await response(scope, receive, send)
 
-    @staticmethod
-    async def _render(request: Request, exc: Exception) -> Response:
-        handlers = request.app.exception_handlers
+    async def _render(self, request: Request, exc: Exception) -> Response:
+        handlers = self.exception_handlers
         for cls in type(exc).__mro__:
             if cls in handlers:
                 return await handlers[cls](request, exc)

@@ -37,7 +37,7 @@ class ClientDisconnected(OpenAIError):
 async def read_body(request: Request, max_bytes: int) -> bytes:
     """The raw body, refused with a 413 as soon as it exceeds `max_bytes` (declared or streamed), so
     an oversized upload is never buffered whole."""
-    declared = request.headers.get("content-length", "")
+    declared = header(request, b"content-length") or ""
     if declared.isdigit() and int(declared) > max_bytes:
         raise BodyTooLarge(f"the request body is larger than {max_bytes} bytes")
     chunks, size = [], 0
@@ -47,6 +47,15 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
             raise BodyTooLarge(f"the request body is larger than {max_bytes} bytes")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def header(request: Request, name: bytes) -> str | None:
+    """The first value of header `name` (lower-case bytes), read from the ASGI scope: cheaper than
+    building Starlette's `Headers`, which decodes every header on each lookup."""
+    for key, value in request.scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return None
 
 
 def parse_json(body: bytes) -> Any:
