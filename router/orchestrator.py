@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 import aiohttp
 import httpx
 from fastapi.responses import Response
+from yarl import URL
 
 from router.fast_path import EventStreamResponse
 from router.metrics import RouterMetrics
@@ -80,6 +81,14 @@ class Orchestrator:
         self.s, self.registry, self.client, self.session = settings, registry, client, session
         self.pipeline, self.metrics, self.admin_token = pipeline, metrics, admin_token
         self._background: set[asyncio.Task] = set()
+        # built once, not per leg: timeouts, the auth header, parsed worker URLs (aiohttp skips
+        # parsing a yarl URL it is given)
+        self._timeouts = {kind: leg_timeout(settings.connect_timeout_s, read) for kind, read in (
+            ("prefill", settings.prefill_timeout_s), ("stream", settings.idle_timeout_s),
+            ("whole", settings.decode_timeout_s))}
+        token = settings.worker_api_key or (admin_token if settings.api_keys else None)
+        self._auth = {"authorization": f"Bearer {token}"} if token else {}   # with client keys on, workers
+        self._urls: dict[tuple[str, str], URL] = {}                          # only serve authenticated callers
 
     # ---- entry --------------------------------------------------------------------------------
     async def handle(self, trace: Trace, req, prepared: PreparedPrompt) -> Response:
@@ -149,7 +158,7 @@ class Orchestrator:
     async def _prefill_leg(self, trace: Trace, req, ctx: RoutingContext, states: list[WorkerState]) -> None:
         tried: set[str] = set()
         body = prefill_body(req)
-        timeout = leg_timeout(self.s.connect_timeout_s, self.s.prefill_timeout_s)
+        timeout = self._timeouts["prefill"]
         for attempt in range(self.s.max_attempts):
             worker = self._pick(ctx, states, tried)
             tried.add(worker.worker_id)
@@ -265,12 +274,11 @@ class Orchestrator:
         A stream's reads are bounded by the idle timeout; a whole answer arrives only when generation is
         done, so its read is bounded by the decode timeout instead.
         """
-        read = self.s.idle_timeout_s if stream else self.s.decode_timeout_s
         self.registry.begin(worker.worker_id)
         try:
             resp = await self.session.post(self._url(worker, trace), data=dumps(body),
                                            headers={**JSON_HEADERS, **self._headers(trace)},
-                                           timeout=leg_timeout(self.s.connect_timeout_s, read))
+                                           timeout=self._timeouts["stream" if stream else "whole"])
         except TRANSPORT_ERRORS as exc:
             err = classify(exc, "decode", replay_safe="kv_transfer_params" not in body)
             self.registry.end(worker.worker_id, ok=err.health_outcome)
@@ -451,13 +459,13 @@ class Orchestrator:
             self.metrics.prefill_releases.labels(outcome="failed").inc()
             log.warning("could not release prefill state of %s: %s", trace.request_id, exc)
 
-    def _url(self, worker: WorkerState, trace: Trace) -> str:
-        path = "/v1/chat/completions" if trace.endpoint == "chat" else "/v1/completions"
-        return worker.info.url + path
+    def _url(self, worker: WorkerState, trace: Trace) -> URL:
+        key = (worker.info.url, trace.endpoint)
+        url = self._urls.get(key)
+        if url is None:
+            path = "/v1/chat/completions" if trace.endpoint == "chat" else "/v1/completions"
+            url = self._urls[key] = URL(worker.info.url + path)
+        return url
 
     def _headers(self, trace: Trace) -> dict[str, str]:
-        headers = {"x-request-id": trace.request_id}
-        token = self.s.worker_api_key or (self.admin_token if self.s.api_keys else None)
-        if token:                       # with client keys on, workers only serve authenticated callers
-            headers["authorization"] = f"Bearer {token}"
-        return headers
+        return {"x-request-id": trace.request_id, **self._auth}

@@ -1,6 +1,7 @@
 """The segment memo gives exactly the ids of encoding the whole text, cold and warm."""
 from __future__ import annotations
 
+import itertools
 import random
 
 from hypothesis import given, settings
@@ -32,7 +33,7 @@ def test_cuts_are_letter_space_positions_one_stride_apart() -> None:
     text = "alpha beta, gamma  delta! epsilon zeta eta theta"
     cuts = cut_points(text, 8)
     assert cuts and all(text[c] == " " and text[c - 1].isalpha() for c in cuts)
-    assert all(b - a >= 8 for a, b in zip(cuts, cuts[1:])) and cuts[0] >= 8
+    assert all(b - a >= 8 for a, b in itertools.pairwise(cuts)) and cuts[0] >= 8
 
 
 def test_a_shared_prefix_is_encoded_once_then_reused() -> None:
