@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from router import health_checker
 from router.dashboard import install as install_dashboard
-from router.fast_path import FastPath
+from router.fast_path import FastPathApp
 from router.kv_events_relay import KVEventsRelay
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator, Trace
@@ -36,7 +36,7 @@ from shared.openai import tokenize as tokenize_api
 from shared.openai.fanout import fan_out, needs_fan_out
 from shared.openai.requests import ChatCompletionRequest, CompletionRequest
 from shared.openai.responses import ModelCard, ModelList
-from shared.http import (ClientDisconnected, bearer_token, install_error_handlers, parse_json, read_body,
+from shared.http import (ClientDisconnected, bearer_token, header, install_error_handlers, parse_json, read_body,
                          read_json_body, read_json_object, until_disconnect)
 from router.connectors import ALIASES as CONNECTOR_ALIASES, CONNECTORS
 from router.prompt_source import foreign_detokenize, foreign_tokenize, load_prompt_source
@@ -87,7 +87,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
             await store.close()
 
     # no /docs, /redoc, /openapi.json: the API is OpenAI's, and a gateway should not describe itself
-    app = FastAPI(title="kimi-pd router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastPathApp(title="kimi-pd router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     app.add_exception_handler(UpstreamError, _upstream_error)
     for path, fn, methods in (("/v1/models", _models, ["GET"]), ("/v1/chat/completions", _chat, ["POST"]),
@@ -99,7 +99,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
                               ("/detokenize", _detokenize, ["POST"]), ("/tokenizer_info", _tokenizer_info, ["GET"])):
         app.add_api_route(path, fn, methods=methods)
     install_dashboard(app, _check_admin, _ready_state)        # /dashboard (page) and /dashboard/state (admin token)
-    app.add_middleware(FastPath, routes={"/v1/chat/completions": _chat, "/v1/completions": _completions})
+    app.fast_routes = {"/v1/chat/completions": _chat, "/v1/completions": _completions}
     return app
 
 
@@ -181,7 +181,7 @@ async def _serve(request: Request, endpoint: str, req, prepare, body_bytes: int)
     # a small prompt renders and tokenises in less time than a hop to a thread costs; big ones must not
     # stall the event loop (bodies are bounded by max_request_bytes)
     prepared = prepare() if body_bytes <= INLINE_PREPARE_BYTES else await asyncio.to_thread(prepare)
-    client_id = req.request_id or header_request_id(request.headers.get("x-request-id"))
+    client_id = req.request_id or header_request_id(header(request, b"x-request-id"))
     trace = Trace(f"{endpoint}-{_INSTANCE}-{next(_ids)}", endpoint, client_request_id=client_id)
     if client_id:
         log.debug("request %s is the client's %s", trace.request_id, client_id)

@@ -1,5 +1,6 @@
-"""The request path's ASGI shortcut: POST /v1/chat/completions and /v1/completions go straight to
-their handlers, past FastAPI's routing, dependency and exception layers.
+"""The request path's ASGI shortcuts: POST /v1/chat/completions and /v1/completions go straight to
+their handlers, past FastAPI's middleware, routing, dependency and exception layers; relayed
+streams watch for a leaving client with one task.
 
 Those handlers already own their validation and errors, and the layers they skip cost more CPU
 per request than the router's own work (benchmarks/router_overhead.py, py-spy). Exceptions are
@@ -9,24 +10,33 @@ paths and methods, lifespan, websockets - passes through to the app unchanged.
 """
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Mapping
 
+from fastapi import FastAPI
 from starlette.requests import Request
-from starlette.responses import Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-class FastPath:
-    def __init__(self, app: ASGIApp, routes: Mapping[str, Handler]) -> None:
-        self.app, self.routes = app, dict(routes)
+class FastPathApp(FastAPI):
+    """A FastAPI app whose hot POST routes (`fast_routes`) are called straight from `__call__`.
+
+    uvicorn calls the app object itself, so this skips Starlette's middleware stack too (server
+    error, FastAPI's telemetry and body-limit layers), not only its routing. Errors are rendered
+    by the app's own exception handlers, looked up along the exception's MRO as Starlette does.
+    """
+
+    fast_routes: Mapping[str, Handler] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        handler = self.routes.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        handler = self.fast_routes.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
         if handler is None:
-            await self.app(scope, receive, send)
+            await super().__call__(scope, receive, send)
             return
+        scope["app"] = self
         request = Request(scope, receive, send)
         try:
             response = await handler(request)
@@ -34,10 +44,46 @@ class FastPath:
             response = await self._render(request, exc)
         await response(scope, receive, send)
 
-    @staticmethod
-    async def _render(request: Request, exc: Exception) -> Response:
-        handlers = request.app.exception_handlers
+    async def _render(self, request: Request, exc: Exception) -> Response:
+        handlers = self.exception_handlers
         for cls in type(exc).__mro__:
             if cls in handlers:
                 return await handlers[cls](request, exc)
         raise exc
+
+
+class EventStreamResponse(StreamingResponse):
+    """A relayed SSE stream that notices a client leaving with one asyncio watcher task.
+
+    uvicorn speaks ASGI 2.3, where a gone client shows only through `receive`; Starlette then runs
+    every stream inside an anyio task group with a listener task, which costs more CPU per stream
+    than the relay itself. Here the watcher cancels the sending task when `http.disconnect` comes
+    (the body iterator's cleanup then closes the upstream leg), and is cancelled when the stream
+    ends. `body_iterator` stays public: the fan-out merge reads sub-streams through it.
+    """
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope, receive: Receive, send: Send) -> None:
+        task = asyncio.current_task()
+        gone = False
+
+        async def watch() -> None:
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            task.cancel()
+
+        watcher = asyncio.get_running_loop().create_task(watch())
+        try:
+            await self.stream_response(send)
+        except asyncio.CancelledError:
+            if not gone:
+                raise
+            task.uncancel()                          # the client left: the stream just ends
+        finally:
+            watcher.cancel()
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()                       # a generator stopped at a yield runs its cleanup now

@@ -23,6 +23,25 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+class CachedLabels:
+    """A labelled counter whose children are kept in a dict: prometheus-client's `labels()` takes a
+    lock and re-validates the names on every call, several times per request on the hot path.
+    Label values here come from small fixed sets, so the dict stays small."""
+
+    def __init__(self, metric: Counter) -> None:
+        self.metric, self._children = metric, {}
+
+    def labels(self, **values: str):
+        key = tuple(values.items())
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.metric.labels(**values)
+        return child
+
+    def __getattr__(self, name: str):
+        return getattr(self.metric, name)
+
+
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
@@ -30,26 +49,28 @@ class RouterMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
         p = "kimi_pd_router_"
-        self.requests = Counter(p + "requests_total", "Finished requests", ["endpoint", "decision", "outcome"],
-                                registry=r)
-        self.decisions = Counter(p + "decisions_total", "Placement decisions", ["decision"], registry=r)
-        self.leg_failures = Counter(p + "leg_failures_total", "Failed legs", ["leg", "reason"], registry=r)
-        self.prefill_fallbacks = Counter(p + "prefill_fallbacks_total", "Prefill legs that fell back to decode-only",
-                                         ["reason"], registry=r)
-        self.retries = Counter(p + "retries_total", "Legs retried on another worker", ["leg"], registry=r)
-        self.prefill_seconds = Histogram(p + "prefill_seconds", "Prefill leg", buckets=_BUCKETS, registry=r)
-        self.transfer_seconds = Histogram(p + "transfer_seconds", "State transfer (decode side)", buckets=_BUCKETS,
-                                          registry=r)
-        self.decode_queue = Histogram(p + "decode_queue_seconds", "Decode worker queue time", buckets=_BUCKETS,
-                                      registry=r)
-        self.ttft = Histogram(p + "ttft_seconds", "Time to first token", buckets=_BUCKETS, registry=r)
-        self.tpot = Histogram(p + "tpot_seconds", "Time per output chunk after the first", buckets=_BUCKETS, registry=r)
-        self.e2e = Histogram(p + "e2e_seconds", "Whole request", buckets=_BUCKETS, registry=r)
-        self.migrations = Counter(p + "migrations_total", "Decode legs moved to another decode worker after "
-                                  "theirs failed (streams resumed from the delivered tokens; whole answers retried)",
-                                  ["outcome"], registry=r)
+
+        def counter(name: str, doc: str, labels: list[str]) -> CachedLabels:
+            return CachedLabels(Counter(p + name, doc, labels, registry=r))
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(p + name, doc, buckets=_BUCKETS, registry=r)
+
+        self.requests = counter("requests_total", "Finished requests", ["endpoint", "decision", "outcome"])
+        self.decisions = counter("decisions_total", "Placement decisions", ["decision"])
+        self.leg_failures = counter("leg_failures_total", "Failed legs", ["leg", "reason"])
+        self.prefill_fallbacks = counter("prefill_fallbacks_total", "Prefill legs that fell back to decode-only",
+                                         ["reason"])
+        self.retries = counter("retries_total", "Legs retried on another worker", ["leg"])
+        self.prefill_seconds = histogram("prefill_seconds", "Prefill leg")
+        self.transfer_seconds = histogram("transfer_seconds", "State transfer (decode side)")
+        self.decode_queue = histogram("decode_queue_seconds", "Decode worker queue time")
+        self.ttft = histogram("ttft_seconds", "Time to first token")
+        self.tpot = histogram("tpot_seconds", "Time per output chunk after the first")
+        self.e2e = histogram("e2e_seconds", "Whole request")
+        self.migrations = counter("migrations_total", "Decode legs moved to another decode worker after theirs "
+                                  "failed (streams resumed from the delivered tokens; whole answers retried)", ["outcome"])
         self.stream_errors = Counter(p + "stream_errors_total", "Streams ended with an SSE error event", registry=r)
-        self.prefill_releases = Counter(p + "prefill_releases_total", "Prefill states released by the router",
-                                        ["outcome"], registry=r)
+        self.prefill_releases = counter("prefill_releases_total", "Prefill states released by the router", ["outcome"])
         self.workers = Gauge(p + "workers", "Workers known to this replica", ["role", "healthy"], registry=r)
         self.store_up = Gauge(p + "store_up", "State store reachable", registry=r)

@@ -17,9 +17,11 @@ from dataclasses import dataclass, field, replace
 
 import aiohttp
 import httpx
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
+from yarl import URL
 
 from router.connectors import connector, engine_id_from_query, mooncake_decode_params
+from router.fast_path import EventStreamResponse
 from router.metrics import RouterMetrics
 from router.placement.context import build_context
 from router.placement.ledger import Leg
@@ -82,6 +84,18 @@ class Orchestrator:
         self.s, self.registry, self.client, self.session = settings, registry, client, session
         self.pipeline, self.metrics, self.admin_token = pipeline, metrics, admin_token
         self._background: set[asyncio.Task] = set()
+        # built once, not per leg: timeouts, the auth header, parsed worker URLs (aiohttp skips
+        # parsing a yarl URL it is given)
+        self._timeouts = {kind: leg_timeout(settings.connect_timeout_s, read) for kind, read in (
+            ("prefill", settings.prefill_timeout_s), ("stream", settings.idle_timeout_s),
+            ("whole", settings.decode_timeout_s))}
+        token = settings.worker_api_key or (admin_token if settings.api_keys else None)
+        # with client keys on, our workers only serve authenticated callers (our admin token); a stock
+        # vLLM worker never sees that token: it gets its own --api-key (KIMI_PD_WORKER_API_KEY) or nothing
+        self._auth = {"authorization": f"Bearer {token}"} if token else {}
+        vllm_key = settings.worker_api_key
+        self._vllm_auth = {"authorization": f"Bearer {vllm_key}"} if vllm_key else {}
+        self._urls: dict[tuple[str, str], URL] = {}
 
     # ---- entry --------------------------------------------------------------------------------
     async def handle(self, trace: Trace, req, prepared: PreparedPrompt) -> Response:
@@ -162,7 +176,7 @@ class Orchestrator:
         transfer_id = kind.new_transfer_id(trace.request_id)
         body = self._for_worker(prefill_body(req))
         body["kv_transfer_params"] = kind.prefill_params(transfer_id)
-        timeout = leg_timeout(self.s.connect_timeout_s, self.s.prefill_timeout_s)
+        timeout = self._timeouts["prefill"]
         for attempt in range(self.s.max_attempts):
             worker = self._pick(ctx, states, tried)
             tried.add(worker.worker_id)
@@ -273,7 +287,7 @@ class Orchestrator:
         if req.stream:
             trace.outcome = "cancelled"                  # until the relay says otherwise; it records the request
             relay = self._relay(trace, req, body, worker, resp, ctx, states, tried, leg)
-            return StreamingResponse(relay, media_type="text/event-stream", headers=trace_headers(trace))
+            return EventStreamResponse(relay, headers=trace_headers(trace))
         for attempt in range(self.s.max_attempts):
             try:
                 return await self._whole(trace, worker, resp, leg)
@@ -325,12 +339,11 @@ class Orchestrator:
         A stream's reads are bounded by the idle timeout; a whole answer arrives only when generation is
         done, so its read is bounded by the decode timeout instead.
         """
-        read = self.s.idle_timeout_s if stream else self.s.decode_timeout_s
         self.registry.begin(worker.worker_id)
         try:
             resp = await self.session.post(self._url(worker, trace), data=dumps(body),
                                            headers={**JSON_HEADERS, **self._headers(trace, worker)},
-                                           timeout=leg_timeout(self.s.connect_timeout_s, read))
+                                           timeout=self._timeouts["stream" if stream else "whole"])
         except TRANSPORT_ERRORS as exc:
             err = classify(exc, "decode", replay_safe="kv_transfer_params" not in body)
             self.registry.end(worker.worker_id, ok=err.health_outcome)
@@ -452,12 +465,9 @@ class Orchestrator:
         Always closes the response and ends the worker's `begin`."""
         outcome, last_at = None, None
         try:
-            iterator = resp.content.iter_any().__aiter__()
-            while True:
-                try:
-                    chunk = await asyncio.wait_for(iterator.__anext__(), self.s.idle_timeout_s)
-                except StopAsyncIteration:
-                    break
+            # the idle timeout is the session's sock_read bound (set in `_open`): a wait_for per chunk
+            # cost a task and a timer per streamed token
+            async for chunk in resp.content.iter_any():
                 now = time.perf_counter()
                 if last_at is None:
                     self.registry.ledger.settle(leg)         # the prompt is computed: the first token is out
@@ -516,16 +526,14 @@ class Orchestrator:
             self.metrics.prefill_releases.labels(outcome="failed").inc()
             log.warning("could not release prefill state of %s: %s", trace.request_id, exc)
 
-    def _url(self, worker: WorkerState, trace: Trace) -> str:
-        path = "/v1/chat/completions" if trace.endpoint == "chat" else "/v1/completions"
-        return worker.info.url + path
+    def _url(self, worker: WorkerState, trace: Trace) -> URL:
+        key = (worker.info.url, trace.endpoint)
+        url = self._urls.get(key)
+        if url is None:
+            path = "/v1/chat/completions" if trace.endpoint == "chat" else "/v1/completions"
+            url = self._urls[key] = URL(worker.info.url + path)
+        return url
 
     def _headers(self, trace: Trace, worker: WorkerState) -> dict[str, str]:
-        headers = {"x-request-id": trace.request_id}
-        # our admin token authenticates to our workers only; a stock vLLM worker gets its own --api-key
-        # (KIMI_PD_WORKER_API_KEY) or nothing
-        admin = None if self.registry.is_vllm(worker.worker_id) else self.admin_token
-        token = self.s.worker_api_key or (admin if self.s.api_keys else None)
-        if token:                       # with client keys on, workers only serve authenticated callers
-            headers["authorization"] = f"Bearer {token}"
-        return headers
+        auth = self._vllm_auth if self.registry.is_vllm(worker.worker_id) else self._auth
+        return {"x-request-id": trace.request_id, **auth}

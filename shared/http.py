@@ -17,7 +17,6 @@ from shared.errors import EngineError
 from shared.openai.errors import BadRequest, OpenAIError, error_from_exception
 
 T = TypeVar("T")
-POLL_S = 0.25
 # Expected failures are handled as responses; anything else still gets the OpenAI 500 body (and a log).
 # HTTPException: Starlette's own 404/405 (unknown path, wrong method) get the OpenAI body too.
 HANDLED_ERRORS = (RequestValidationError, ValidationError, json.JSONDecodeError, OpenAIError, EngineError,
@@ -38,7 +37,7 @@ class ClientDisconnected(OpenAIError):
 async def read_body(request: Request, max_bytes: int) -> bytes:
     """The raw body, refused with a 413 as soon as it exceeds `max_bytes` (declared or streamed), so
     an oversized upload is never buffered whole."""
-    declared = request.headers.get("content-length", "")
+    declared = header(request, b"content-length") or ""
     if declared.isdigit() and int(declared) > max_bytes:
         raise BodyTooLarge(f"the request body is larger than {max_bytes} bytes")
     chunks, size = [], 0
@@ -48,6 +47,15 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
             raise BodyTooLarge(f"the request body is larger than {max_bytes} bytes")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def header(request: Request, name: bytes) -> str | None:
+    """The first value of header `name` (lower-case bytes), read from the ASGI scope: cheaper than
+    building Starlette's `Headers`, which decodes every header on each lookup."""
+    for key, value in request.scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return None
 
 
 def parse_json(body: bytes) -> Any:
@@ -104,17 +112,33 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[Request, int], None
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     """Run `work` until it finishes or the client goes away; cancelling it lets it clean up (abort
-    engine requests, close upstream connections)."""
-    task = asyncio.ensure_future(work)
+    engine requests, close upstream connections).
+
+    `work` runs in the caller's task; one watcher task waits on the ASGI `receive` for the
+    server's `http.disconnect` and cancels the caller (no polling, no second task for the work:
+    both cost CPU on every request of the hot path). Call it once the body has been read."""
+    task = asyncio.current_task()
+    gone = False
+
+    async def watch() -> None:
+        nonlocal gone
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        gone = True
+        task.cancel()
+
+    watcher = asyncio.get_running_loop().create_task(watch())
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-                raise ClientDisconnected("client disconnected")
+        result = await work
+    except asyncio.CancelledError:
+        if not gone:
+            raise
+        task.uncancel()
+        raise ClientDisconnected("client disconnected") from None
     finally:
-        if not task.done():
-            task.cancel()
+        watcher.cancel()
+    if gone:                          # the work swallowed the cancellation: the client is gone all the same
+        if task.cancelling():
+            task.uncancel()
+        raise ClientDisconnected("client disconnected")
+    return result

@@ -54,7 +54,8 @@ class SSEEvent:
 
     @property
     def is_error(self) -> bool:
-        return self.error is not None
+        # the cheap test first, and no cached_property lock: a relay asks this of every token's event
+        return (self.event == "error" or '"error"' in self.data) and self.error is not None
 
     @cached_property
     def error(self) -> dict[str, Any] | None:
@@ -98,6 +99,10 @@ class SSEParser:
         return bool(self._buf or self._data or self._event)
 
     def feed(self, chunk: bytes) -> list[SSEEvent]:
+        if not (self._buf or self._data or self._event is not None or self._skip_lf):
+            events = self._whole_data_events(chunk)
+            if events is not None:
+                return events
         if self._skip_lf and chunk:
             chunk = chunk[1:] if chunk[:1] == b"\n" else chunk
             self._skip_lf = False
@@ -113,6 +118,20 @@ class SSEParser:
             start = match.end()
         del self._buf[:start]
         return events
+
+    def _whole_data_events(self, chunk: bytes) -> list[SSEEvent] | None:
+        """The common chunk, read in one scan: whole events of one `data: ` line each, LF line ends
+        (what every OpenAI server sends, one event per token). None for anything else (comments,
+        `event:`/`id:` fields, CR line ends, a partial event, a byte-order mark), which the line
+        parser then reads; on the chunks it accepts both give the same events."""
+        if not chunk.endswith(b"\n\n") or b"\r" in chunk:
+            return None
+        pieces = chunk[:-2].split(b"\n\n")
+        for piece in pieces:
+            if not piece.startswith(b"data: ") or b"\n" in piece:
+                return None
+        self._at_start = False
+        return [SSEEvent(piece[6:].decode("utf-8", errors="replace"), None, self._id) for piece in pieces]
 
     def _line(self, line: str) -> SSEEvent | None:
         if self._at_start:

@@ -20,6 +20,7 @@ import tiktoken
 
 from shared.prompt.bpe_train import PAT_STR, dump_tiktoken_model, parse_tiktoken_model
 from shared.prompt.special_tokens import NAMED_SPECIAL_OFFSETS, NUM_SPECIAL_TOKENS, special_token_table
+from shared.prompt.token_memo import SegmentMemo
 
 GENERATED_DIR = Path(__file__).parent / "data"
 TIKTOKEN_FILE = "tiktoken.model"
@@ -66,6 +67,7 @@ class KimiTokenizer:
         self.bos_token, self.pad_token, self.unk_token = bos_token, pad_token, unk_token
         self.eos_token = EOS_TOKEN
         self.model_max_length = model_max_length
+        self._memo = SegmentMemo()
 
     # ---- loading and saving -------------------------------------------------------------------
 
@@ -176,7 +178,15 @@ class KimiTokenizer:
     # ---- encode / decode ----------------------------------------------------------------------
 
     def encode(self, text: str, allow_special: bool = False) -> list[int]:
-        """BPE ids of `text`. Special-token text is plain text unless `allow_special`."""
+        """BPE ids of `text`. Special-token text is plain text unless `allow_special`.
+
+        Plain text up to MAX_RUN_CHARS goes through the segment memo (`token_memo`): equal ids,
+        without re-encoding the tags and repeated prefixes every prompt carries."""
+        if allow_special or len(text) > MAX_RUN_CHARS:
+            return self._encode(text, allow_special)
+        return self._memo.encode(text, self._enc.encode_ordinary)
+
+    def _encode(self, text: str, allow_special: bool) -> list[int]:
         encode_piece = self._encode_with_specials if allow_special else self._enc.encode_ordinary
         return [i for piece in _encode_pieces(text) for i in encode_piece(piece)]
 

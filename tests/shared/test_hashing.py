@@ -67,3 +67,19 @@ def test_block_hashes_equal_the_block_by_block_definition():
         images = (ImageSpan(5, 30, b"\x01" * 32), ImageSpan(70, 9, b"\x02" * 32)) if n > 80 else ()
         root = root_hash("m", "salt")
         assert block_hashes(tokens, bs, root, images) == _reference_block_hashes(tokens, bs, root, images)
+
+
+def test_memoised_chain_links_equal_the_definition_cold_and_warm():
+    import random
+
+    import shared.hashing as hashing
+    rng = random.Random(11)
+    shared_prefix = [rng.randrange(0, 200000) for _ in range(160)]
+    prompts = [shared_prefix + [rng.randrange(0, 200000) for _ in range(rng.randrange(0, 80))] for _ in range(6)]
+    roots = (hashing.root_hash("m"), hashing.root_hash("m", "salt"))
+    hashing._LINKS.clear()
+    for _ in range(2):                                     # cold, then every link from the memo
+        for tokens in prompts:
+            for root in roots:
+                assert hashing.block_hashes(tokens, 16, root) == _reference_block_hashes(tokens, 16, root)
+    assert len(hashing._LINKS) < 2 * sum(len(p) // 16 for p in prompts)   # the shared prefix is held once per root
