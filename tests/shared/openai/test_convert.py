@@ -183,7 +183,8 @@ def test_openai_conversation_renders_identically_after_a_round_trip():
     again = ChatCompletionRequest.model_validate_json(json.dumps(req.model_dump(mode="json", exclude_unset=True)))
 
     def render(r):
-        return render_chat(tokenizer, chat_messages(r), **render_options(r), image_token_counts=[4]).token_ids
+        return render_chat(tokenizer, chat_messages(r), **render_options(r), image_token_counts=[4],
+                           image_sizes=[(1, 1)]).token_ids
 
     ids = render(req)
     assert ids == render(again)  # the router's prefix hashes match the worker's prompt
