@@ -156,7 +156,7 @@ def test_chat_n_and_best_of(client, offline):
     expected = offline.chat(messages, SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=5, ignore_eos=True,
                                                      skip_special_tokens=False))   # chat keeps K3's markers
     got = client.chat.completions.create(model="kimi-k3", messages=messages, n=3, temperature=1.0, seed=3,
-                                         max_tokens=5, extra_body={"ignore_eos": True})
+                                         max_tokens=5, extra_body={"ignore_eos": True, "skip_special_tokens": False})
     assert [c.index for c in got.choices] == [0, 1, 2]
     assert [(c.message.reasoning_content or "") + (c.message.content or "") for c in got.choices] == \
         [o.text for o in expected[0].outputs]
@@ -330,6 +330,38 @@ def test_forced_tool_calls_always_parse_and_equal_offline(client, offline, strea
         assert got == [(c.function.name, json.loads(c.function.arguments)) for c in expected]
         if name:
             assert {n for n, _ in got} == {name}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("effort", ["none", "max"])                 # content (thinking off) and reasoning
+def test_chat_skip_special_tokens_default_strips_them_and_false_keeps_them(client, offline, stream, effort):
+    """vLLM strips special tokens from chat text by default. The tiny random model emits many (its
+    reserved tokens), so the stripped and the kept answers differ, each equal to the offline one."""
+    from shared.openai.convert import shape_chat_message
+    from shared.openai.shaping import SpecialTokenStrip
+    messages = [{"role": "user", "content": "Say something."}]
+    thinking = effort != "none"
+    text = offline.chat(messages, _greedy(max_tokens=16, ignore_eos=True, skip_special_tokens=False),
+                        thinking=thinking)[0].output.text
+    strip = SpecialTokenStrip(offline.tokenizer.special_tokens)
+    answers = {}
+    for skip in (None, True, False):        # None: the field unset (vLLM's default, true)
+        extra = {"ignore_eos": True, "reasoning_effort": effort, **({} if skip is None else {"skip_special_tokens": skip})}
+        kwargs = dict(model="kimi-k3", messages=messages, max_tokens=16, temperature=0, extra_body=extra)
+        if stream:
+            deltas = [c.choices[0].delta for c in client.chat.completions.create(stream=True, **kwargs) if c.choices]
+            got = ("".join(getattr(d, "reasoning_content", None) or "" for d in deltas),
+                   "".join(d.content or "" for d in deltas))
+        else:
+            m = client.chat.completions.create(**kwargs).choices[0].message
+            got = (getattr(m, "reasoning_content", None) or "", m.content or "")
+        want = shape_chat_message(text, thinking=thinking, tools_requested=False, strip=strip if skip is not False else None)
+        assert got == (want.reasoning_content or "", want.content or ""), skip
+        answers[skip] = got
+    assert answers[None] == answers[True] != answers[False]
+    names = offline.tokenizer.special_tokens
+    assert any(name in "".join(answers[False]) for name in names)
+    assert not any(name in "".join(answers[True]) for name in names)
 
 
 def test_cache_salt_isolates_prefix_hits_through_the_router(fleet):
