@@ -111,5 +111,8 @@ def copy_shipped(preset: str, out: str | Path, seed: int = 0, quant: str | None 
     for f in sorted(shipped_checkpoint(preset).iterdir()):
         if f.is_file():
             shutil.copy2(f, out / f.name)
+    if (out / "tiktoken.model").is_file():
+        from shared.prompt.tokenizer import KimiTokenizer
+        KimiTokenizer.from_dir(out).save(out)      # this writer's tokenizer files (tokenizer.json, template)
     log.info("copied the %s checkpoint to %s", preset, out)
     return out
