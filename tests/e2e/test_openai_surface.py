@@ -151,6 +151,33 @@ def test_n_and_prompt_lists_equal_offline(client, offline, stream):
     assert texts[0] != texts[1]                             # the two sequences really sample apart
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_sequences_prefill_the_prompt_once_through_pd(fleet, client, offline, stream):
+    """The router fans n=4 out as four P/D requests; the prefill worker computes the prompt's
+    blocks once (the other three wait for that prefill and hit its blocks), and the answers equal
+    the offline n=4."""
+    prompt = offline.tokenizer.encode("One prompt, four sequences: " * 6)[:41] if not stream else \
+        offline.tokenizer.encode("Another prompt for four streamed sequences. " * 5)[:41]
+    params = SamplingParams(temperature=0.9, seed=21, n=4, max_tokens=4, ignore_eos=True)
+    expected = [o.text for o in offline.generate(prompt, params)[0].outputs]
+    before = {m: metric(fleet.p.url, f"kimi_pd_worker_{m}") for m in ("prompt_tokens_total", "cached_prompt_tokens_total")}
+    kwargs = dict(model="kimi-k3", prompt=prompt, n=4, temperature=0.9, seed=21, max_tokens=4,
+                  extra_body={"ignore_eos": True})
+    if stream:
+        texts: dict[int, str] = {}
+        for chunk in client.completions.create(stream=True, **kwargs):
+            for c in chunk.choices:
+                texts[c.index] = texts.get(c.index, "") + c.text
+    else:
+        texts = {c.index: c.text for c in client.completions.create(**kwargs).choices}
+    assert texts == dict(enumerate(expected))
+    prompt_tokens = metric(fleet.p.url, "kimi_pd_worker_prompt_tokens_total") - before["prompt_tokens_total"]
+    cached = metric(fleet.p.url, "kimi_pd_worker_cached_prompt_tokens_total") - before["cached_prompt_tokens_total"]
+    assert prompt_tokens == 4 * len(prompt)
+    block = 4                                                 # the fleet's --block-size
+    assert cached == 3 * (len(prompt) // block * block), (prompt_tokens, cached)   # 41 tokens: 40 hit, 1 computed
+
+
 def test_chat_n_and_best_of(client, offline):
     messages = [{"role": "user", "content": "Say something."}]
     expected = offline.chat(messages, SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=5, ignore_eos=True,
