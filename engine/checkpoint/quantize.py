@@ -47,6 +47,7 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, progress: bool = True)
         if (src / name).exists():
             shutil.copy2(src / name, dst / name)
     if (src / "tiktoken.model").is_file():
+        from shared.prompt.hf_files import save_tokenizer
         from shared.prompt.tokenizer import KimiTokenizer
-        KimiTokenizer.from_dir(src).save(dst)      # also gives an older source's copy tokenizer.json
+        save_tokenizer(KimiTokenizer.from_dir(src), dst)      # also gives an older source's copy tokenizer.json
     return dst

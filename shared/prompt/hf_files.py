@@ -19,11 +19,14 @@ count comes from the vision config, which only the server's renderer knows.
 """
 from __future__ import annotations
 
+import json
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from shared.prompt.bpe_train import PAT_STR
 from shared.prompt.chat import DEFAULT_THINKING_EFFORT, THINKING_EFFORT_BODY, THINKING_EFFORTS, TOOL_DECLARE_BODY
+from shared.prompt.tokenizer import CONFIG_FILE, KimiTokenizer
 
 TOKENIZER_JSON_FILE = "tokenizer.json"
 FAST_TOKENIZER_CLASS = "PreTrainedTokenizerFast"
@@ -202,3 +205,17 @@ CHAT_TEMPLATE = (_TEMPLATE
                  .replace("@THINKING_EFFORTS@", repr(list(THINKING_EFFORTS)))
                  .replace("@EFFORT_LIST@", ", ".join(THINKING_EFFORTS))
                  .replace("@DEFAULT_EFFORT@", DEFAULT_THINKING_EFFORT))
+
+
+def save_tokenizer(tokenizer: KimiTokenizer, path: str | Path) -> None:
+    """A checkpoint's tokenizer files: the K3 layout (`tiktoken.model`, configs) plus its Hugging Face
+    twin, `tokenizer.json` and the chat template, with `tokenizer_class` naming the fast tokenizer
+    (AutoTokenizer then reads tokenizer.json; `KimiTokenizer.from_dir` still reads tiktoken.model)."""
+    path = Path(path)
+    tokenizer.save(path)
+    (path / TOKENIZER_JSON_FILE).write_text(
+        json.dumps(tokenizer_json(tokenizer.mergeable_ranks, tokenizer.special_tokens), ensure_ascii=False),
+        encoding="utf-8")
+    config = json.loads((path / CONFIG_FILE).read_text(encoding="utf-8"))
+    config.update(tokenizer_class=FAST_TOKENIZER_CLASS, chat_template=CHAT_TEMPLATE)
+    (path / CONFIG_FILE).write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
