@@ -3,11 +3,13 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from functools import lru_cache
 from typing import Any
 
 from engine.core.outputs import RequestOutput
 from shared.prompt.tokenizer import KimiTokenizer
 from shared.openai.convert import ChatDeltaShaper, chat_logprobs, completion_logprobs, shape_chat_message
+from shared.openai.shaping import SpecialTokenStrip
 from shared.openai.logprobs import concat_logprobs, echo_logprobs, prompt_logprobs_body
 from shared.openai.requests import ChatCompletionRequest, CompletionRequest
 from shared.openai.responses import (ChatCompletion, ChatCompletionChoice, ChatCompletionChunk,
@@ -20,6 +22,16 @@ from shared.prompt.prepare import PreparedPrompt
 
 def _token_text(tokenizer: KimiTokenizer):
     return lambda token_id: tokenizer.decode([token_id])
+
+
+def _special_strip(req: ChatCompletionRequest, tokenizer: KimiTokenizer) -> SpecialTokenStrip | None:
+    """Chat's `skip_special_tokens` (default true, as in vLLM): special tokens leave the parsed text."""
+    return _strip_for(tokenizer) if req.skip_special_tokens else None
+
+
+@lru_cache(maxsize=4)
+def _strip_for(tokenizer: KimiTokenizer) -> SpecialTokenStrip:
+    return SpecialTokenStrip(tokenizer.special_tokens)
 
 
 def _wire(result: LegResult) -> dict[str, Any] | None:
@@ -49,7 +61,8 @@ def _echo_logprobs(req: CompletionRequest, out: RequestOutput, tokenizer: KimiTo
 def chat_completion(req: ChatCompletionRequest, model: str, prepared: PreparedPrompt, out: RequestOutput,
                     result: LegResult, tokenizer: KimiTokenizer) -> ChatCompletion:
     o = out.output
-    shaped = shape_chat_message(o.text, thinking=prepared.thinking, tools_requested=prepared.tools_requested)
+    shaped = shape_chat_message(o.text, thinking=prepared.thinking, tools_requested=prepared.tools_requested,
+                                strip=_special_strip(req, tokenizer))
     logprobs = (chat_logprobs(o.token_ids, o.logprobs, o.top_logprobs, _token_text(tokenizer), tokenizer.token_bytes)
                 if req.logprobs else None)
     message = ChatCompletionMessage(content=shaped.content, reasoning_content=shaped.reasoning_content,
@@ -104,7 +117,8 @@ async def chat_stream(req: ChatCompletionRequest, model: str, prepared: Prepared
                       tokenizer: KimiTokenizer) -> AsyncIterator[bytes]:
     resume = req.kimi_pd_resume
     chunk_id = resume.response_id if resume is not None and resume.response_id else random_id("chatcmpl")
-    shaper = ChatDeltaShaper(thinking=prepared.thinking, tools_requested=prepared.tools_requested)
+    shaper = ChatDeltaShaper(thinking=prepared.thinking, tools_requested=prepared.tools_requested,
+                             strip=_special_strip(req, tokenizer))
     ids = _TokenIds(req.return_token_ids)
 
     def chunk(delta: DeltaMessage, **choice: Any) -> bytes:

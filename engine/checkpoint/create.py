@@ -16,6 +16,7 @@ from engine.dtypes import torch_dtype
 from shared.model_config import ModelConfig
 from engine.model.kimi_k3 import KimiK3ForConditionalGeneration
 from engine.presets import PRESETS, SHIPPED_PRESETS, shipped_checkpoint
+from shared.prompt.hf_files import save_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ def create_checkpoint(preset: str, out: str | Path, seed: int = 0, quant: str | 
     (out / CONFIG_FILE).write_text(json.dumps(config_dict, indent=2))
     write_safetensors(out, tensors, SHARD_BYTES.get(preset, 1 << 30), progress)
     (out / GENERATION_CONFIG_FILE).write_text(json.dumps(generation_config(config), indent=2))
-    KimiTokenizer.generated().save(out)
+    save_tokenizer(KimiTokenizer.generated(), out)
     log.info("wrote %s checkpoint (seed %d, quant %s) to %s", preset, seed, quant, out)
     return out
 
@@ -111,5 +112,8 @@ def copy_shipped(preset: str, out: str | Path, seed: int = 0, quant: str | None 
     for f in sorted(shipped_checkpoint(preset).iterdir()):
         if f.is_file():
             shutil.copy2(f, out / f.name)
+    if (out / "tiktoken.model").is_file():
+        from shared.prompt.tokenizer import KimiTokenizer
+        save_tokenizer(KimiTokenizer.from_dir(out), out)   # this writer's tokenizer files (tokenizer.json, template)
     log.info("copied the %s checkpoint to %s", preset, out)
     return out

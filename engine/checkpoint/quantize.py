@@ -19,7 +19,8 @@ from shared.model_config import ModelConfig
 from engine.model.quant import describe, quantize_state_dict
 
 QUANTIZATION_CONFIG = {"quant_method": "ascend", "format": "modelslim-w4a8-dynamic"}
-_COPIED = ("tiktoken.model", "tokenizer_config.json", "special_tokens_map.json", GENERATION_CONFIG_FILE)
+_COPIED = ("tiktoken.model", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.json",
+           GENERATION_CONFIG_FILE)
 
 
 def quantize_checkpoint(src: str | Path, dst: str | Path, progress: bool = True) -> Path:
@@ -45,4 +46,8 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, progress: bool = True)
     for name in _COPIED:
         if (src / name).exists():
             shutil.copy2(src / name, dst / name)
+    if (src / "tiktoken.model").is_file():
+        from shared.prompt.hf_files import save_tokenizer
+        from shared.prompt.tokenizer import KimiTokenizer
+        save_tokenizer(KimiTokenizer.from_dir(src), dst)      # also gives an older source's copy tokenizer.json
     return dst

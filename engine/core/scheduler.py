@@ -3,7 +3,8 @@
 Every request has `num_computed_tokens` and `num_tokens`; each step gives it
 `min(num_tokens - num_computed_tokens, remaining budget)` new tokens. A fresh prompt, a prefill chunk,
 a prefix-cache hit (computed jumps to the hit), an imported prefill (computed = prompt length) and
-a decode step are all that one rule. When pages run out, the most recently admitted running request
+a decode step are all that one rule. A fresh prompt waits while a running request prefills its first
+block (`waits_for_shared_prefill`), so the blocks they share are computed once and then hit. When pages run out, the most recently admitted running request
 is preempted (its pages freed, recomputed later from its tokens: prompt + output so far).
 """
 from __future__ import annotations
@@ -116,8 +117,12 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        deferred: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if self.cache.config.enable_prefix_caching and waits_for_shared_prefill(req, self.running):
+                deferred.append(self.waiting.popleft())
+                continue
             imported = req.imported is not None and req.num_computed_tokens == 0
             if imported:
                 req.num_computed_tokens = req.num_prompt_tokens
@@ -135,6 +140,7 @@ class Scheduler:
                                          resume_from_slot=req.resume_snapshot_slot, import_state=imported))
             req.resume_snapshot_slot = None
             budget -= n
+        self.waiting.extendleft(reversed(deferred))      # back at the head, in their order
 
     def remove(self, req: Request) -> None:
         """Take a request out of the queues (finished, held for export or aborted)."""
@@ -142,3 +148,15 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+
+
+def waits_for_shared_prefill(req: Request, running: list[Request]) -> bool:
+    """A fresh prompt whose first block a running request is still prefilling waits for it: once
+    that prefill is committed, this one starts from the prefix cache, so n sequences of one prompt
+    (and identical prompts sent together) compute their shared blocks once. The hashes carry the
+    cache salt, so only requests allowed to share a cache wait for each other."""
+    if req.num_computed_tokens or req.imported is not None or req.wants_prompt_logprobs or not req.block_hashes:
+        return False
+    first = req.block_hashes[0]
+    return any(r.block_hashes[:1] == [first] and r.num_computed_tokens < r.num_prompt_tokens and r.imported is None
+               for r in running)

@@ -27,6 +27,7 @@ from engine.checkpoint.layout import CONFIG_FILE, GENERATION_CONFIG_FILE, keeps_
 from shared.model_config import ModelConfig
 from engine.model.kimi_k3 import KimiK3ForConditionalGeneration
 from engine.presets import tiny_chat_config
+from shared.prompt.hf_files import save_tokenizer
 from shared.prompt.tokenizer import KimiTokenizer
 from engine.training.corpus import Example, build_tokenizer, sample_example
 from engine.training.dense_forward import dense_logits
@@ -258,7 +259,7 @@ def save_checkpoint(model: KimiK3ForConditionalGeneration, tok: KimiTokenizer, o
                for name, t in model.state_dict().items()}
     write_safetensors(out, tensors, 32 << 20, progress=False)
     (out / GENERATION_CONFIG_FILE).write_text(json.dumps(generation_config(config), indent=2))
-    tok.save(out)
+    save_tokenizer(tok, out)
 
 
 def plot_losses(losses: list[float], path: Path) -> None:

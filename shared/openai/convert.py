@@ -179,10 +179,6 @@ def _refuse_unsupported(req: AnyRequest) -> None:
     for name, (default, why) in _ONLY_DEFAULT.items():
         if name in extra and extra[name] is not None and extra[name] != default:
             raise InvalidRequest(f"{name}: only {json.dumps(default)} is supported ({why})", param=name)
-    if isinstance(req, ChatCompletionRequest) and "skip_special_tokens" in req.model_fields_set \
-            and req.skip_special_tokens:
-        raise InvalidRequest("skip_special_tokens: chat content keeps K3's special tokens here; send false, or "
-                             "leave it unset", param="skip_special_tokens")
     if extra.get("best_of") not in (None, 1):
         raise InvalidRequest("best_of: only /v1/completions takes best_of", param="best_of")
 

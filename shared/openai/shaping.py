@@ -13,6 +13,8 @@ reach `content` and no delta is ever taken back. Each piece costs time proportio
 """
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from shared.prompt.parsers import (
@@ -47,13 +49,17 @@ class ShapedMessage(NamedTuple):
     finish_reason: str | None           # "tool_calls" when calls were made, else None (keep the engine's)
 
 
-def shape_chat_message(text: str, *, thinking: bool, tools_requested: bool) -> ShapedMessage:
+def shape_chat_message(text: str, *, thinking: bool, tools_requested: bool,
+                       strip: SpecialTokenStrip | None = None) -> ShapedMessage:
     """Split a finished K3 completion into reasoning, content and tool calls.
 
     Nothing after the first `<|end_of_msg|>` belongs to the message. `content` is None only when
-    there are tool calls and no text, as in OpenAI's responses.
+    there are tool calls and no text, as in OpenAI's responses. `strip` (skip_special_tokens)
+    removes special-token text from the reasoning and the content once the markers are parsed.
     """
     reasoning, content = split_reasoning(text, thinking=thinking)
+    if strip is not None:
+        reasoning, content = strip(reasoning), strip(content)
     calls: list[ToolCall] = []
     if tools_requested:
         end = text.find(END_OF_MSG)
@@ -83,11 +89,37 @@ def _first(text: str, markers: tuple[str, ...]) -> int:
     return min((i for i in (text.find(m) for m in markers) if i >= 0), default=-1)
 
 
+class SpecialTokenStrip:
+    """Chat's `skip_special_tokens`: removes special tokens' names from parsed text.
+
+    Chat output is decoded with its special tokens (the K3 markers the parsers read by name), so the
+    strip runs on the reasoning and content channels once parsed, by name, as the parsers read them.
+    """
+
+    def __init__(self, names: Iterable[str]) -> None:
+        names = sorted(set(names), key=len, reverse=True)     # longest first: no name eats a prefix
+        self._re = re.compile("|".join(map(re.escape, names)))
+        self._prefixes = {name[:i] for name in names for i in range(1, len(name))}
+        self._longest = max(map(len, names)) - 1
+
+    def __call__(self, text: str) -> str:
+        return self._re.sub("", text)
+
+    def held_len(self, text: str) -> int:
+        """Length of the longest suffix of `text` that starts a name (a streamed name may be split)."""
+        for n in range(min(len(text), self._longest), 0, -1):
+            if text[-n:] in self._prefixes:
+                return n
+        return 0
+
+
 class ChatDeltaShaper:
     """Streams one assistant message: `feed` each new piece of text, then `finish` once."""
 
-    def __init__(self, *, thinking: bool, tools_requested: bool) -> None:
+    def __init__(self, *, thinking: bool, tools_requested: bool, strip: SpecialTokenStrip | None = None) -> None:
         self._tools_requested = tools_requested
+        self._strip = strip
+        self._unstripped: dict[str, str] = {}     # per channel: a tail that may be the start of a name
         self._state = "think_prefix" if thinking else "response_start"
         self._buf = ""                  # text of the current channel not yet emitted
         self._tools_text = ""           # the tools channel so far
@@ -112,12 +144,24 @@ class ChatDeltaShaper:
     def _run(self, final: bool) -> DeltaMessage | None:
         while getattr(self, f"_state_{self._state}")(final):
             pass
+        open_channel = {"think_prefix": "reasoning", "think": "reasoning", "response": "content"}.get(self._state)
+        for channel in [c for c in self._unstripped if final or c != open_channel]:
+            self._emit_stripped(channel, self._unstripped.pop(channel))   # its channel ended: no name follows
         delta = DeltaMessage(reasoning_content=self._out.get("reasoning") or None,
                              content=self._out.get("content") or None, tool_calls=self._new_calls or None)
         self._out, self._new_calls = {}, []
         return None if delta == DeltaMessage() else delta
 
     def _emit(self, channel: str, text: str) -> None:
+        if self._strip is not None:
+            text = self._unstripped.pop(channel, "") + text
+            keep = len(text) - self._strip.held_len(text)
+            text, self._unstripped[channel] = self._strip(text[:keep]), text[keep:]
+        if text:
+            self._out[channel] = self._out.get(channel, "") + text
+
+    def _emit_stripped(self, channel: str, text: str) -> None:
+        text = self._strip(text) if self._strip is not None else text
         if text:
             self._out[channel] = self._out.get(channel, "") + text
 

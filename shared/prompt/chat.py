@@ -26,13 +26,15 @@ Format (no newlines between tags; `OPEN`=`<|open|>`, `SEP`=`<|sep|>`, `CLOSE`=`<
                         CLOSE tools SEP]
                      CLOSE message SEP <|end_of_msg|>
     generation prompt: OPEN message role="assistant" SEP OPEN think SEP   (OPEN response SEP if thinking off)
-    image:           <|media_begin|> image <|media_content|> <|media_pad|> x n <|media_end|>
+    image:           <|media_begin|> image WxH <|media_content|> <|media_pad|> x n <|media_end|>
 
 Sources (public, read not copied): the XTML grammar, attribute escaping (`&`->`&amp;`, `"`->`&quot;`),
 typed arguments, 1-based call indices and `response` before `tools` follow the vLLM-Ascend K3 parsers
 (`vllm-ascend/vllm-ascend-kimi-k3`: `kimi_k3_xtml.py`, `patch_kimi_k3_tool_parser.py`,
 `patch_kimi_k3_reasoning_parser.py`); `developer` -> `system`, thinking efforts {low, high, max} and the
-image block without a size follow `patch_kimi_k3_renderer.py`. Public ports of Moonshot's
+`image WxH` image header (the upload's original size, one text piece) follow vLLM 0.32
+(`renderers/kimi_k3.py`, `models/kimi_k3/common/mm_preprocess.py`); `developer` -> `system` follows
+`patch_kimi_k3_renderer.py`. Public ports of Moonshot's
 `encoding_k3.py` supply the rest: the `tool-declare` and `thinking-effort` system messages and their
 order (declarations first), per-piece encoding, the `tool="NAME" index="N"` tool-result attributes,
 the raw `json` block for unparseable arguments, sorted compact JSON for declarations, and the think
@@ -46,10 +48,12 @@ Choices where the sources are silent or disagree:
   itself stays, as the encoder always emits it while thinking is on). With thinking off the channel
   and the reasoning are dropped.
 * Tool results bind to the most recent assistant's calls by `tool_call_id` (or by order when the id
-  is absent); a consecutive run of results is put into call order and `index` counts the results
-  since that assistant message; the tool name comes from the matched call.
-* The image block carries no `WxH` size text (vLLM-Ascend's trusted prompt; the HF processor adds the
-  source size) and n `<|media_pad|>` tokens, n given by the vision code per image.
+  is absent); like vLLM 0.32, an id may also be the alias `NAME:POS` (POS the call's 0-based position,
+  the ids this project's parser hands out), a consecutive run of results is put into call order, and
+  `index` is the answered call's position + 1 (so it skips calls without a result); the tool name
+  comes from the matched call.
+* The image block carries `image WxH`, W and H the upload's original size (not the resized one), and
+  n `<|media_pad|>` tokens, n given by the vision code per image.
 * No BOS token is emitted (the reference emits none). A `name` on a system/user/assistant message
   becomes a `name="..."` attribute after `role`.
 * Non-string argument values use `json.dumps` defaults (`{"a": 1}`, non-ASCII kept), declarations
@@ -104,12 +108,17 @@ def render_chat(
     thinking: bool = True,
     thinking_effort: str | None = None,
     image_token_counts: list[int] | None = None,
+    image_sizes: list[tuple[int, int]] | None = None,
     keep_reasoning: bool = True,
 ) -> RenderedPrompt:
-    """Render `messages` (OpenAI chat format) into K3 prompt token ids."""
+    """Render `messages` (OpenAI chat format) into K3 prompt token ids.
+
+    Each image part needs its `<|media_pad|>` count (`image_token_counts`) and its original
+    (width, height) (`image_sizes`), in prompt order.
+    """
     if not isinstance(messages, list) or not messages:
         raise ChatTemplateError("messages must be a non-empty list")
-    out = _Builder(tokenizer, image_token_counts)
+    out = _Builder(tokenizer, image_token_counts, image_sizes)
     if tools:
         _render_tool_declarations(out, tools)
     if thinking:
@@ -128,11 +137,13 @@ def render_chat(
 class _Builder:
     """Appends control tokens by id and text through `encode`, one piece at a time."""
 
-    def __init__(self, tokenizer: KimiTokenizer, image_token_counts: Sequence[int] | None) -> None:
+    def __init__(self, tokenizer: KimiTokenizer, image_token_counts: Sequence[int] | None,
+                 image_sizes: Sequence[tuple[int, int]] | None) -> None:
         self.tok = tokenizer
         self.ids: list[int] = []
         self.image_spans: list[tuple[int, int]] = []
         self._image_counts = list(image_token_counts) if image_token_counts is not None else None
+        self._image_sizes = list(image_sizes) if image_sizes is not None else None
 
     def control(self, name: str) -> None:
         self.ids.append(self.tok.id_of(name))
@@ -159,8 +170,9 @@ class _Builder:
 
     def image(self) -> None:
         n = self._next_image_count()
+        width, height = self._next_image_size()
         self.control("<|media_begin|>")
-        self.text("image")
+        self.text(f"image {width}x{height}")
         self.control("<|media_content|>")
         self.image_spans.append((len(self.ids), n))
         self.ids.extend([self.tok.media_pad_id] * n)
@@ -178,11 +190,23 @@ class _Builder:
             raise ChatTemplateError(f"image_token_counts[{index}] must be a positive int, got {n!r}")
         return n
 
+    def _next_image_size(self) -> tuple[int, int]:
+        index = len(self.image_spans)
+        if self._image_sizes is None or index >= len(self._image_sizes):
+            raise ChatTemplateError(f"image {index + 1} has no entry in image_sizes")
+        size = self._image_sizes[index]
+        if (not isinstance(size, (tuple, list)) or len(size) != 2
+                or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in size)):
+            raise ChatTemplateError(f"image_sizes[{index}] must be (width, height) positive ints, got {size!r}")
+        return size[0], size[1]
+
     def check_all_images_used(self) -> None:
         if self._image_counts is not None and len(self._image_counts) != len(self.image_spans):
             raise ChatTemplateError(
                 f"{len(self._image_counts)} image_token_counts given for {len(self.image_spans)} images"
             )
+        if self._image_sizes is not None and len(self._image_sizes) != len(self.image_spans):
+            raise ChatTemplateError(f"{len(self._image_sizes)} image_sizes given for {len(self.image_spans)} images")
 
 
 def _escape_attr(value: Any) -> str:
@@ -378,7 +402,8 @@ class _CallBook:
     answered: list[int] = field(default_factory=list)
 
     def bind(self, where: str, message: dict[str, Any]) -> tuple[int, str]:
-        """(1-based result index, tool name) for a tool result: by `tool_call_id`, else in call order."""
+        """(call position + 1, tool name) for a tool result: by `tool_call_id` or its `NAME:POS` alias,
+        else the first call without a result."""
         if not self.calls:
             raise ChatTemplateError(f"{where} (tool) does not follow an assistant message with tool_calls")
         call_id = message.get("tool_call_id")
@@ -388,14 +413,26 @@ class _CallBook:
                 raise ChatTemplateError(f"{where} (tool) is a result beyond the assistant's {len(self.calls)} calls")
             position = free[0]
         else:
-            matches = [i for i, (cid, _) in enumerate(self.calls) if cid == str(call_id)]
-            if not matches:
+            position = call_targets(self.calls).get(str(call_id))
+            if position is None:
                 raise ChatTemplateError(f"{where} (tool) answers unknown tool_call_id {call_id!r}")
-            position = matches[0]
             if position in self.answered:
                 raise ChatTemplateError(f"{where} (tool) is a second result for tool_call_id {call_id!r}")
         self.answered.append(position)
-        return len(self.answered), self.calls[position][1]
+        return position + 1, self.calls[position][1]
+
+
+def call_targets(calls: Sequence[tuple[str | None, str | None]]) -> dict[str, int]:
+    """Every id a tool result may name -> its call's 0-based position.
+
+    As in vLLM 0.32, each call answers to its own id and to the alias `NAME:POS`; on a clash the
+    earlier registration wins (call by call, the id before the alias).
+    """
+    targets: dict[str, int] = {}
+    for position, (call_id, name) in enumerate(calls):
+        for alias in ((call_id,) if call_id else ()) + ((f"{name}:{position}",) if name else ()):
+            targets.setdefault(alias, position)
+    return targets
 
 
 def _with_results_in_call_order(messages: list[dict[str, Any]]) -> Iterator[tuple[str, Any]]:
@@ -420,11 +457,14 @@ def _with_results_in_call_order(messages: list[dict[str, Any]]) -> Iterator[tupl
 
 
 def _call_positions(tool_calls: Any) -> dict[str, int]:
-    positions: dict[str, int] = {}
-    for pos, call in enumerate(tool_calls if isinstance(tool_calls, list) else []):
-        if isinstance(call, dict) and call.get("id") is not None:
-            positions.setdefault(str(call["id"]), pos)
-    return positions
+    """`call_targets` of a raw `tool_calls` list (calls without a usable name answer to their id only)."""
+    calls: list[tuple[str | None, str | None]] = []
+    for call in tool_calls if isinstance(tool_calls, list) else []:
+        call = call if isinstance(call, dict) else {}
+        fn = call.get("function", call)
+        name = fn.get("name") if isinstance(fn, dict) else None
+        calls.append((_optional_str(call.get("id")), name if isinstance(name, str) else None))
+    return call_targets(calls)
 
 
 def _sorted_run(run: list[tuple[str, Any]], positions: dict[str, int]) -> list[tuple[str, Any]]:

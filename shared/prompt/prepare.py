@@ -56,11 +56,12 @@ def image_parts(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def render_prompt(tokenizer: KimiTokenizer, messages: list[dict[str, Any]], images: list[Image.Image],
                   vision: VisionConfig | None, **render_options: Any) -> PreparedPrompt:
     """Render a conversation whose image parts are `images` (decoded, in prompt order)."""
-    counts = None
+    counts = sizes = None
     if images:
         if vision is None:
             raise InvalidRequest("this model does not accept images", param="messages")
         counts = [num_image_tokens(vision, img.height, img.width) for img in images]
-    rendered = render_chat(tokenizer, messages, image_token_counts=counts, **render_options)
+        sizes = [(img.width, img.height) for img in images]      # the header names the original size
+    rendered = render_chat(tokenizer, messages, image_token_counts=counts, image_sizes=sizes, **render_options)
     items = [ImageItem(start, n, img) for (start, n), img in zip(rendered.image_spans, images)]
     return PreparedPrompt(rendered.token_ids, items, thinking=bool(render_options.get("thinking")))

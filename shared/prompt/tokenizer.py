@@ -1,7 +1,8 @@
 """`KimiTokenizer`: the Kimi-K3 tiktoken BPE plus its 256 special tokens, on the real file layout.
 
 A tokenizer directory holds `tiktoken.model` (`base64(bytes) rank` per line), `tokenizer_config.json`
-(`added_tokens_decoder`, bos/eos/pad/unk names, `model_max_length`) and `special_tokens_map.json`,
+(`added_tokens_decoder`, bos/eos/pad/unk names, `model_max_length`) and
+`special_tokens_map.json` (checkpoints add `tokenizer.json` and a chat template: `hf_files.py`),
 like the released K3 checkpoint, so `from_dir` loads both the shipped 1024-rank tokenizer and the
 real 163584-rank one: the special ids are always `num_ranks + offset` (`special_tokens.py`).
 
@@ -97,12 +98,18 @@ class KimiTokenizer:
         return _generated()
 
     def save(self, path: str | Path) -> None:
-        """Write all tokenizer files into a checkpoint directory (created if missing)."""
+        """Write the K3 tokenizer files into a checkpoint directory (created if missing). Checkpoint
+        writers use `hf_files.save_tokenizer`, which adds the Hugging Face twin (`tokenizer.json`,
+        chat template)."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         (path / TIKTOKEN_FILE).write_text(dump_tiktoken_model(self._ranks), encoding="ascii")
         _write_json(path / CONFIG_FILE, self._config())
         _write_json(path / SPECIAL_MAP_FILE, self._special_tokens_map())
+
+    @property
+    def mergeable_ranks(self) -> dict[bytes, int]:
+        return dict(self._ranks)
 
     def _special_tokens_map(self) -> dict[str, Any]:
         return {

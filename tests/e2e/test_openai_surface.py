@@ -151,12 +151,39 @@ def test_n_and_prompt_lists_equal_offline(client, offline, stream):
     assert texts[0] != texts[1]                             # the two sequences really sample apart
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_sequences_prefill_the_prompt_once_through_pd(fleet, client, offline, stream):
+    """The router fans n=4 out as four P/D requests; the prefill worker computes the prompt's
+    blocks once (the other three wait for that prefill and hit its blocks), and the answers equal
+    the offline n=4."""
+    prompt = offline.tokenizer.encode("One prompt, four sequences: " * 6)[:41] if not stream else \
+        offline.tokenizer.encode("Another prompt for four streamed sequences. " * 5)[:41]
+    params = SamplingParams(temperature=0.9, seed=21, n=4, max_tokens=4, ignore_eos=True)
+    expected = [o.text for o in offline.generate(prompt, params)[0].outputs]
+    before = {m: metric(fleet.p.url, f"kimi_pd_worker_{m}") for m in ("prompt_tokens_total", "cached_prompt_tokens_total")}
+    kwargs = dict(model="kimi-k3", prompt=prompt, n=4, temperature=0.9, seed=21, max_tokens=4,
+                  extra_body={"ignore_eos": True})
+    if stream:
+        texts: dict[int, str] = {}
+        for chunk in client.completions.create(stream=True, **kwargs):
+            for c in chunk.choices:
+                texts[c.index] = texts.get(c.index, "") + c.text
+    else:
+        texts = {c.index: c.text for c in client.completions.create(**kwargs).choices}
+    assert texts == dict(enumerate(expected))
+    prompt_tokens = metric(fleet.p.url, "kimi_pd_worker_prompt_tokens_total") - before["prompt_tokens_total"]
+    cached = metric(fleet.p.url, "kimi_pd_worker_cached_prompt_tokens_total") - before["cached_prompt_tokens_total"]
+    assert prompt_tokens == 4 * len(prompt)
+    block = 4                                                 # the fleet's --block-size
+    assert cached == 3 * (len(prompt) // block * block), (prompt_tokens, cached)   # 41 tokens: 40 hit, 1 computed
+
+
 def test_chat_n_and_best_of(client, offline):
     messages = [{"role": "user", "content": "Say something."}]
     expected = offline.chat(messages, SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=5, ignore_eos=True,
                                                      skip_special_tokens=False))   # chat keeps K3's markers
     got = client.chat.completions.create(model="kimi-k3", messages=messages, n=3, temperature=1.0, seed=3,
-                                         max_tokens=5, extra_body={"ignore_eos": True})
+                                         max_tokens=5, extra_body={"ignore_eos": True, "skip_special_tokens": False})
     assert [c.index for c in got.choices] == [0, 1, 2]
     assert [(c.message.reasoning_content or "") + (c.message.content or "") for c in got.choices] == \
         [o.text for o in expected[0].outputs]
@@ -330,6 +357,38 @@ def test_forced_tool_calls_always_parse_and_equal_offline(client, offline, strea
         assert got == [(c.function.name, json.loads(c.function.arguments)) for c in expected]
         if name:
             assert {n for n, _ in got} == {name}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("effort", ["none", "max"])                 # content (thinking off) and reasoning
+def test_chat_skip_special_tokens_default_strips_them_and_false_keeps_them(client, offline, stream, effort):
+    """vLLM strips special tokens from chat text by default. The tiny random model emits many (its
+    reserved tokens), so the stripped and the kept answers differ, each equal to the offline one."""
+    from shared.openai.convert import shape_chat_message
+    from shared.openai.shaping import SpecialTokenStrip
+    messages = [{"role": "user", "content": "Say something."}]
+    thinking = effort != "none"
+    text = offline.chat(messages, _greedy(max_tokens=16, ignore_eos=True, skip_special_tokens=False),
+                        thinking=thinking)[0].output.text
+    strip = SpecialTokenStrip(offline.tokenizer.special_tokens)
+    answers = {}
+    for skip in (None, True, False):        # None: the field unset (vLLM's default, true)
+        extra = {"ignore_eos": True, "reasoning_effort": effort, **({} if skip is None else {"skip_special_tokens": skip})}
+        kwargs = dict(model="kimi-k3", messages=messages, max_tokens=16, temperature=0, extra_body=extra)
+        if stream:
+            deltas = [c.choices[0].delta for c in client.chat.completions.create(stream=True, **kwargs) if c.choices]
+            got = ("".join(getattr(d, "reasoning_content", None) or "" for d in deltas),
+                   "".join(d.content or "" for d in deltas))
+        else:
+            m = client.chat.completions.create(**kwargs).choices[0].message
+            got = (getattr(m, "reasoning_content", None) or "", m.content or "")
+        want = shape_chat_message(text, thinking=thinking, tools_requested=False, strip=strip if skip is not False else None)
+        assert got == (want.reasoning_content or "", want.content or ""), skip
+        answers[skip] = got
+    assert answers[None] == answers[True] != answers[False]
+    names = offline.tokenizer.special_tokens
+    assert any(name in "".join(answers[False]) for name in names)
+    assert not any(name in "".join(answers[True]) for name in names)
 
 
 def test_cache_salt_isolates_prefix_hits_through_the_router(fleet):

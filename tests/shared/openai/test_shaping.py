@@ -7,6 +7,10 @@ import random
 import pytest
 
 from shared.openai.convert import ChatDeltaShaper, shape_chat_message
+from shared.openai.shaping import SpecialTokenStrip
+from shared.prompt.tokenizer import KimiTokenizer
+
+STRIP = SpecialTokenStrip(KimiTokenizer.generated().special_tokens)
 
 CALLS = ('<|open|>tools<|sep|><|open|>call tool="get_weather" index="1"<|sep|>'
          '<|open|>argument key="city" type="string"<|sep|>Paris<|close|>argument<|sep|>'
@@ -42,14 +46,14 @@ def summary(content, reasoning, calls, finish) -> tuple:
     return content or "", reasoning or "", calls, finish
 
 
-def whole(text: str, thinking: bool, tools: bool) -> tuple:
-    shaped = shape_chat_message(text, thinking=thinking, tools_requested=tools)
+def whole(text: str, thinking: bool, tools: bool, strip: SpecialTokenStrip | None = None) -> tuple:
+    shaped = shape_chat_message(text, thinking=thinking, tools_requested=tools, strip=strip)
     calls = [(c.id, c.function.name, c.function.arguments) for c in shaped.tool_calls]
     return summary(shaped.content, shaped.reasoning_content, calls, shaped.finish_reason)
 
 
-def streamed(pieces: list[str], thinking: bool, tools: bool) -> tuple:
-    shaper = ChatDeltaShaper(thinking=thinking, tools_requested=tools)
+def streamed(pieces: list[str], thinking: bool, tools: bool, strip: SpecialTokenStrip | None = None) -> tuple:
+    shaper = ChatDeltaShaper(thinking=thinking, tools_requested=tools, strip=strip)
     deltas = [d for d in [*(shaper.feed(p) for p in pieces), shaper.finish()] if d is not None]
     calls = [tc for d in deltas for tc in d.tool_calls or []]
     assert [tc.index for tc in calls] == list(range(len(calls)))
@@ -74,6 +78,33 @@ def test_streaming_equals_whole_at_every_split(text, thinking, tools):
     expected = whole(text, thinking, tools)
     for pieces in splits(text, random.Random(len(text))):
         assert streamed(pieces, thinking, tools) == expected, pieces
+
+
+# Special tokens a model may emit inside its channels (the reserved ones, media, [EOS]) beside text
+# that only looks like one (`[EO`, `<|open`), for chat's skip_special_tokens.
+WITH_SPECIALS = [
+    f"plan [EOS]a<|reserved_token_8|>{THINK_END}{RESPONSE}Hi<|media_pad|> [EO x<|open{RESPONSE_END}",
+    f"<|reserved_token_10|>{THINK_END}{RESPONSE}<|open|><|sep|>[BOS]ok [",
+    f"r[EOT]{THINK_END}{RESPONSE}tail [start_header_id",
+]
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+@pytest.mark.parametrize("text", WITH_SPECIALS)
+def test_skip_special_tokens_strips_names_whole_and_streamed_at_every_split(text, thinking):
+    expected = whole(text, thinking, False, STRIP)
+    kept = whole(text, thinking, False)
+    assert expected[:2] == (STRIP(kept[0]), STRIP(kept[1]))
+    assert kept != expected                                   # the case has names to strip
+    for pieces in splits(text, random.Random(len(text))):
+        assert streamed(pieces, thinking, False, STRIP) == expected, pieces
+
+
+def test_skip_special_tokens_keeps_text_that_only_looks_like_a_name():
+    content = whole(WITH_SPECIALS[0], True, False, STRIP)[0]
+    assert content == "Hi [EO x<|open"
+    assert whole(WITH_SPECIALS[0], True, False, STRIP)[1] == "plan a"
+    assert whole(WITH_SPECIALS[2], True, False, STRIP)[0] == "tail [start_header_id"
 
 
 def test_shape_well_formed_message_with_tool_calls():

@@ -118,9 +118,13 @@ def test_user_with_images() -> None:
         {"type": "text", "text": "and"},
         {"type": "image", "image": "raw"},
     ]
-    rendered = render([{"role": "user", "content": content}], image_token_counts=[4, 2])
-    image = [MEDIA_BEGIN, "image", MEDIA_CONTENT]
-    assert_tokens(rendered, *message("user", "Compare", *image, Pads(4), MEDIA_END, "and", *image, Pads(2), MEDIA_END))
+    rendered = render([{"role": "user", "content": content}], image_token_counts=[4, 2],
+                      image_sizes=[(640, 480), (7, 1200)])
+    # vLLM 0.32 (mm_preprocess `_get_prompt_updates`): `<|media_begin|>image {W}x{H}<|media_content|>`,
+    # W x H the upload's original size, the header text one piece.
+    first_image, second_image = ([MEDIA_BEGIN, header, MEDIA_CONTENT] for header in ("image 640x480", "image 7x1200"))
+    assert_tokens(rendered, *message("user", "Compare", *first_image, Pads(4), MEDIA_END,
+                                     "and", *second_image, Pads(2), MEDIA_END))
     first, second = rendered.image_spans
     assert first[1] == 4 and second[1] == 2
     for start, length in rendered.image_spans:
@@ -132,7 +136,7 @@ def test_user_with_images() -> None:
 
 def test_image_spans_count_from_the_start_of_the_whole_prompt() -> None:
     messages = [{"role": "system", "content": "s"}, {"role": "user", "content": [{"type": "image"}]}]
-    rendered = render_chat(TOK, messages, image_token_counts=[3])
+    rendered = render_chat(TOK, messages, image_token_counts=[3], image_sizes=[(32, 32)])
     (start, length), = rendered.image_spans
     assert length == 3 and rendered.token_ids[start:start + 3] == [TOK.media_pad_id] * 3
     assert TOK.media_pad_id not in rendered.token_ids[:start]
@@ -274,6 +278,54 @@ def test_tool_results_without_ids_bind_in_order() -> None:
          {"role": "tool", "tool_call_id": "c2", "content": "page"}]).token_ids
 
 
+# Cases derived from vLLM 0.32 `renderers/kimi_k3.py` `_normalize_k3_tool_messages`: every call answers
+# to its id and to `f"{name}:{position}"` (0-based; the id registered first, first registration wins),
+# a resolved block is sorted by call position, and a result's `index` is its call's position + 1.
+
+THREE_CALLS = {"role": "assistant", "content": "",
+               "tool_calls": [_call("c1", "search"), _call("c2", "fetch"), _call("c3", "search")]}
+
+
+def test_tool_result_index_is_the_call_position_plus_one() -> None:
+    """The middle call has no result: vLLM writes index 1 and 3 (the answered count would say 2)."""
+    results = [{"role": "tool", "tool_call_id": "c3", "content": "second"},
+               {"role": "tool", "tool_call_id": "c1", "content": "first"}]
+    tail = ids(*message("tool", "first", tool="search", index=1), *message("tool", "second", tool="search", index=3))
+    assert render([THREE_CALLS, *results]).token_ids[-len(tail):] == tail
+
+
+def test_name_position_aliases_resolve_like_ids() -> None:
+    by_alias = [{"role": "tool", "tool_call_id": "search:2", "content": "b"},
+                {"role": "tool", "tool_call_id": "fetch:1", "content": "a"}]
+    by_id = [{"role": "tool", "tool_call_id": "c2", "content": "a"},
+             {"role": "tool", "tool_call_id": "c3", "content": "b"}]
+    assert render([THREE_CALLS, *by_alias]).token_ids == render([THREE_CALLS, *by_id]).token_ids
+    tail = ids(*message("tool", "a", tool="fetch", index=2), *message("tool", "b", tool="search", index=3))
+    assert render([THREE_CALLS, *by_alias]).token_ids[-len(tail):] == tail
+
+
+def test_alias_resolves_calls_the_parser_returned_without_client_ids() -> None:
+    """A client echoing the project's own parsed calls (ids `NAME:POS`) and one sending no id agree."""
+    no_ids = {"role": "assistant", "content": "",
+              "tool_calls": [{"type": "function", "function": {"name": "now", "arguments": "{}"}}] * 2}
+    results = [{"role": "tool", "tool_call_id": "now:1", "content": "b"},
+               {"role": "tool", "tool_call_id": "now:0", "content": "a"}]
+    tail = ids(*message("tool", "a", tool="now", index=1), *message("tool", "b", tool="now", index=2))
+    assert render([no_ids, *results]).token_ids[-len(tail):] == tail
+
+
+def test_an_id_registered_first_wins_over_a_later_alias() -> None:
+    """Call 0's id is `fetch:1`, call 1's alias is also `fetch:1`: vLLM's setdefault keeps call 0."""
+    calls = {"role": "assistant", "content": "", "tool_calls": [_call("fetch:1", "search"), _call("x", "fetch")]}
+    tail = ids(*message("tool", "r", tool="search", index=1))
+    assert render([calls, {"role": "tool", "tool_call_id": "fetch:1", "content": "r"}]).token_ids[-len(tail):] == tail
+
+
+def test_an_alias_with_the_wrong_position_is_unknown() -> None:
+    with pytest.raises(ChatTemplateError, match="unknown tool_call_id 'search:1'"):
+        render([THREE_CALLS, {"role": "tool", "tool_call_id": "search:1", "content": "x"}])
+
+
 # ---- tool declarations and generation prompt -----------------------------------------------------
 
 WEATHER_PARAMETERS = {"type": "object", "properties": {"city": {"type": "string"}}}
@@ -378,10 +430,16 @@ def test_control_token_text_elsewhere_is_plain_text() -> None:
         ([CALLS] + [{"role": "tool", "content": "x"}] * 3, {}, "a result beyond"),
         ([{"role": "tool", "tool_call_id": "c1"}], {}, "does not follow"),
         ([{"role": "user", "content": [{"type": "image"}]}], {}, "no image_token_counts"),
-        ([{"role": "user", "content": [{"type": "image"}, {"type": "image"}]}], {"image_token_counts": [2]},
-         r"image 2 has no entry"),
-        ([{"role": "user", "content": [{"type": "image"}]}], {"image_token_counts": [2, 2]}, "2 image_token_counts"),
+        ([{"role": "user", "content": [{"type": "image"}, {"type": "image"}]}],
+         {"image_token_counts": [2], "image_sizes": [(4, 4)] * 2}, r"image 2 has no entry in image_token_counts"),
+        ([{"role": "user", "content": [{"type": "image"}]}], {"image_token_counts": [2, 2], "image_sizes": [(4, 4)]},
+         "2 image_token_counts"),
         ([{"role": "user", "content": [{"type": "image"}]}], {"image_token_counts": [0]}, "positive int"),
+        ([{"role": "user", "content": [{"type": "image"}]}], {"image_token_counts": [2]}, "no entry in image_sizes"),
+        ([{"role": "user", "content": [{"type": "image"}]}], {"image_token_counts": [2], "image_sizes": [(0, 4)]},
+         r"image_sizes\[0\] must be \(width, height\)"),
+        ([{"role": "user", "content": [{"type": "image"}]}],
+         {"image_token_counts": [2], "image_sizes": [(4, 4), (4, 4)]}, "2 image_sizes given for 1 images"),
         ([{"role": "user", "content": "x"}], {"thinking_effort": "minimal"}, "thinking_effort must be one of"),
         ([{"role": "user", "content": "x"}], {"tools": "nope"}, "tools must be a list"),
     ],

@@ -54,6 +54,9 @@ def test_request_with_data_urls_equals_offline_messages_with_pil_images(tok, vis
     assert served.image_spans() == offline.image_spans()
     assert [i.length for i in served.images] == [num_image_tokens(vision, im.height, im.width) for im in images]
     assert len(image_parts(messages)) == 2
+    text = tok.decode(served.token_ids)    # vLLM 0.32's header: the upload's original width x height
+    assert f"<|media_begin|>image {images[0].width}x{images[0].height}<|media_content|>" in text
+    assert "<|media_begin|>image 40x120<|media_content|>" in text      # _image(h=120, w=40)
     other = prepare_chat(_request(_data_url(_image(3)), _data_url(images[1])), tok, vision)
     assert other.image_spans()[0].content_hash != served.image_spans()[0].content_hash   # other pixels, other key
     assert other.image_spans()[1] == served.image_spans()[1]
