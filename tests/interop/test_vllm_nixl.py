@@ -135,11 +135,14 @@ def busy(url: str, requests: int = 14):
     stop = threading.Event()
 
     def hog(i: int) -> None:
+        # each hog sends its next request when one ends: on a quiet machine the tiny model finishes
+        # 480 tokens in seconds, before the router's next scrape could see them all running
         body = {"model": SERVED, "prompt": sentence(i, 6), "max_tokens": 480, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as resp:
-            for _ in resp.iter_lines():
-                if stop.is_set():
-                    return
+        while not stop.is_set():
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as resp:
+                for _ in resp.iter_lines():
+                    if stop.is_set():
+                        return
 
     threads = [threading.Thread(target=hog, args=(i,), daemon=True) for i in range(requests)]
     for t in threads:

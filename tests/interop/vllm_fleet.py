@@ -106,6 +106,9 @@ class VllmFleet:
         cmd = [sys.executable, "-m", "kimi_pd", "router", "--model", str(self.model), "--port", str(port),
                "--served-model-name", SERVED, "tiny", "--kv-connector", connector, "--block-size", "32",
                "--disagg-threshold", "1", "--health-check-interval", "0.5", "--log-level", "info",
+               # three vLLM CPU servers and a dozen hog streams share 2 cores: a starved vLLM accept
+               # loop took over the default 2 s to take the decode leg's connection
+               "--connect-timeout", "20",
                *[a for url in prefill for a in ("--prefill", self.urls[url])],
                *[a for url in decode for a in ("--decode", self.urls[url])], *extra]
         env = {**os.environ, "PYTHONPATH": str(ROOT), "KIMI_PD_ADMIN_TOKEN": ADMIN, "PYTHONUNBUFFERED": "1"}
