@@ -37,6 +37,7 @@ def fleet(vllm_python, tiny_llama, tmp_path_factory):
         started = time.monotonic()
         f.wait_all()
         print(f"3 vLLM instances ready in {time.monotonic() - started:.0f} s")
+        f.warm_nixl(["p1", "p2"], "d")
         f.start_router("nixl", ["p1", "p2"], ["d"])
         yield f
 

@@ -117,6 +117,26 @@ class VllmFleet:
         wait_ready(self.children["router"], self.urls["router"], 60, path="/ready")
         return self.urls["router"]
 
+    def warm_nixl(self, prefill: list[str], decode: str, timeout_s: float = 180) -> None:
+        """One P/D request per prefill -> decode pair, sent as vLLM's own proxy would, retried until it
+        succeeds: vLLM's first NIXL handshake to a peer waits only 5 s (a fixed ZMQ receive timeout)
+        and a starved 2-core host can miss it; once made, a pair's handshake is reused."""
+        deadline = time.monotonic() + timeout_s
+        body = {"model": SERVED, "prompt": "warm up the kv transfer path " * 8, "max_tokens": 1, "temperature": 0}
+        for name in prefill:
+            while True:
+                try:
+                    reply = httpx.post(self.urls[name] + "/v1/completions", timeout=60, json={
+                        **body, "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}})
+                    params = reply.raise_for_status().json()["kv_transfer_params"]
+                    httpx.post(self.urls[decode] + "/v1/completions", timeout=60,
+                               json={**body, "kv_transfer_params": params}).raise_for_status()
+                    break
+                except (httpx.HTTPError, KeyError) as exc:
+                    if time.monotonic() > deadline:
+                        raise AssertionError(f"NIXL {name} -> {decode} never worked: {exc!r}") from exc
+                    time.sleep(1)
+
     def wait_all(self, timeout_s: float = START_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s
         for name, child in self.children.items():
