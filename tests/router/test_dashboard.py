@@ -102,6 +102,12 @@ def test_page_is_static_and_holds_no_fleet_data(fleet_url):
 def test_state_shows_the_fleet_and_recent_traffic(fleet_url):
     httpx.get(fleet_url + "/dashboard/state", headers=AUTH, timeout=5)          # a first sample
     chat(fleet_url, 3)
+
+    # the worker publishes KV events on its next heartbeat and the router reads them on its next refresh,
+    # up to a second or two after the answer: wait on /admin/workers (each dashboard read is a sample)
+    eventually(lambda: {w["worker_id"]: w["cached_blocks"] for w in httpx.get(
+        fleet_url + "/admin/workers", headers=AUTH, timeout=5).json()["workers"]}.get("prefill-0", 0) > 0,
+        20, "the prefill worker's KV events to reach the router")
     state = httpx.get(fleet_url + "/dashboard/state", headers=AUTH, timeout=5).json()
     workers = {w["worker_id"]: w for w in state["workers"]}
     assert {k: w["role"] for k, w in workers.items()} == {"prefill-0": "prefill", "decode-0": "decode"}
