@@ -122,6 +122,13 @@ def test_store_stopped_and_restarted_requests_keep_being_served(tmp_path, e2e_mo
             for proc in (p, d):
                 f.wait(proc)
             f.wait(r, "/ready")
+
+            def router_lists_both() -> bool:
+                listed = httpx.get(r.url + "/admin/workers", headers={"authorization": f"Bearer {ADMIN}"},
+                                   timeout=5).json()["workers"]
+                return {w["worker_id"] for w in listed} == {"p0", "d0"}
+            # /ready needs a decode worker; the prefill worker is placed once the router's refresh lists it
+            eventually(router_lists_both, what="the router to list both workers")
             assert chat(r.url).headers["x-kimi-pd-decision"] == "prefill-decode"
             store.stop()
             time.sleep(1.0)                                  # several refreshes and heartbeats fail
