@@ -71,7 +71,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
         await health_checker.check_once(client, registry, settings.connect_timeout_s, metrics)
         tasks = [asyncio.create_task(registry.run(stop)),
                  asyncio.create_task(health_checker.run(client, registry, settings.health_check_s, stop,
-                                                                     metrics))]
+                                                                     metrics, settings.health_timeout_s))]
         if settings.kv_events:                   # stock vLLM's ZMQ KV events -> the exact prefix index
             app.state.kv_events = relay = KVEventsRelay(settings.kv_events, registry.index.exact,
                                                         registry.index.exact_workers, registry.hash_chain)

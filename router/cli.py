@@ -53,6 +53,8 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-timeout", type=float, default=120.0)
     p.add_argument("--idle-timeout", type=float, default=60.0)
     p.add_argument("--health-check-interval", type=float, default=2.0)
+    p.add_argument("--health-check-timeout", type=float, default=2.0,
+                   help="seconds a worker has to answer one /health probe (two misses in a row: unhealthy)")
     p.add_argument("--refresh-interval", type=float, default=0.5, help="state store polling")
     p.add_argument("--header-timeout", type=float, default=10.0,
                    help="seconds a connection has to send a request's headers (slowloris guard)")
@@ -72,7 +74,8 @@ def settings_from_args(args: argparse.Namespace, model_dir: str | None) -> Route
                           namespace=args.namespace, disagg_threshold_tokens=args.disagg_threshold,
                           max_attempts=args.max_attempts, connect_timeout_s=args.connect_timeout,
                           prefill_timeout_s=args.prefill_timeout, idle_timeout_s=args.idle_timeout,
-                          health_check_s=args.health_check_interval, refresh_s=args.refresh_interval, api_keys=keys,
+                          health_check_s=args.health_check_interval,
+                          health_timeout_s=args.health_check_timeout, refresh_s=args.refresh_interval, api_keys=keys,
                           admin_token=os.environ.get(ADMIN_TOKEN_ENV) or None,
                           worker_api_key=os.environ.get(WORKER_API_KEY_ENV) or None)
 

@@ -82,10 +82,13 @@ async def load_from_metrics(client: httpx.AsyncClient, registry: WorkerRegistry,
 
 
 async def run(client: httpx.AsyncClient, registry: WorkerRegistry, interval_s: float, stop: asyncio.Event,
-              metrics: RouterMetrics | None = None) -> None:
+              metrics: RouterMetrics | None = None, timeout_s: float = 2.0) -> None:
+    """A round every `interval_s` after the last one ended (rounds never overlap), each probe given
+    `timeout_s`: a short interval (fast failure detection) does not shorten the time a busy worker
+    has to answer, which on a starved host made healthy workers look dead."""
     while not stop.is_set():
         try:
-            await check_once(client, registry, min(interval_s, 2.0), metrics)
+            await check_once(client, registry, timeout_s, metrics)
         except Exception:                                  # noqa: BLE001 - the checker must outlive any bug
             log.exception("health check round failed")
         try:

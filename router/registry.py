@@ -267,6 +267,7 @@ class WorkerRegistry:
                         "healthy": s.healthy, "circuit": s.circuit.value, "draining": s.is_draining,
                         "kv_connector": self.connector_of(s.info.worker_id).name,
                         "inflight": s.inflight, "active_requests": s.active_requests,
+                        "backlog_s": round(s.backlog_s, 4), "tokens_per_s": round(s.tokens_per_s, 1),
                         "load": None if s.load is None else s.load.to_dict(),
                         "cached_blocks": self.index.exact.num_blocks(s.info.worker_id)
                         if s.info.worker_id in self.index.exact_workers

@@ -24,6 +24,7 @@ class RouterSettings:
     refresh_s: float = 0.5                        # registry + KV event polling
     store_empty_grace_s: float = 10.0             # a store that lists nobody: keep the last fleet this long
     health_check_s: float = 2.0
+    health_timeout_s: float = 2.0                 # per probe; a busy worker answers /health late, not never
     disagg_threshold_tokens: int = 32             # below this many uncached tokens on D: decode-only
     connect_timeout_s: float = 2.0
     prefill_timeout_s: float = 120.0

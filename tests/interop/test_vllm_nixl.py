@@ -130,6 +130,19 @@ def wait_for_load(router: str, worker: str, check, timeout_s: float = 60) -> dic
     raise AssertionError(f"the router never saw the load it waited for on {worker}: {seen}")
 
 
+def wait_for_idle_pool(router: str, workers, timeout_s: float = 60) -> None:
+    """Every one of `workers` healthy, its circuit closed and no load, as the router sees it: a
+    starved host can make a worker miss health probes while another one is hogged."""
+    deadline, view = time.monotonic() + timeout_s, {}
+    while time.monotonic() < deadline:
+        view = workers_view(router)
+        if all(view[w]["healthy"] and view[w]["circuit"] == "closed" and not view[w]["inflight"]
+               and view[w]["load"] and view[w]["load"]["running"] + view[w]["load"]["waiting"] == 0 for w in workers):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"the pool never looked idle to the router: {[view.get(w) for w in workers]}")
+
+
 @contextlib.contextmanager
 def busy(url: str, requests: int = 14):
     """Long streamed requests sent to one vLLM instance directly (the router never sees them)."""
@@ -188,11 +201,12 @@ def test_two_prefill_instances_get_prefix_affinity(fleet):
         wait_for_load(router, first, lambda n: n >= 12)
         holders.update({p: prefill_of(router, p) for p in moved})
     assert {holders[p] for p in moved} == set(names) - {first}, holders     # placed on the other one
-    wait_for_load(router, first, lambda n: n == 0)
+    wait_for_idle_pool(router, names)
     hits = {n: metric(u, "vllm:prefix_cache_hits_total") for u, n in names.items()}
     for k in range(2):
         for prefix, holder in holders.items():
-            assert prefill_of(router, f"{prefix} {sentence(900 + k, 8)}") == holder, prefix[:40]
+            view = workers_view(router)
+            assert prefill_of(router, f"{prefix} {sentence(900 + k, 8)}") == holder, (prefix[:40], view)
     for url, name in names.items():
         held = sum(1 for h in holders.values() if h == url)
         gained = metric(url, "vllm:prefix_cache_hits_total") - hits[name]

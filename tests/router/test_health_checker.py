@@ -1,0 +1,68 @@
+"""Active health checks: a probe's timeout is its own setting, not the check interval. A worker that
+answers /health late (its host is starved, its engine busy) stays healthy while it answers within the
+timeout, however short the interval; one that misses the timeout twice in a row is marked unhealthy,
+and one good answer makes it healthy again."""
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from router import health_checker
+from router.registry import WorkerRegistry
+from router.settings import RouterSettings
+
+pytestmark = pytest.mark.asyncio
+
+
+class SlowWorker:
+    """A real loopback HTTP server that answers every request after `delay_s` (client timeouts are
+    enforced by the network layer, so a mock transport would never time out)."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s, self.url, self._server = delay_s, "", None
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while (await reader.readuntil(b"\r\n\r\n")):
+                await asyncio.sleep(self.delay_s)
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def __aenter__(self) -> "SlowWorker":
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self._server.close()
+
+
+async def run_checks(client: httpx.AsyncClient, registry: WorkerRegistry, seconds: float, timeout_s: float) -> None:
+    stop = asyncio.Event()
+    task = asyncio.create_task(health_checker.run(client, registry, 0.05, stop, None, timeout_s))
+    await asyncio.sleep(seconds)
+    stop.set()
+    await asyncio.wait_for(task, 5)
+
+
+async def test_a_slow_answer_within_the_timeout_keeps_a_worker_healthy_at_a_short_interval():
+    async with SlowWorker(0.3) as worker, httpx.AsyncClient() as client:
+        registry = WorkerRegistry(RouterSettings(model=None, static_decode=(worker.url,)), None)
+        await run_checks(client, registry, 1.2, timeout_s=1.0)
+        assert registry.health.is_healthy(worker.url)
+
+
+async def test_missed_timeouts_mark_unhealthy_and_one_answer_heals():
+    async with SlowWorker(0.3) as worker, httpx.AsyncClient() as client:
+        registry = WorkerRegistry(RouterSettings(model=None, static_decode=(worker.url,)), None)
+        await run_checks(client, registry, 1.0, timeout_s=0.1)
+        assert not registry.health.is_healthy(worker.url)
+        worker.delay_s = 0.0
+        await run_checks(client, registry, 0.3, timeout_s=0.1)
+        assert registry.health.is_healthy(worker.url)
