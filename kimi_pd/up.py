@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 
 from shared.store.embedded import EmbeddedValkey, EmbeddedValkeyError
+from shared.store.factory import REDIS_URL_ENV
 from kimi_pd.processes import Processes, Supervisor, free_port
 
 READY_TIMEOUT_S = 180.0
@@ -66,7 +67,7 @@ def up(model_dir: str, port: int, num_prefill: int, num_decode: int, redis_url: 
             redis_url = store.url
         env = {**os.environ, "KIMI_PD_TRANSFER_SECRET": os.environ.get("KIMI_PD_TRANSFER_SECRET") or secrets.token_hex(24),
                "KIMI_PD_ADMIN_TOKEN": os.environ.get("KIMI_PD_ADMIN_TOKEN") or secrets.token_hex(16),
-               "KIMI_PD_REDIS_URL": redis_url}             # through the environment: no password in `ps`
+               REDIS_URL_ENV: redis_url}                   # through the environment: no password in `ps`
         common = ["--model", model_dir, *extra_worker_args, *(speculative_args or [])]
         for role, count in (("prefill", num_prefill), ("decode", num_decode)):
             for i in range(count):

@@ -196,6 +196,8 @@ class Orchestrator:
                 self.metrics.leg_failures.labels(leg="prefill", reason=err.reason).inc()
                 if err.retryable and attempt + 1 < self.s.max_attempts:
                     self.metrics.retries.labels(leg="prefill").inc()
+                    log.warning("prefill leg of %s on %s failed (%s); trying another worker", trace.request_id,
+                                worker.worker_id, err.reason)
                     continue
                 raise
             finally:

@@ -6,7 +6,8 @@ import argparse
 import os
 import re
 
-REDIS_URL_ENV = "KIMI_PD_REDIS_URL"
+from shared.store.factory import REDIS_URL_ENV
+
 _UNITS = {"": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
           "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
 ACCEPTED_PARSERS = ("kimi_k3",)

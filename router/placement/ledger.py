@@ -34,7 +34,11 @@ class LedgerConfig:
     worker_tokens_per_s: tuple[tuple[str, float], ...] = ()
     decay_tokens: float = 200000.0
     calibrate: bool = True
-    min_leg_tokens: int = 64                # smaller legs are mostly overhead: not used to calibrate
+    # a leg below this many uncached tokens is timed mostly by fixed costs (HTTP, scheduling, one
+    # forward's launch: a few ms on an accelerator, the same as 512 tokens of prefill), so its wall
+    # time says nothing about per-token speed; 64 let short legs timed on a starved host price an
+    # idle vLLM worker 6x slower than its twin and send prefixes away from their holder
+    min_leg_tokens: int = 512
 
     def __post_init__(self) -> None:
         if self.tokens_per_s <= 0 or self.decay_tokens <= 0 or any(v <= 0 for _, v in self.worker_tokens_per_s):

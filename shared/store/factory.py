@@ -8,6 +8,8 @@ from shared.store.memory import InMemoryStore
 from shared.store.redis_store import RedisStore
 
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+# the store URL when no --redis-url is given: it may hold a password, which the environment keeps out of `ps`
+REDIS_URL_ENV = "KIMI_PD_REDIS_URL"
 
 
 def make_store(url: str | None, namespace: str = "default", **options: Any) -> StateStore:

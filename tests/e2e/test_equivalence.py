@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from engine import LLM, SamplingParams
-from tests.e2e.fleet import Fleet, metric
+from engine import SamplingParams
+from tests.e2e.fleet import Fleet, metric, offline_llm
 
 pytestmark = pytest.mark.timeout(300)
 MAX_TOKENS = 12
@@ -46,7 +46,7 @@ def fleet(tmp_path_factory, e2e_model):
 
 @pytest.fixture(scope="module")
 def offline(e2e_model):
-    return LLM(str(e2e_model), block_size=4, kda_chunk_size=8, cache_memory_bytes=8 << 20)
+    return offline_llm(e2e_model)
 
 
 def chat_body(messages, **extra):

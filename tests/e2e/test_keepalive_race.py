@@ -9,7 +9,7 @@ import threading
 import httpx
 import pytest
 
-from tests.e2e.fleet import ADMIN, Fleet, metric
+from tests.e2e.fleet import Fleet, metric
 
 pytestmark = pytest.mark.timeout(120)
 HEALTH = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 15\r\n\r\n{\"status\":\"ok\"}"

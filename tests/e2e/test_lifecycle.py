@@ -3,7 +3,6 @@ SIGTERM deregisters a worker from the store."""
 from __future__ import annotations
 
 import signal
-import time
 import uuid
 
 import httpx

@@ -17,7 +17,7 @@ import pytest
 from engine import LLM, SamplingParams
 from shared.openai.convert import shape_chat_message
 from shared.openai.shaping import SpecialTokenStrip
-from tests.e2e.fleet import Fleet
+from tests.e2e.fleet import Fleet, offline_llm
 
 lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is in the dev extra")
 pytestmark = pytest.mark.timeout(600)
@@ -76,7 +76,7 @@ def fleet(tmp_path_factory, e2e_model):
 
 @pytest.fixture(scope="module")
 def offline(e2e_model):
-    return LLM(str(e2e_model), block_size=4, kda_chunk_size=8, cache_memory_bytes=8 << 20)
+    return offline_llm(e2e_model)
 
 
 @pytest.fixture(scope="module")

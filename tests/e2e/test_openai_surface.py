@@ -10,8 +10,8 @@ import httpx
 import openai
 import pytest
 
-from engine import LLM, SamplingParams
-from tests.e2e.fleet import Fleet, metric
+from engine import SamplingParams
+from tests.e2e.fleet import Fleet, metric, offline_llm
 from tests.engine.core.helpers import bannable_word
 
 pytestmark = pytest.mark.timeout(300)
@@ -22,18 +22,12 @@ PROMPTS = ["The lighthouse keeper counted the boats", "Rain fell on the quiet to
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory, e2e_model):
     with Fleet(tmp_path_factory.mktemp("surface"), e2e_model) as f:
-        p, d = f.worker("prefill", "p0"), f.worker("decode", "d0")
-        for proc in (p, d):
-            f.wait(proc)
-        r = f.router("r0", "--prefill", p.url, "--decode", d.url, "--disagg-threshold", "0")
-        f.wait(r, "/ready")
-        f.p, f.d, f.r = p, d, r
-        yield f
+        yield f.static_pd()
 
 
 @pytest.fixture(scope="module")
 def offline(e2e_model):
-    return LLM(str(e2e_model), block_size=4, kda_chunk_size=8, cache_memory_bytes=8 << 20)
+    return offline_llm(e2e_model)
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@ load beating prefix, two router replicas placing alike, a restarted router rebui
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 
 import httpx

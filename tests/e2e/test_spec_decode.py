@@ -9,9 +9,9 @@ import sys
 import httpx
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 from engine.spec_decode.checkpoint import create_draft_checkpoint
-from tests.e2e.fleet import Fleet, metric
+from tests.e2e.fleet import Fleet, metric, offline_llm
 
 pytestmark = pytest.mark.timeout(300)
 MAX_TOKENS = 20
@@ -24,19 +24,13 @@ def fleet(tmp_path_factory, e2e_model):
     draft = create_draft_checkpoint(e2e_model, tmp / "draft7", block=7, seed=3)
     config = json.dumps({"method": "dspark", "model": str(draft), "num_speculative_tokens": 7})
     with Fleet(tmp, e2e_model) as f:
-        p = f.worker("prefill", "p0", "--speculative-config", config)
-        d = f.worker("decode", "d0", "--speculative-config", config)
-        for proc in (p, d):
-            f.wait(proc)
-        r = f.router("r0", "--prefill", p.url, "--decode", d.url, "--disagg-threshold", "0")
-        f.wait(r, "/ready")
-        f.p, f.d, f.r = p, d, r
-        yield f
+        flags = ("--speculative-config", config)
+        yield f.static_pd(flags, flags)
 
 
 @pytest.fixture(scope="module")
 def offline(e2e_model):
-    return LLM(str(e2e_model), block_size=4, kda_chunk_size=8, cache_memory_bytes=8 << 20)
+    return offline_llm(e2e_model)
 
 
 def test_router_pd_with_speculation_equals_plain_offline(fleet, offline):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import random
 import subprocess
 import threading
 import time
@@ -26,7 +27,11 @@ AUTH = {"authorization": f"Bearer {ADMIN}"}
 
 
 def sentence(seed: int, n: int) -> str:
-    return " ".join(WORDS[(seed * 31 + i * 7 + i * i) % len(WORDS)] for i in range(n))
+    """n words drawn from a generator seeded by `seed`: different seeds give different prompts (the
+    old `(seed * 31 + ...) % 40` repeated every 40 seeds, so the affinity test's prefixes were already
+    cached on both instances by earlier tests and their holders were a coin toss)."""
+    rng = random.Random(f"sentence-{seed}")
+    return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +135,19 @@ def wait_for_load(router: str, worker: str, check, timeout_s: float = 60) -> dic
     raise AssertionError(f"the router never saw the load it waited for on {worker}: {seen}")
 
 
+def pool_view(router: str, workers) -> dict[str, dict]:
+    keys = ("healthy", "circuit", "inflight", "active_requests", "backlog_s", "tokens_per_s", "cached_blocks", "load")
+    return {u: {k: w.get(k) for k in keys} for u, w in workers_view(router).items() if u in workers}
+
+
+def explain(router: str, prompt: str, wanted: str, got: str, view: dict) -> str:
+    """What the router saw just before a placement the test did not expect, and its failure counters."""
+    counters = [line for line in httpx.get(router + "/metrics", timeout=10).text.splitlines()
+                if not line.startswith("#") and any(k in line for k in ("retries", "failures", "fallbacks"))]
+    return json.dumps({"prompt": prompt[:40], "wanted": wanted, "got": got, "view": view, "counters": counters},
+                      indent=1)
+
+
 def wait_for_idle_pool(router: str, workers, timeout_s: float = 60) -> None:
     """Every one of `workers` healthy, its circuit closed and no load, as the router sees it: a
     starved host can make a worker miss health probes while another one is hogged."""
@@ -199,14 +217,17 @@ def test_two_prefill_instances_get_prefix_affinity(fleet):
     first = holders[idle[-1]]
     with busy(first):
         wait_for_load(router, first, lambda n: n >= 12)
-        holders.update({p: prefill_of(router, p) for p in moved})
-    assert {holders[p] for p in moved} == set(names) - {first}, holders     # placed on the other one
+        for p in moved:
+            view = pool_view(router, names)
+            holders[p] = prefill_of(router, p)
+            assert holders[p] != first, explain(router, p, "not " + first, holders[p], view)   # the other one
     wait_for_idle_pool(router, names)
     hits = {n: metric(u, "vllm:prefix_cache_hits_total") for u, n in names.items()}
     for k in range(2):
         for prefix, holder in holders.items():
-            view = workers_view(router)
-            assert prefill_of(router, f"{prefix} {sentence(900 + k, 8)}") == holder, (prefix[:40], view)
+            view = pool_view(router, names)
+            got = prefill_of(router, f"{prefix} {sentence(900 + k, 8)}")
+            assert got == holder, explain(router, prefix, holder, got, view)
     for url, name in names.items():
         held = sum(1 for h in holders.values() if h == url)
         gained = metric(url, "vllm:prefix_cache_hits_total") - hits[name]

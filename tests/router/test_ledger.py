@@ -83,6 +83,22 @@ def test_failed_or_cancelled_legs_do_not_calibrate():
     assert book.tokens_per_s("w") == 1000.0 and book.backlog_s("w") == 0.0
 
 
+def test_short_legs_timed_by_overhead_do_not_calibrate():
+    """The default config: a 130-token leg that took 0.7 s (a starved host, HTTP and scheduling)
+    says nothing about per-token speed and leaves the estimate; a 4000-token leg moves it."""
+    clock = Clock()
+    book = WorkLedger(LedgerConfig(tokens_per_s=1000.0), clock)
+    for _ in range(5):
+        leg = book.open("w", 130)
+        clock.t += 0.7
+        book.settle(leg)
+    assert book.tokens_per_s("w") == 1000.0
+    leg = book.open("w", 4000)
+    clock.t += 1.0
+    book.settle(leg)
+    assert book.tokens_per_s("w") == pytest.approx(4000.0)
+
+
 def test_ledger_config_rejects_nonsense():
     with pytest.raises(ValueError):
         LedgerConfig(tokens_per_s=0)
