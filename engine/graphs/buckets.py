@@ -29,3 +29,23 @@ def padded_rows(batch: int, bucket: int) -> range:
     if bucket < batch:
         raise ValueError(f"bucket {bucket} smaller than the batch {batch}")
     return range(batch, bucket)
+
+
+def context_ladder(max_blocks: int, first: int = 8) -> tuple[int, ...]:
+    """Block-table widths a decode graph is captured for: first, 2*first, ... doubling, then max_blocks.
+
+    A step attends (masked) over its bucket's whole width, so widths double: at most 2x the real
+    longest context, and log2(max_blocks / first) + 1 graphs per batch size.
+    """
+    if max_blocks < 1:
+        raise ValueError(f"max_blocks must be >= 1, got {max_blocks}")
+    widths, width = [], max(1, first)
+    while width < max_blocks:
+        widths.append(width)
+        width *= 2
+    return (*widths, max_blocks)
+
+
+def context_bucket(blocks: int, widths: tuple[int, ...]) -> int | None:
+    """The narrowest width holding `blocks` pages; None when it exceeds every width."""
+    return bucket_for(blocks, widths)

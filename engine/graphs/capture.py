@@ -42,33 +42,43 @@ def graph_backend(device: str | torch.device) -> GraphBackend | None:
 
 
 class StaticGraphs:
-    """`fn(**inputs) -> Tensor` captured per batch-size bucket over static input buffers.
+    """`fn(**inputs) -> Tensor` captured per key (a batch-size bucket, or any hashable shape key) over
+    static input buffers.
 
-    `make_inputs(size)` builds example inputs of a bucket (their values are only used for warm-up);
-    `run(size, **inputs)` copies inputs of exactly that bucket's shapes in and replays. The output is the
-    captured buffer: copy it before the next replay if it must survive.
+    `make_inputs(key)` builds example inputs of that key's shapes (their values are only used for
+    warm-up and capture); keys in `sizes` are captured now, largest first (smaller graphs reuse its
+    memory pool), any other on its first `run`. `run(key, **inputs)` copies inputs of exactly that key's
+    shapes in and replays. The output is the captured buffer: copy it before the next replay if it must
+    survive.
     """
 
     def __init__(self, backend: GraphBackend, fn: Callable[..., torch.Tensor],
-                 make_inputs: Callable[[int], dict[str, torch.Tensor]], sizes: tuple[int, ...], warmup: int = 2) -> None:
-        self.backend, self.fn = backend, fn
-        self.graphs: dict[int, tuple[Any, dict[str, torch.Tensor], torch.Tensor]] = {}
-        pool = backend.pool_handle()
-        for size in sorted(sizes, reverse=True):          # largest first: smaller graphs reuse its pool
-            inputs = make_inputs(size)
-            side = backend.stream()
-            with backend.stream_context(side):
-                for _ in range(warmup):
-                    fn(**inputs)
-            backend.synchronize()
-            graph = backend.graph_class()
-            with backend.graph_context(graph, pool=pool):
-                out = fn(**inputs)
-            self.graphs[size] = (graph, inputs, out)
-        log.info("captured %s graphs for batch sizes %s", backend.name, sorted(self.graphs))
+                 make_inputs: Callable[[Any], dict[str, torch.Tensor]], sizes: tuple = (), warmup: int = 2) -> None:
+        self.backend, self.fn, self.make_inputs, self.warmup = backend, fn, make_inputs, warmup
+        self.graphs: dict[Any, tuple[Any, dict[str, torch.Tensor], torch.Tensor]] = {}
+        self.pool = backend.pool_handle()
+        for key in sorted(sizes, reverse=True):
+            self.capture(key)
+        if sizes:
+            log.info("captured %s graphs for %s", backend.name, sorted(self.graphs))
 
-    def run(self, size: int, **inputs: torch.Tensor) -> torch.Tensor:
-        graph, static, out = self.graphs[size]
+    def capture(self, key: Any) -> None:
+        backend, inputs = self.backend, self.make_inputs(key)
+        side = backend.stream()
+        with backend.stream_context(side):
+            for _ in range(self.warmup):
+                self.fn(**inputs)
+        backend.synchronize()
+        graph = backend.graph_class()
+        with backend.graph_context(graph, pool=self.pool):
+            out = self.fn(**inputs)
+        self.graphs[key] = (graph, inputs, out)
+        log.info("captured a %s graph for %s", backend.name, key)
+
+    def run(self, key: Any, **inputs: torch.Tensor) -> torch.Tensor:
+        if key not in self.graphs:
+            self.capture(key)
+        graph, static, out = self.graphs[key]
         for name, value in inputs.items():
             static[name].copy_(value)
         graph.replay()

@@ -1,25 +1,29 @@
-"""The engine's decode step under `FULL_DECODE_ONLY`: pure decode batches padded to a bucket.
+"""The engine's decode step under `FULL_DECODE_ONLY`: pure decode batches padded to a bucket and,
+where the device has graphs, replayed from a captured graph.
 
 Padding sequences decode one token each against a scratch MLA page and a scratch KDA slot that the
 cache manager never hands out (the runner's cache gets one extra of each), so real sequences'
 outputs are exactly those of the unpadded batch; their logits rows are dropped.
 
-Graph replay needs a decode forward whose every shape and index is a device tensor of the bucket's
-size. The model's decode forward is not yet capture-safe (MLA attends per sequence with host-side
-context lengths; MoE routing reads the chosen experts back to the host), so `model.graph_safe_decode`
-is absent and a device with graphs runs eager, logging why. `StaticGraphs` is the capture layer a
-capture-safe decode plugs into.
+With a replayer (`DecodeGraphs.replay`), a pure decode batch becomes the fixed-shape inputs of the
+capture-safe step (`static_decode.py`) for its (batch bucket, context width) shape and is replayed:
+`StaticGraphs` on CUDA/NPU (captured lazily, once per shape), `EagerReplay` / `CompiledReplay` to run
+the same step on a CPU (tests: the step equals the eager forward; torch.compile(fullgraph=True)
+proves it has no graph breaks, so no host syncs). Anything else runs the eager forward.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import Counter
+from typing import Any, Callable
 
 import torch
 
-from engine.graphs.buckets import bucket_for, capture_sizes
-from engine.graphs.capture import graph_backend
+from engine.graphs.buckets import bucket_for, capture_sizes, context_bucket, context_ladder
+from engine.graphs.capture import StaticGraphs, graph_backend
 from engine.graphs.config import CompilationConfig
+from engine.graphs.static_decode import DecodeShape, blocks_needed, build_inputs, decode_step, padding_inputs
 from engine.model.forward_batch import ForwardBatch, SequenceSlice
 
 log = logging.getLogger(__name__)
@@ -60,13 +64,36 @@ class DecodePadding:
         return ids, padded, real
 
 
-class DecodeGraphs:
-    """What `run_model` calls for every forward when decode padding (and, later, replay) is on."""
+class EagerReplay:
+    """Runs the capture-safe step as it is (a CPU stand-in for a graph: same inputs, same maths)."""
 
-    def __init__(self, padding: DecodePadding) -> None:
-        self.padding = padding
+    def __init__(self, step: Callable[..., torch.Tensor]) -> None:
+        self.step = step
+
+    def run(self, key: DecodeShape, **inputs: torch.Tensor) -> torch.Tensor:
+        return self.step(**inputs)
+
+
+class CompiledReplay(EagerReplay):
+    """The capture-safe step under `torch.compile(fullgraph=True)`: any host sync or data-dependent
+    branch is a graph break, which fullgraph turns into an error. One static compile per shape."""
+
+    def __init__(self, step: Callable[..., torch.Tensor], backend: str = "eager") -> None:
+        super().__init__(torch.compile(step, fullgraph=True, dynamic=False, backend=backend))
+
+
+class DecodeGraphs:
+    """What `run_model` calls for every forward when decode padding (and replay) is on."""
+
+    def __init__(self, padding: DecodePadding, widths: tuple[int, ...] = (), replay: Any = None) -> None:
+        self.padding, self.widths, self.replay = padding, widths, replay
+        self.replays: Counter[DecodeShape] = Counter()        # steps replayed, per shape
 
     def forward(self, model, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        if self.replay is not None and not batch.capture_layers:
+            logits = self._replayed(input_ids, batch)
+            if logits is not None:
+                return logits
         padded = self.padding.pad(input_ids, batch)
         if padded is None:
             return model(input_ids, batch)
@@ -74,6 +101,22 @@ class DecodeGraphs:
         logits = model(ids, pbatch)
         batch.captured = [c[:real] for c in pbatch.captured]
         return logits[:real]
+
+    def _replayed(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | None:
+        if not is_pure_decode(batch):
+            return None
+        rows = bucket_for(len(batch.slices), self.padding.sizes)
+        blocks = context_bucket(blocks_needed(batch, batch.cache.block_size), self.widths)
+        if rows is None or blocks is None:
+            return None
+        shape = DecodeShape(rows, blocks)
+        inputs = build_inputs(input_ids, batch, shape, self.padding.scratch_block, self.padding.scratch_slot)
+        logits = self.replay.run(shape, **inputs)
+        self.replays[shape] += 1
+        real = len(batch.slices)
+        batch.captured = []
+        out = logits[:real]
+        return (out if batch.logits_indices is None else out[batch.logits_indices]).clone()
 
 
 def enable_decode_padding(runner, max_num_seqs: int, compilation: CompilationConfig) -> DecodeGraphs:
@@ -86,6 +129,20 @@ def enable_decode_padding(runner, max_num_seqs: int, compilation: CompilationCon
     return runner.decode_graphs
 
 
+def enable_decode_replay(runner, model, max_num_seqs: int, compilation: CompilationConfig,
+                         replayer: Callable[[Callable[..., torch.Tensor], Callable[[DecodeShape], dict]], Any]
+                         ) -> DecodeGraphs:
+    """Padding plus replay of the capture-safe step. `replayer(step, make_inputs)` builds the replayer:
+    `StaticGraphs` on a graph device, `EagerReplay` / `CompiledReplay` on a CPU."""
+    graphs = enable_decode_padding(runner, max_num_seqs, compilation)
+    model.freeze_decode_weights()
+    pad = graphs.padding
+    graphs.widths = context_ladder(runner.cache_config.num_blocks)
+    graphs.replay = replayer(decode_step(model, runner.cache),
+                             lambda shape: padding_inputs(shape, pad.scratch_block, pad.scratch_slot, runner.device))
+    return graphs
+
+
 def setup_decode_graphs(runner, model, device: str, max_num_seqs: int, compilation: CompilationConfig,
                         enforce_eager: bool) -> DecodeGraphs | None:
     """The engine's choice: graphs only when asked for, not enforced eager, and possible here."""
@@ -95,8 +152,12 @@ def setup_decode_graphs(runner, model, device: str, max_num_seqs: int, compilati
     if backend is None:
         log.info("cudagraph_mode FULL_DECODE_ONLY: %s has no graph support here; decode runs eager", device)
         return None
-    if not getattr(model, "graph_safe_decode", False):
-        log.warning("cudagraph_mode FULL_DECODE_ONLY: this model's decode forward is not capture-safe yet "
-                    "(per-sequence MLA, host-side MoE routing); decode runs eager on %s", backend.name)
+    if getattr(runner, "capture_layers", ()):
+        log.warning("cudagraph_mode FULL_DECODE_ONLY: a speculative draft reads the target's hidden states; "
+                    "decode runs eager")
         return None
-    return enable_decode_padding(runner, max_num_seqs, compilation)
+    graphs = enable_decode_replay(runner, model, max_num_seqs, compilation,
+                                  lambda step, make_inputs: StaticGraphs(backend, step, make_inputs))
+    log.info("cudagraph_mode FULL_DECODE_ONLY on %s: decode graphs for batch sizes %s, context widths %s blocks "
+             "(captured on first use)", backend.name, graphs.padding.sizes, graphs.widths)
+    return graphs

@@ -76,8 +76,39 @@ class HybridCacheTensors:
 
 
 @dataclass
+class StaticDecode:
+    """A pure decode step (one new token per row) as device tensors of fixed shapes: what a captured
+    decode graph replays (engine/graphs). Nothing in it is ever read back on the host, so a forward
+    driven by it has no host syncs and no data-dependent Python branches.
+
+    Rows are the flat tokens in order. Contexts are masked over the whole block table: every row
+    attends over `block_tables.shape[1] * block_size` positions, the ones at or past its length masked.
+    """
+
+    seq_lens: torch.Tensor          # [B] long: tokens of the row after this step (>= 1)
+    block_tables: torch.Tensor      # [B, nb] long: the row's pages, padded with any valid page id
+    kda_slots: torch.Tensor         # [B] long: the row's KDA state slot
+    fresh: torch.Tensor             # [B] bool: the row starts from an empty KDA state (padding rows)
+    block_size: int
+    page_index: torch.Tensor = field(init=False)   # [B, nb*bs] flat page slot of every context position
+    valid: torch.Tensor = field(init=False)        # [B, nb*bs] position < seq_len
+    write_index: torch.Tensor = field(init=False)  # [B] flat page slot of the new token's latent
+
+    def __post_init__(self) -> None:
+        bs, nb = self.block_size, self.block_tables.shape[1]
+        pos = torch.arange(nb * bs, device=self.block_tables.device)
+        index = self.block_tables[:, pos // bs] * bs + pos % bs
+        self.write_index = index.gather(1, (self.seq_lens - 1)[:, None]).squeeze(1)
+        self.valid = pos[None, :] < self.seq_lens[:, None]
+        self.page_index = torch.where(self.valid, index, index[:, :1])   # masked positions read the first page
+
+
+@dataclass
 class ForwardBatch:
     """A flattened forward: slices in token order, the cache storage, and what to return.
+
+    With `decode` set, the forward is a capture-safe decode step described by device tensors only
+    (`StaticDecode`); `slices` is then empty.
 
     logits_indices: flat token positions whose logits are wanted (None = all).
     mm_embeds / mm_positions: image features `[M, D]` that replace the embeddings at flat
@@ -91,6 +122,7 @@ class ForwardBatch:
     mm_positions: torch.Tensor | None = None
     capture_layers: tuple[int, ...] = ()            # target layers whose outputs the draft reads (DSPARK.md 3.2)
     captured: list[torch.Tensor] = field(default_factory=list)
+    decode: StaticDecode | None = None              # set: a capture-safe pure decode step (slices unused)
     token_offsets: list[int] = field(init=False)
 
     def __post_init__(self) -> None:

@@ -78,7 +78,17 @@ class KimiDeltaAttention(nn.Module):
         g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(-1, h, k), self.head_a_log(), self.dt_bias,
                      self.lower_bound)
         beta = torch.sigmoid(upcast(self.b_proj(x)))
-        out = x.new_empty(x.shape[0], h, k, dtype=upcast(x).dtype)
+        if batch.decode is not None:
+            out = self._decode_static(qkv, g, beta, batch)
+        else:
+            out = self._forward_slices(qkv, g, beta, batch)
+        gate = self.g_proj(x).view(-1, h, k)
+        y = upcast(rms_norm(out, self.o_norm.weight, self.eps)) * torch.sigmoid(upcast(gate))
+        return self.o_proj(y.to(x.dtype).reshape(x.shape[0], h * k))
+
+    def _forward_slices(self, qkv, g, beta, batch: ForwardBatch) -> torch.Tensor:
+        h, k = self.num_heads, self.head_dim
+        out = qkv.new_empty(qkv.shape[0], h, k, dtype=upcast(qkv).dtype)
         cache, conv_w = batch.cache, self.conv_weight()
         for s in batch.slices:
             if s.reset_kda_state:
@@ -94,9 +104,31 @@ class KimiDeltaAttention(nn.Module):
         for i, s in enumerate(batch.slices):
             if i not in decode_set and s.num_new_tokens:
                 self._sequence(s, batch.token_offsets[i], qkv, g, beta, conv_w, cache, out)
-        gate = self.g_proj(x).view(-1, h, k)
-        y = upcast(rms_norm(out, self.o_norm.weight, self.eps)) * torch.sigmoid(upcast(gate))
-        return self.o_proj(y.to(x.dtype).reshape(x.shape[0], h * k))
+        return out
+
+    def _decode_static(self, qkv, g, beta, batch: ForwardBatch) -> torch.Tensor:
+        """A capture-safe decode step (`StaticDecode`): every row one token; a fresh row's state is
+        zeroed by a mask, not a host branch; the conv kernels are frozen (`freeze_decode_weights`)."""
+        d = batch.decode
+        conv_w = getattr(self, "_frozen_conv_weight", None)
+        if conv_w is None:
+            raise RuntimeError("a static decode step needs freeze_decode_weights() first")
+        conv_store = batch.cache.kda_conv[self.layer_id]
+        rec_store = batch.cache.kda_recurrent[self.layer_id]
+        keep = ~d.fresh
+        conv = conv_store[d.kda_slots] * keep[:, None, None].to(conv_store.dtype)
+        rec = rec_store[d.kda_slots] * keep[:, None, None, None].to(rec_store.dtype)
+        mixed, new_conv = causal_conv_step(qkv, conv_w, conv)
+        conv_store[d.kda_slots] = new_conv
+        q, k, v = self._split_qkv(mixed)
+        o, new_rec = kda_recurrent(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], rec,
+                                   self.head_dim ** -0.5)
+        rec_store[d.kda_slots] = new_rec
+        return o[:, 0]
+
+    def freeze_decode_weights(self) -> None:
+        """Concatenate the conv kernels once for capture-safe decode steps (graphs read fixed weights)."""
+        self._frozen_conv_weight = self.conv_weight().contiguous()
 
     def _split_qkv(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         h, k = self.num_heads, self.head_dim

@@ -52,8 +52,9 @@ class DecoderLayer(nn.Module):
         self.self_attention_res_norm, self.self_attention_res_proj = attn_site.norm, attn_site.proj
         self.mlp_res_norm, self.mlp_res_proj = mlp_site.norm, mlp_site.proj
 
-    def ffn(self, x: torch.Tensor) -> torch.Tensor:
-        return self.block_sparse_moe(x) if hasattr(self, "block_sparse_moe") else self.mlp(x)
+    def ffn(self, x: torch.Tensor, static: bool = False) -> torch.Tensor:
+        """static: a capture-safe decode step (the MoE routes without host reads)."""
+        return self.block_sparse_moe(x, static) if hasattr(self, "block_sparse_moe") else self.mlp(x)
 
     def forward(self, h: torch.Tensor, blocks: list[torch.Tensor], batch: ForwardBatch) -> torch.Tensor:
         """h: the previous layer's output (partial block sum); `blocks` grows in place at block starts."""
@@ -65,7 +66,7 @@ class DecoderLayer(nn.Module):
         a = self.self_attn(self.input_layernorm(x), batch)
         prefix_sum = a if prefix_sum is None else prefix_sum + a
         x = self._mix(prefix_sum, blocks, self.mlp_res_proj, self.mlp_res_norm)
-        return prefix_sum + self.ffn(self.post_attention_layernorm(x))
+        return prefix_sum + self.ffn(self.post_attention_layernorm(x), batch.decode is not None)
 
     def _mix(self, partial: torch.Tensor, blocks: list[torch.Tensor], proj: nn.Linear, norm: nn.Module) -> torch.Tensor:
         return attn_res([*blocks, partial], proj.weight, norm.weight, self.eps)
@@ -140,3 +141,10 @@ class KimiK3ForConditionalGeneration(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         return self.language_model(input_ids, batch)
+
+    def freeze_decode_weights(self) -> None:
+        """Precompute what the mixers derive from their weights, for capture-safe decode steps
+        (`ForwardBatch.decode`): a captured graph reads these fixed tensors instead."""
+        for module in self.language_model.modules():
+            if hasattr(module, "freeze_decode_weights"):
+                module.freeze_decode_weights()

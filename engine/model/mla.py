@@ -57,7 +57,16 @@ class GatedMLA(nn.Module):
         latent = self.latent(x)
         pages = batch.cache.mla_pages[self.layer_id]
         flat_pages = pages.view(-1, pages.shape[-1])
-        out = x.new_empty(x.shape[0], nh, self.v_dim)
+        if batch.decode is not None:
+            out = self._decode_static(q, latent, flat_pages, batch)
+        else:
+            out = self._forward_slices(q, latent, flat_pages, batch)
+        gate = torch.sigmoid(upcast(self.g_proj(x))).to(x.dtype)
+        return self.o_proj(out.reshape(x.shape[0], -1) * gate)
+
+    def _forward_slices(self, q: torch.Tensor, latent: torch.Tensor, flat_pages: torch.Tensor,
+                        batch: ForwardBatch) -> torch.Tensor:
+        out = q.new_empty(q.shape[0], self.num_heads, self.v_dim)
         decode = [i for i, s in enumerate(batch.slices) if s.num_new_tokens == 1] if self._use_absorbed(1) else []
         if len(decode) > 1:
             self._decode_batched(decode, q, latent, flat_pages, batch, out)
@@ -66,11 +75,11 @@ class GatedMLA(nn.Module):
             if not s.num_new_tokens or i in batched:
                 continue
             rows = slice(start, start + s.num_new_tokens)
-            flat_pages[self._slot_index(s, s.num_cached_tokens, s.num_total_tokens, batch)] = latent[rows].to(pages.dtype)
-            context = flat_pages[self._slot_index(s, 0, s.num_total_tokens, batch)].to(x.dtype)
+            flat_pages[self._slot_index(s, s.num_cached_tokens, s.num_total_tokens, batch)] = \
+                latent[rows].to(flat_pages.dtype)
+            context = flat_pages[self._slot_index(s, 0, s.num_total_tokens, batch)].to(q.dtype)
             out[rows] = self._attend(q[rows], context, s.num_cached_tokens)
-        gate = torch.sigmoid(upcast(self.g_proj(x))).to(x.dtype)
-        return self.o_proj(out.reshape(x.shape[0], -1) * gate)
+        return out
 
     def _decode_batched(self, idx: list[int], q: torch.Tensor, latent: torch.Tensor, flat_pages: torch.Tensor,
                         batch: ForwardBatch, out: torch.Tensor) -> None:
@@ -80,14 +89,35 @@ class GatedMLA(nn.Module):
         """
         rows, index, valid, write = _decode_plan(idx, batch)
         flat_pages[write] = latent[rows].to(flat_pages.dtype)
-        c, k_pe = upcast(flat_pages[index].to(q.dtype)).split([self.kv_lora, self.rope], dim=-1)   # [B, L, .]
-        q_nope, q_pe = upcast(q[rows]).split([self.nope, self.rope], dim=-1)                        # [B, H, .]
-        w_uk, w_uv = self._absorb_weights()
+        out[rows] = self._latent_attention(q[rows], flat_pages[index], valid, self._absorb_weights())
+
+    def _decode_static(self, q: torch.Tensor, latent: torch.Tensor, flat_pages: torch.Tensor,
+                       batch: ForwardBatch) -> torch.Tensor:
+        """A capture-safe decode step (`StaticDecode`): every row one token, contexts masked over the
+        whole block table, the absorbed weights frozen beforehand (`freeze_decode_weights`)."""
+        d = batch.decode
+        weights = getattr(self, "_frozen_absorb", None)
+        if weights is None:
+            raise RuntimeError("a static decode step needs freeze_decode_weights() first")
+        flat_pages[d.write_index] = latent.to(flat_pages.dtype)
+        return self._latent_attention(q, flat_pages[d.page_index], d.valid, weights)
+
+    def _latent_attention(self, q: torch.Tensor, context: torch.Tensor, valid: torch.Tensor,
+                          weights: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Absorbed attention of one query token per row: q [B, H, nope+rope], context [B, L, kv_lora+rope],
+        valid [B, L] -> [B, H, v_dim]."""
+        c, k_pe = upcast(context.to(q.dtype)).split([self.kv_lora, self.rope], dim=-1)               # [B, L, .]
+        q_nope, q_pe = upcast(q).split([self.nope, self.rope], dim=-1)                               # [B, H, .]
+        w_uk, w_uv = weights
         ql = (q_nope.transpose(0, 1) @ w_uk).transpose(0, 1)                                          # [B, H, kv_lora]
         scores = ql @ c.transpose(1, 2) + q_pe @ k_pe.transpose(1, 2)                                # [B, H, L]
         probs = torch.softmax((scores * self.scale).masked_fill(~valid[:, None, :], float("-inf")), dim=-1)
         latent_out = (probs @ c).transpose(0, 1)                                                     # [H, B, kv_lora]
-        out[rows] = (latent_out @ w_uv.transpose(1, 2)).transpose(0, 1).to(out.dtype)
+        return (latent_out @ w_uv.transpose(1, 2)).transpose(0, 1).to(q.dtype)
+
+    def freeze_decode_weights(self) -> None:
+        """Build the absorbed weights once for capture-safe decode steps (graphs read fixed weights)."""
+        self._frozen_absorb = tuple(w.contiguous() for w in self._absorb_weights())
 
     @staticmethod
     def _slot_index(s: SequenceSlice, lo: int, hi: int, batch: ForwardBatch) -> torch.Tensor:

@@ -62,20 +62,13 @@ class LatentMoE(nn.Module):
         self.expert_range: tuple[int, int] | None = None
         self.reduce_routed = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, static: bool = False) -> torch.Tensor:
+        """static: capture-safe (no host reads of the routing): every local expert runs on every token
+        and a dense routing-weight mask keeps the chosen ones (decode graphs; same sums as dispatch)."""
         weights, ids = route(self.gate.logits(x), self.gate.e_score_correction_bias, self.top_k,
                              self.renormalize, self.scaling)
         h = self.routed_expert_down_proj(x)
-        y = torch.zeros(h.shape, dtype=upcast(h).dtype, device=h.device)
-        for e in torch.unique(ids).tolist():
-            if self.expert_range is not None and not self.expert_range[0] <= e < self.expert_range[1]:
-                continue
-            tok, slot = (ids == e).nonzero(as_tuple=True)
-            expert = self.experts[e]
-            he = h[tok]
-            out = expert.w2(situ(expert.w1(he), expert.w3(he), self.beta, self.linear_beta))
-            # index_put_ rather than index_add_: the latter costs ~30 ms a call on this CPU build of torch.
-            y.index_put_((tok,), upcast(out) * weights[tok, slot, None], accumulate=True)
+        y = self._routed_dense(h, weights, ids) if static else self._routed_dispatch(h, weights, ids)
         if self.reduce_routed is not None:
             y = self.reduce_routed(y)
         y = y.to(x.dtype)
@@ -83,3 +76,35 @@ class LatentMoE(nn.Module):
             y = self.routed_expert_norm(y)
         y = self.routed_expert_up_proj(y)
         return y + self.shared_experts(x) if self.shared_experts is not None else y
+
+    def _local_experts(self) -> range:
+        lo, hi = self.expert_range if self.expert_range is not None else (0, len(self.experts))
+        return range(lo, hi)
+
+    def _expert(self, e: int, he: torch.Tensor) -> torch.Tensor:
+        expert = self.experts[e]
+        return expert.w2(situ(expert.w1(he), expert.w3(he), self.beta, self.linear_beta))
+
+    def _routed_dispatch(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each chosen expert on its tokens only (the chosen set is read on the host)."""
+        y = torch.zeros(h.shape, dtype=upcast(h).dtype, device=h.device)
+        local = self._local_experts()
+        for e in torch.unique(ids).tolist():
+            if e not in local:
+                continue
+            tok, slot = (ids == e).nonzero(as_tuple=True)
+            out = self._expert(e, h[tok])
+            # index_put_ rather than index_add_: the latter costs ~30 ms a call on this CPU build of torch.
+            y.index_put_((tok,), upcast(out) * weights[tok, slot, None], accumulate=True)
+        return y
+
+    def _routed_dense(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Every local expert on every token, weighted by a dense [T, E] routing matrix (zero where not chosen)."""
+        dense = torch.zeros(h.shape[0], len(self.experts), dtype=weights.dtype, device=h.device)
+        dense.scatter_(1, ids, weights)
+        y = torch.zeros(h.shape, dtype=upcast(h).dtype, device=h.device)
+        for e in self._local_experts():
+            w = dense[:, e, None]
+            # where, not a product: an unchosen expert's output never reaches the sum, whatever its value
+            y = y + torch.where(w != 0, upcast(self._expert(e, h)) * w, 0.0)
+        return y
