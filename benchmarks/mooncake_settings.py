@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import os
 import socket
@@ -175,7 +176,7 @@ class Pair:
 
     def result(self) -> dict:
         gib = self.nbytes / 2**30
-        ok = [t for t in self.times if t == t]
+        ok = [t for t in self.times if not math.isnan(t)]
         if not ok:
             return {"error": "every pull failed"}
         return {"gib_s": round(statistics.median(gib / t for t in ok), 3), "failed_pulls": len(self.times) - len(ok),

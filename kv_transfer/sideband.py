@@ -170,7 +170,7 @@ class SidebandSender(ControlSender):
         """Wait until a held state's publish-time tags are computed (benchmarks, tests)."""
         lease = self._leases.acquire(request_id)
         try:
-            await asyncio.wrap_future(lease.payload.extra["tags"].start(self._tagging))
+            await asyncio.shield(asyncio.wrap_future(lease.payload.extra["tags"].start(self._tagging)))
         finally:
             self._leases.unacquire(lease)
 
