@@ -4,7 +4,10 @@ Run: `python -m benchmarks.transfer [--tokens 8192] [--rounds 5] [--transports t
 The state: 24 MLA layers x [tokens, 576] bf16, 69 KDA recurrent states [96, 128, 128] fp32 and 69
 short-conv states [3, 3*96*128] bf16 (0.63 GiB at 8k tokens). Every sender runs in a child process
 of its own, started together; the receiver is this process, over 127.0.0.1. A pull is timed from
-the call to the verified whole state (fresh publish per pull, so sender-side hashing is included).
+the call to the verified whole state (fresh publish per pull). `tcp` MACs its frames as it sends
+them, so its sender-side MAC is inside the pull's time; `torch-dist` and `mooncake` tag a state
+once, when it is published (`kv_transfer.sideband`), so that pass is timed on its own, before the
+pulls, and reported as `publish_tag_gib_s` (it runs while prefill finishes, not on the wire).
 
 Baselines, measured in the same run: `plain-socket` is one loopback TCP socket moving the same
 bytes into a pre-touched buffer, no framing, hashing or copies; `mooncake-raw` is Mooncake's own
@@ -42,6 +45,7 @@ from kv_transfer.interface import (
     make_sender,
 )
 from kv_transfer.payload import ModelIdentity, TransferPayload, byte_view
+from kv_transfer.sideband import SidebandSender
 from kv_transfer.wire import Gmac
 
 MLA_LAYERS, LATENT, KDA_LAYERS, HEADS, HEAD_DIM, CONV = 24, 576, 69, 96, 128, 3
@@ -118,11 +122,15 @@ async def _serve(transport: str, args: argparse.Namespace, conn) -> None:
     sender = make_sender(make_config(transport, args))
     await sender.start()
     try:
-        params = []
+        params, tagging = [], []
         for i in range(args.rounds + 1):                  # + 1: the warm-up round
             copy = TransferPayload(f"bench-{i}", payload.meta, payload.tensors)
+            start = time.perf_counter()
             params.append(sender.publish(copy, None, lambda rid, reason: None).to_dict())
-        conn.send((params, state_digest(payload.tensors.values())))
+            if isinstance(sender, SidebandSender):        # publish-time tags: timed on their own
+                await sender.wait_tagged(copy.request_id)
+                tagging.append(time.perf_counter() - start)
+        conn.send((params, state_digest(payload.tensors.values()), tagging))
         await asyncio.to_thread(conn.recv)          # the parent's "done"
     finally:
         await sender.stop()
@@ -219,6 +227,7 @@ class TransportPuller:
         self.transport = transport
         self.params = [KVTransferParams.from_dict(p) for p in first[0]]
         self.want = first[1]
+        self.publish_tag_s = first[2]
         self.receiver = make_receiver(make_config(transport, args))
         self.started = False
 
@@ -312,6 +321,9 @@ class Row:
                "gib_s_min": round(rates[0], 3), "gib_s_max": round(rates[-1], 3)}
         if self.cpu:
             out["cpu_s_per_gib"] = round(statistics.median(self.cpu) / (nbytes / 2**30), 3)
+        tagging = getattr(self.puller, "publish_tag_s", None)
+        if tagging:        # sideband senders tag a state once, at publish, off the pull path
+            out["publish_tag_gib_s"] = round(nbytes / statistics.median(tagging) / 2**30, 3)
         return out
 
 

@@ -1,4 +1,4 @@
-"""The versioned, authenticated handshake that opens every control connection (protocol 2).
+"""The versioned, authenticated handshake that opens every control connection (protocol 3).
 
 Before any key exists each message is `u32 len | msgpack`:
 
@@ -36,7 +36,7 @@ from kv_transfer.errors import (
 from kv_transfer.payload import ModelIdentity
 from kv_transfer.wire import Channel, hmac_sha256
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAGIC = b"KPDX"
 
 

@@ -9,6 +9,10 @@ Engine setup: `TransferEngine.initialize(config.host, config.mooncake_metadata_s
 config.mooncake_protocol, config.mooncake_device_name)`: here `P2PHANDSHAKE` metadata and the
 `tcp` protocol; on Ascend the `ascend` protocol. Its data listener binds the wildcard address
 whatever host is given, so only trusted networks may reach it; its reads are verified by tag.
+Its tcp tunables (`MC_TCP_SLICE_SIZE`, `MC_TCP_LANES_PER_PEER`, read from the environment once
+per process) stay at Mooncake's defaults: `benchmarks.mooncake_settings` found no setting that
+moves more bytes or costs less CPU per GiB on loopback; set them in the environment to tune a
+real network.
 
 Memory: a held state is registered with the engine at its first pull and unregistered when its
 lease is freed, which the lease table does only after every reader finished (so a remote read

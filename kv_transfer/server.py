@@ -93,7 +93,11 @@ class ControlSender(KVSender):
             raise SenderShutdown("publish on a sender that is not running")
         state = self._hold(payload)
         lease_s = self.config.lease_s if lease_s is None else lease_s
-        self._leases.add(payload.request_id, state, lease_s, self._wrap(on_free))
+        try:
+            self._leases.add(payload.request_id, state, lease_s, self._wrap(on_free, state))
+        except BaseException:
+            self._drop(state)
+            raise
         self.metrics.held.labels(self.transport_name).inc()
         meta = payload.meta
         num_tokens = meta.get("num_tokens", len(meta.get("prompt_token_ids", ())))
@@ -123,6 +127,10 @@ class ControlSender(KVSender):
         return HeldState(payload.request_id, pack_meta(payload.meta), specs, tensors,
                          sum(s.nbytes for s in specs))
 
+    def _drop(self, state: HeldState) -> None:
+        """Hook run when a held state is freed (or was never held), first: afterwards nothing
+        of ours may read its tensors."""
+
     def _on_freed(self, request_id: str) -> None:
         """Hook run when a lease is freed, before the caller's `on_free`."""
 
@@ -130,8 +138,9 @@ class ControlSender(KVSender):
         """Send manifest, data and `end` for one pull; returns (bytes sent, completes a transfer)."""
         raise NotImplementedError
 
-    def _wrap(self, on_free: OnFree) -> OnFree:
+    def _wrap(self, on_free: OnFree, state: HeldState) -> OnFree:
         def freed(request_id: str, reason: str) -> None:
+            self._drop(state)
             self.metrics.held.labels(self.transport_name).dec()
             self._on_freed(request_id)
             on_free(request_id, reason)

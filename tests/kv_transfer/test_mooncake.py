@@ -16,6 +16,7 @@ from kv_transfer import sideband  # noqa: E402
 from kv_transfer.errors import CorruptFrame, LeaseExpired, ProtocolMismatch, UnknownRequest  # noqa: E402
 from kv_transfer.interface import make_receiver, make_sender  # noqa: E402
 from kv_transfer.mooncake import MooncakeSender  # noqa: E402
+from kv_transfer.payload import flat_bytes  # noqa: E402
 from tests.kv_transfer.helpers import (  # noqa: E402
     Clock,
     FreeLog,
@@ -86,7 +87,7 @@ def test_expired_lease_is_never_read_and_tcp_params_are_refused() -> None:
 
 def test_bytes_that_do_not_match_the_tags_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """Mooncake moves bytes outside our authenticated frames; the tags in the authenticated
-    `end` frame must catch a mismatch (here the sender announces a tag of different bytes)."""
+    `end` frame must catch a mismatch (here the sender tagged different bytes at publish)."""
     real = sideband.data_tags
 
     def wrong_tags(tagger):
@@ -95,22 +96,46 @@ def test_bytes_that_do_not_match_the_tags_are_refused(monkeypatch: pytest.Monkey
     async def go() -> None:
         async with serving(make_sender(_config(), metrics())) as sender:
             log = FreeLog()
+            monkeypatch.setattr(sideband, "data_tags", wrong_tags)
             params = sender.publish(hybrid_payload(tokens=64), None, log)
+            await sender.wait_tagged("req-1")
+            monkeypatch.setattr(sideband, "data_tags", real)
+            good = sender.publish(hybrid_payload("good", tokens=64), None, log)
             receiver = make_receiver(_config(), metrics())
             await receiver.start()
             try:
-                monkeypatch.setattr(sideband, "data_tags", wrong_tags)
                 with pytest.raises(CorruptFrame, match="tags"):
                     await receiver.pull(params)
-                monkeypatch.setattr(sideband, "data_tags", real)
-                assert_same(hybrid_payload(tokens=64), await receiver.pull(params))
+                assert_same(hybrid_payload("good", tokens=64), await receiver.pull(good))
                 assert await receiver.release(params) is True
+                assert await receiver.release(good) is True
             finally:
                 await receiver.stop()
-            assert log.calls == [("req-1", "released")]
+            assert log.calls == [("req-1", "released"), ("good", "released")]
             # The refused pull failed after its read had finished and the sender had sent `end`,
             # so no remote read can still be in flight: nothing is kept registered past the lease.
             assert sender._deferred == {}
+
+    run(go())
+
+
+def test_a_state_changed_after_publish_is_refused() -> None:
+    """Tags are computed once, at publish: bytes changed afterwards (a caller that broke the
+    publish contract, or memory corrupted in place) fail the pull instead of crossing."""
+    payload = hybrid_payload(tokens=64)
+
+    async def go() -> None:
+        async with serving(make_sender(_config(), metrics())) as sender:
+            params = sender.publish(payload, None, FreeLog())
+            receiver = make_receiver(_config(), metrics())
+            await receiver.start()
+            try:
+                assert_same(hybrid_payload(tokens=64), await receiver.pull(params))
+                flat_bytes(payload.tensors["mla.3"])[17] ^= 0x5A      # after publish, in place
+                with pytest.raises(CorruptFrame, match="tags"):
+                    await receiver.pull(params)
+            finally:
+                await receiver.stop()
 
     run(go())
 

@@ -17,7 +17,7 @@ from kv_transfer.errors import (
     PeerTimeout,
     ProtocolMismatch,
 )
-from kv_transfer.handshake import MAGIC, client_handshake, server_handshake
+from kv_transfer.handshake import MAGIC, PROTOCOL_VERSION, client_handshake, server_handshake
 from kv_transfer.wire import MAC_LEN, Channel, in_thread
 from tests.kv_transfer.helpers import IDENTITY, SECRET, run, with_identity
 
@@ -201,7 +201,7 @@ def test_client_without_secret_cannot_forge_the_proof() -> None:
         client, server, a, _b = _pair()
         server_task = asyncio.ensure_future(server_handshake(server, SECRET, IDENTITY, "tcp"))
         a.sendall(MAGIC)
-        await client.send({"v": 2, "transport": "tcp", "nc": b"n" * 32})
+        await client.send({"v": PROTOCOL_VERSION, "transport": "tcp", "nc": b"n" * 32})
         hello = await client.recv()
         assert "ns" in hello and "id" not in hello      # no model identity before authentication
         await client.send({"mac": b"\0" * 32})          # a forged proof
