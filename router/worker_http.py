@@ -147,6 +147,7 @@ class _Connection(asyncio.Protocol):
         self.body: deque[bytes] = deque()
         self.buffered = 0
         self.error: WorkerHTTPError | None = None
+        self.park_when_complete = False
         self.paused = False
         self.read_timeout = 0.0
         self.timer: asyncio.TimerHandle | None = None
@@ -202,6 +203,8 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def on_body(self, body: bytes) -> None:
+        if self.park_when_complete:
+            return                                           # released: nobody reads the rest
         self.body.append(body)
         self.buffered += len(body)
         if self.buffered > MAX_BUFFERED and not self.paused:
@@ -212,6 +215,10 @@ class _Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         self.complete = True
         self._stop_timer()
+        if self.park_when_complete:
+            self.park_when_complete = False
+            self.finish(reusable=True)
+            return
         self._wake()
 
     # ---- the request ----
@@ -289,6 +296,15 @@ class _Connection(asyncio.Protocol):
             yield body.popleft()
 
     def finish(self, reusable: bool) -> None:
+        if reusable and not self.complete and self.error is None and not self.lost:
+            # a relay that stopped at [DONE]: the end of the chunked body is on its way; park the
+            # connection when it comes (the read bound still closes it if it never does)
+            self.park_when_complete = True
+            self.body.clear()
+            if self.paused:
+                self.paused = False
+                self.transport.resume_reading()
+            return
         self._stop_timer()
         if reusable and self.complete and self.keep_alive and not self.lost:
             self.idle_since = self.loop.time()

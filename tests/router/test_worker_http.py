@@ -241,3 +241,31 @@ def test_origin_parsing():
     origin = Origin.parse("http://[::1]:8080/base/")
     assert (origin.host, origin.port, origin.base_path, origin.host_header) == ("::1", 8080, "/base", b"[::1]:8080")
     assert Origin.parse("https://w.example").port == 443
+
+
+def test_a_stream_released_before_its_last_chunk_is_reused_once_it_ends():
+    """The relay stops at [DONE]; the chunked body's end comes a moment later: the connection is
+    parked then, not dropped (a stream per new connection costs a connect and a close)."""
+    async def serve(server, reader, writer):
+        while True:
+            await _read_request(reader)
+            event = b"data: [DONE]\n\n"
+            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n" % (len(event), event))
+            await writer.drain()
+            await asyncio.sleep(0.1)
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+
+    async def main():
+        async with RawServer(serve) as server:
+            client = WorkerClient()
+            for _ in range(2):
+                resp = await _post(client, server.url)
+                async for chunk in resp.iter_any():
+                    assert chunk.endswith(b"[DONE]\n\n")
+                    break                                      # as the relay does
+                resp.release()
+                await asyncio.sleep(0.3)
+            assert server.connections == 1
+            await client.close()
+    run(main())
