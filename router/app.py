@@ -1,6 +1,6 @@
 """The router service: OpenAI endpoints in front of the P/D fleet, /health, /ready, /metrics, admin, /dashboard.
 
-Clients created once in the lifespan (aiohttp for the request path, httpx for health and admin
+Clients created once in the lifespan (router.worker_http for the request path, httpx for health and admin
 calls, the store, background loops) and kept on app.state; routes only compose them. The two
 OpenAI POST endpoints are served through `router.fast_path` (past FastAPI's routing layers).
 """
@@ -54,7 +54,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
     async def lifespan(app: FastAPI):
         stop = asyncio.Event()
         client = httpx.AsyncClient(limits=httpx.Limits(max_connections=100, max_keepalive_connections=20))
-        session = make_session()                     # the request path: aiohttp (C parser), pooled
+        session = make_session()                     # the request path: httptools parser, pooled
         store = make_store(settings.store_url, settings.namespace) if settings.store_url else None
         registry = WorkerRegistry(settings, store)
         metrics = RouterMetrics()

@@ -15,10 +15,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
-import aiohttp
 import httpx
 from fastapi.responses import Response
-from yarl import URL
 
 from router.connectors import connector, engine_id_from_query, mooncake_decode_params
 from router.fast_path import EventStreamResponse
@@ -31,7 +29,6 @@ from router.registry import WorkerRegistry
 from router.settings import RouterSettings
 from router.migration import RelayedStream, continuation_body
 from router.upstream import (
-    JSON_HEADERS,
     TRANSPORT_ERRORS,
     UpstreamError,
     classify,
@@ -41,6 +38,7 @@ from router.upstream import (
     parse_object,
     post_json,
 )
+from router.worker_http import Origin, ReadTimeout, WorkerClient, WorkerResponse
 from shared.kv_transfer_params import KVTransferParams
 from shared.openai.legs import decode_body, prefill_body, wire_body
 from shared.openai.sse import SSE_DONE, sse_error
@@ -48,6 +46,7 @@ from shared.prompt.prepare import PreparedPrompt
 
 log = logging.getLogger(__name__)
 ADMIN_HEADER = "authorization"
+_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}     # endpoint -> the workers' path
 
 
 def trace_headers(trace: "Trace") -> dict[str, str]:
@@ -80,12 +79,11 @@ class Trace:
 class Orchestrator:
     def __init__(self, settings: RouterSettings, registry: WorkerRegistry, client: httpx.AsyncClient,
                  pipeline: Pipeline, metrics: RouterMetrics, admin_token: str | None,
-                 session: aiohttp.ClientSession) -> None:
+                 session: WorkerClient) -> None:
         self.s, self.registry, self.client, self.session = settings, registry, client, session
         self.pipeline, self.metrics, self.admin_token = pipeline, metrics, admin_token
         self._background: set[asyncio.Task] = set()
-        # built once, not per leg: timeouts, the auth header, parsed worker URLs (aiohttp skips
-        # parsing a yarl URL it is given)
+        # built once, not per leg: timeouts, the auth header, parsed worker URLs
         self._timeouts = {kind: leg_timeout(settings.connect_timeout_s, read) for kind, read in (
             ("prefill", settings.prefill_timeout_s), ("stream", settings.idle_timeout_s),
             ("whole", settings.decode_timeout_s))}
@@ -95,7 +93,7 @@ class Orchestrator:
         self._auth = {"authorization": f"Bearer {token}"} if token else {}
         vllm_key = settings.worker_api_key
         self._vllm_auth = {"authorization": f"Bearer {vllm_key}"} if vllm_key else {}
-        self._urls: dict[tuple[str, str], URL] = {}
+
 
     # ---- entry --------------------------------------------------------------------------------
     async def handle(self, trace: Trace, req, prepared: PreparedPrompt) -> Response:
@@ -190,7 +188,8 @@ class Orchestrator:
             answered = False
             try:
                 reply = await self._call(worker, lambda w=worker: post_json(
-                    self.session, self._url(w, trace), body, timeout, self._headers(trace, w), "prefill"))
+                    self.session, self._origin(w), _PATHS[trace.endpoint], body, timeout, self._headers(trace, w),
+                    "prefill"))
                 answered = True
             except UpstreamError as err:
                 self.metrics.leg_failures.labels(leg="prefill", reason=err.reason).inc()
@@ -335,17 +334,18 @@ class Orchestrator:
                 self.metrics.retries.labels(leg="decode").inc()
         return worker, resp, leg
 
-    async def _open(self, worker: WorkerState, trace: Trace, body: dict, stream: bool) -> aiohttp.ClientResponse:
+    async def _open(self, worker: WorkerState, trace: Trace, body: dict, stream: bool) -> WorkerResponse:
         """Send the decode leg; returns an open response with a 2xx status (its `begin` still open).
 
         A stream's reads are bounded by the idle timeout; a whole answer arrives only when generation is
         done, so its read is bounded by the decode timeout instead.
         """
         self.registry.begin(worker.worker_id)
+        timeout = self._timeouts["stream" if stream else "whole"]
         try:
-            resp = await self.session.post(self._url(worker, trace), data=dumps(body),
-                                           headers={**JSON_HEADERS, **self._headers(trace, worker)},
-                                           timeout=self._timeouts["stream" if stream else "whole"])
+            resp = await self.session.post(self._origin(worker), _PATHS[trace.endpoint], dumps(body),
+                                           self._headers(trace, worker), connect_timeout=timeout.connect_s,
+                                           read_timeout=timeout.read_s)
         except TRANSPORT_ERRORS as exc:
             err = classify(exc, "decode", replay_safe="kv_transfer_params" not in body)
             self.registry.end(worker.worker_id, ok=err.health_outcome)
@@ -368,14 +368,14 @@ class Orchestrator:
         self._observe_transfer(resp)
         return resp
 
-    def _observe_transfer(self, resp: aiohttp.ClientResponse) -> None:
+    def _observe_transfer(self, resp: WorkerResponse) -> None:
         for header, histogram in (("x-kv-pull-seconds", self.metrics.transfer_seconds),
                                   ("x-queue-seconds", self.metrics.decode_queue)):
             value = resp.headers.get(header)
             if value:
                 histogram.observe(float(value))
 
-    async def _whole(self, trace: Trace, worker: WorkerState, resp: aiohttp.ClientResponse, leg: Leg) -> Response:
+    async def _whole(self, trace: Trace, worker: WorkerState, resp: WorkerResponse, leg: Leg) -> Response:
         outcome: bool | None = None
         try:
             content = await resp.read()
@@ -403,7 +403,7 @@ class Orchestrator:
         self.metrics.e2e.observe(elapsed)
         return Response(dumps(body), media_type="application/json", headers=trace_headers(trace))
 
-    async def _relay(self, trace: Trace, req, body: dict, worker: WorkerState, resp: aiohttp.ClientResponse,
+    async def _relay(self, trace: Trace, req, body: dict, worker: WorkerState, resp: WorkerResponse,
                      ctx: RoutingContext, states: list[WorkerState], tried: set[str], leg: Leg
                      ) -> AsyncIterator[bytes]:
         """Relay the stream; if its decode worker fails mid-stream, migrate it to another decode worker
@@ -461,15 +461,15 @@ class Orchestrator:
         stream.restart()
         return worker, resp, leg
 
-    async def _pump(self, trace: Trace, worker: WorkerState, resp: aiohttp.ClientResponse,
+    async def _pump(self, trace: Trace, worker: WorkerState, resp: WorkerResponse,
                     stream: RelayedStream, leg: Leg) -> AsyncIterator[bytes]:
         """Relay one upstream until [DONE]; a cut, silent or truncated upstream raises UpstreamError.
         Always closes the response and ends the worker's `begin`."""
         outcome, last_at = None, None
         try:
-            # the idle timeout is the session's sock_read bound (set in `_open`): a wait_for per chunk
+            # the idle timeout is the client's read bound (set in `_open`): a wait_for per chunk
             # cost a task and a timer per streamed token
-            async for chunk in resp.content.iter_any():
+            async for chunk in resp.iter_any():
                 now = time.perf_counter()
                 if last_at is None:
                     self.registry.ledger.settle(leg)         # the prompt is computed: the first token is out
@@ -491,7 +491,8 @@ class Orchestrator:
             outcome = True
         except TRANSPORT_ERRORS as exc:
             outcome = False
-            reason = "timeout" if isinstance(exc, (asyncio.TimeoutError, httpx.TimeoutException)) else "transport"
+            reason = "timeout" if isinstance(exc, (asyncio.TimeoutError, httpx.TimeoutException, ReadTimeout)) \
+                else "transport"
             raise UpstreamError(reason, str(exc) or type(exc).__name__, 502) from exc
         except UpstreamError:
             outcome = False
@@ -528,13 +529,8 @@ class Orchestrator:
             self.metrics.prefill_releases.labels(outcome="failed").inc()
             log.warning("could not release prefill state of %s: %s", trace.request_id, exc)
 
-    def _url(self, worker: WorkerState, trace: Trace) -> URL:
-        key = (worker.info.url, trace.endpoint)
-        url = self._urls.get(key)
-        if url is None:
-            path = "/v1/chat/completions" if trace.endpoint == "chat" else "/v1/completions"
-            url = self._urls[key] = URL(worker.info.url + path)
-        return url
+    def _origin(self, worker: WorkerState) -> Origin:
+        return self.session.origin(worker.info.url)
 
     def _headers(self, trace: Trace, worker: WorkerState) -> dict[str, str]:
         auth = self._vllm_auth if self.registry.is_vllm(worker.worker_id) else self._auth

@@ -11,9 +11,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import httpx
 import orjson
+
+from router.worker_http import (KEEPALIVE_S, ConnectFailed, Disconnected, InvalidRequest, Origin, ReadTimeout,
+                                WorkerClient, WorkerHTTPError)
 
 log = logging.getLogger(__name__)
 
@@ -36,48 +38,47 @@ class UpstreamError(Exception):
         return True if self.status < 500 else None
 
 
-# what a failed call to a worker can raise: aiohttp on the request path, httpx on admin/health calls
-TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, httpx.HTTPError)
+# what a failed call to a worker can raise: router.worker_http on the request path, httpx on admin/health calls
+TRANSPORT_ERRORS = (WorkerHTTPError, asyncio.TimeoutError, httpx.HTTPError)
 JSON_HEADERS = {"content-type": "application/json"}
 
-
-KEEPALIVE_S = 3.0
 # the worker closed the connection (or reset it) before any response: a pooled keep-alive connection
 # it was closing as we reused it, or a worker that died on receipt; nothing was answered
-DISCONNECTED = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, httpx.RemoteProtocolError)
+DISCONNECTED = (Disconnected, httpx.RemoteProtocolError)
 
 
 def classify(exc: BaseException, leg: str, replay_safe: bool = False) -> UpstreamError:
     """Client-facing messages name the leg, never internal addresses (those go to the log)."""
     log.warning("%s worker call failed: %s: %s", leg, type(exc).__name__, exc)
-    if isinstance(exc, (httpx.LocalProtocolError, httpx.UnsupportedProtocol, httpx.InvalidURL, aiohttp.InvalidURL)):
+    if isinstance(exc, (httpx.LocalProtocolError, httpx.UnsupportedProtocol, httpx.InvalidURL, InvalidRequest)):
         # the request could not be built or sent: the router's problem, never the worker's
         return UpstreamError("request", f"the {leg} request could not be sent", 500, worker_fault=False)
-    if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout, aiohttp.ClientConnectorError,
-                        aiohttp.ConnectionTimeoutError)):
+    if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout, ConnectFailed)):
         return UpstreamError("connect", f"the {leg} worker could not be reached", 503, retryable=True)
     if replay_safe and isinstance(exc, DISCONNECTED):
         # nothing came back, and replaying is harmless (no transfer params a worker may have consumed)
         return UpstreamError("disconnected", f"the {leg} worker closed the connection", 502, retryable=True)
-    if isinstance(exc, (httpx.TimeoutException, asyncio.TimeoutError)):
+    if isinstance(exc, (httpx.TimeoutException, asyncio.TimeoutError, ReadTimeout)):
         return UpstreamError("timeout", f"the {leg} worker timed out", 504)
     return UpstreamError("transport", f"the {leg} worker connection failed", 502)
 
 
-def leg_timeout(connect_s: float, read_s: float) -> aiohttp.ClientTimeout:
+@dataclass(frozen=True)
+class LegTimeout:
     """Connect bound and the longest wait for the next bytes; no bound on the whole call here."""
-    return aiohttp.ClientTimeout(total=None, sock_connect=connect_s, sock_read=read_s)
+
+    connect_s: float
+    read_s: float
 
 
-def make_session(connections: int = 1000) -> aiohttp.ClientSession:
-    """The pooled client of the request path (C HTTP parser, keep-alive, no cookie jar, raw bytes:
-    bodies are relayed, never re-encoded)."""
-    # idle connections are dropped before a worker's own keep-alive timeout (uvicorn's 5 s) closes
-    # them, so the router rarely reuses a connection the worker is closing (a request it never saw)
-    connector = aiohttp.TCPConnector(limit=connections, limit_per_host=0, ttl_dns_cache=300,
-                                     enable_cleanup_closed=False, keepalive_timeout=KEEPALIVE_S)
-    return aiohttp.ClientSession(connector=connector, auto_decompress=False,
-                                 cookie_jar=aiohttp.DummyCookieJar(), json_serialize=lambda o: orjson.dumps(o).decode())
+def leg_timeout(connect_s: float, read_s: float) -> LegTimeout:
+    return LegTimeout(connect_s, read_s)
+
+
+def make_session() -> WorkerClient:
+    """The pooled client of the request path (router.worker_http: httptools parser, keep-alive, raw
+    bytes: bodies are relayed, never re-encoded)."""
+    return WorkerClient(KEEPALIVE_S)
 
 
 def dumps(body: Any) -> bytes:
@@ -99,13 +100,19 @@ class JsonReply:
     headers: Mapping[str, str]
 
 
-async def post_json(session: aiohttp.ClientSession, url: str, body: dict, timeout: aiohttp.ClientTimeout,
+async def post_json(client: WorkerClient, origin: Origin, path: str, body: dict, timeout: LegTimeout,
                     headers: dict[str, str], leg: str) -> JsonReply:
     """POST and parse; non-2xx replies come back as UpstreamError carrying the worker's error body."""
     try:
-        async with session.post(url, data=dumps(body), timeout=timeout, headers={**JSON_HEADERS, **headers}) as resp:
+        resp = await client.post(origin, path, dumps(body), headers, connect_timeout=timeout.connect_s,
+                                 read_timeout=timeout.read_s)
+        try:
             content = await resp.read()
-            status, reply_headers = resp.status, resp.headers
+        except BaseException:
+            resp.close()
+            raise
+        resp.release()
+        status, reply_headers = resp.status, resp.headers
     except TRANSPORT_ERRORS as exc:
         raise classify(exc, leg, replay_safe=True) from exc
     if status >= 400:

@@ -110,6 +110,12 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[Request, int], None
         app.add_exception_handler(cls, handler)
 
 
+# a server that cancels a request's task itself when its client goes away puts an object with a
+# `disconnected` flag and the request's `task` under this key of the ASGI scope's "extensions"
+# (router.front): then no watcher task is needed
+DISCONNECT_EXTENSION = "kimi-pd.cancel-on-disconnect"
+
+
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     """Run `work` until it finishes or the client goes away; cancelling it lets it clean up (abort
     engine requests, close upstream connections).
@@ -118,6 +124,15 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     server's `http.disconnect` and cancels the caller (no polling, no second task for the work:
     both cost CPU on every request of the hot path). Call it once the body has been read."""
     task = asyncio.current_task()
+    server = request.scope.get("extensions", {}).get(DISCONNECT_EXTENSION)
+    if server is not None and server.task is task:
+        try:
+            return await work
+        except asyncio.CancelledError:
+            if not server.disconnected:
+                raise
+            task.uncancel()
+            raise ClientDisconnected("client disconnected") from None
     gone = False
 
     async def watch() -> None:

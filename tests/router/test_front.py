@@ -1,0 +1,123 @@
+"""router.front: the router's own HTTP protocol for the two OpenAI POST routes, served by uvicorn as
+`kimi-pd router` serves it, in front of stub workers on loopback. Same answers as the ASGI path,
+the body bound before parsing, OpenAI errors, keep-alive, chunked streams, a leaving client cancels."""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from benchmarks.stub_worker import StubSettings, create_app as stub_app
+from router.app import create_app
+from router.front import front_protocol_class
+from router.settings import RouterSettings
+
+MAX_BYTES = 4096
+CHAT = {"model": "kimi-k3", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4}
+
+
+def _serve(app, http="auto") -> tuple[str, uvicorn.Server]:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, http=http))
+    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline:
+            raise TimeoutError("server did not start")
+        time.sleep(0.02)
+    return f"http://127.0.0.1:{port}", server
+
+
+@pytest.fixture(scope="module")
+def router():
+    servers = []
+    try:
+        decode_url, d = _serve(stub_app(StubSettings(role="both", tokens=4, token_delay_s=0.05)))
+        servers.append(d)
+        settings = RouterSettings(model=None, static_both=(decode_url,), max_request_bytes=MAX_BYTES,
+                                  api_keys=("client-key",), admin_token="admin-token")
+        app = create_app(settings)
+        url, r = _serve(app, http=front_protocol_class(5.0, app, MAX_BYTES))
+        servers.append(r)
+        yield url
+    finally:
+        for server in servers:
+            server.should_exit = True
+
+
+AUTH = {"authorization": "Bearer client-key"}
+
+
+def test_chat_answer_headers_and_keep_alive(router):
+    with httpx.Client(base_url=router, headers=AUTH, timeout=20) as client:
+        for _ in range(3):                                     # one keep-alive connection
+            reply = client.post("/v1/chat/completions", json=CHAT)
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["choices"][0]["message"]["content"]
+            assert reply.headers["x-kimi-pd-decision"] == "decode-only"
+            assert reply.headers["x-request-id"].startswith("chat-")
+            assert reply.headers["content-length"] == str(len(reply.content))
+        completion = client.post("/v1/completions", json={"model": "kimi-k3", "prompt": "hi", "max_tokens": 2})
+        assert completion.status_code == 200 and completion.json()["object"] == "text_completion"
+        assert client.get("/health").json() == {"status": "ok"}          # other routes: the ASGI app
+        assert client.get("/v1/models").json()["data"][0]["id"] == "kimi-k3"
+
+
+def test_stream_is_chunked_sse_ending_in_done(router):
+    with httpx.Client(base_url=router, headers=AUTH, timeout=20) as client:
+        with client.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as reply:
+            assert reply.status_code == 200
+            assert reply.headers["transfer-encoding"] == "chunked"
+            assert reply.headers["content-type"].startswith("text/event-stream")
+            text = "".join(reply.iter_text())
+    events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert "".join(json.loads(e)["choices"][0]["delta"].get("content") or "" for e in events[:-1])
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_oversized_body_gets_413_before_it_is_read_and_the_connection_stays_usable(router, chunked):
+    big = json.dumps({**CHAT, "messages": [{"role": "user", "content": "x" * (MAX_BYTES * 4)}]}).encode()
+    with httpx.Client(base_url=router, headers=AUTH, timeout=20) as client:
+        content = (big[i:i + 1000] for i in range(0, len(big), 1000)) if chunked else big
+        reply = client.post("/v1/chat/completions", content=content, headers={"content-type": "application/json"})
+        assert reply.status_code == 413
+        assert reply.json()["error"]["code"] == "request_too_large"
+        assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
+
+
+def test_openai_errors_from_the_hot_routes(router):
+    with httpx.Client(base_url=router, timeout=20) as client:
+        unauthorized = client.post("/v1/chat/completions", json=CHAT)
+        assert unauthorized.status_code == 401 and unauthorized.json()["error"]["code"] == "invalid_api_key"
+        bad_json = client.post("/v1/chat/completions", content=b"{not json", headers=AUTH)
+        assert bad_json.status_code == 400 and "error" in bad_json.json()
+        wrong_model = client.post("/v1/chat/completions", json={**CHAT, "model": "nope"}, headers=AUTH)
+        assert wrong_model.status_code == 404 and wrong_model.json()["error"]["type"]
+
+
+def _cancelled(metrics: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith("kimi_pd_router_requests_total") and 'outcome="cancelled"' in line)
+
+
+def test_a_client_leaving_mid_stream_cancels_the_relay(router):
+    admin = {"authorization": "Bearer admin-token"}
+    before = _cancelled(httpx.get(f"{router}/metrics", headers=admin).text)
+    body = json.dumps({**CHAT, "stream": True, "max_tokens": 40}).encode()
+    port = int(router.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer client-key\r\n"
+                     b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")   # the stream started (40 tokens x 50 ms)
+    deadline = time.monotonic() + 10
+    while _cancelled(httpx.get(f"{router}/metrics", headers=admin).text) <= before:
+        assert time.monotonic() < deadline, "the relay did not notice the client leaving"
+        time.sleep(0.1)
