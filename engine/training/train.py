@@ -55,7 +55,9 @@ class TrainConfig:
     # 0.89 for +14 % step time; KDA on 1-3 (0.98) and hidden 192 (1.01), run with a different
     # vocabulary so only roughly comparable, were no better (400-step ablations, 10:20 UTC).
     kda_layers: tuple[int, ...] = (1, 3)
-    kda_chunk_size: int = 8          # 8 was ~10 % faster than 16 and ~25 % faster than 32 per training step
+    # With the factorised intra-chunk form (kda_dense.py, at most 16) 16 is ~5 % faster than 8 per step;
+    # the form cut a KDA layer's forward + backward 2.5x (150 -> 60 ms CPU at 1.5k tokens, 12:55 UTC).
+    kda_chunk_size: int = 16
     # One intra-op thread: on the shared 2-core machine (load 8-10) two OpenMP threads spin against
     # each other and a step is 10-20x slower (measured 07:23 UTC: 2.2 s vs 20-40 s per step).
     threads: int = 1
