@@ -25,8 +25,12 @@ from engine.model.mla import GatedMLA
 from engine.training.kda_dense import kda_chunked_dense
 
 
-def dense_logits(model: KimiK3ForConditionalGeneration, input_ids: torch.Tensor, kda_chunk_size: int = 16) -> torch.Tensor:
-    """input_ids [B, T] -> logits [B, T, V] (fp32)."""
+def dense_logits(model: KimiK3ForConditionalGeneration, input_ids: torch.Tensor, kda_chunk_size: int = 16,
+                 positions: torch.Tensor | None = None) -> torch.Tensor:
+    """input_ids [B, T] -> logits [B, T, V] (fp32), or [P, V] at the `positions` of a bool mask [B, T].
+
+    Training takes the loss on the answer tokens only, so the head (norm, lm_head) runs on those.
+    """
     lm = model.language_model
     text = lm.model
     b, t = input_ids.shape
@@ -34,9 +38,12 @@ def dense_logits(model: KimiK3ForConditionalGeneration, input_ids: torch.Tensor,
     blocks: list[torch.Tensor] = []
     for layer in text.layers:
         h = _layer(layer, h, blocks, b, t, kda_chunk_size)
-    h = attn_res([*blocks, h], text.output_attn_res_proj.weight, text.output_attn_res_norm.weight,
-                 text.cfg.rms_norm_eps)
-    return lm.lm_head(text.norm(h)).float().view(b, t, -1)
+    sources = [*blocks, h]
+    if positions is not None:                           # the output AttnRes and the head are token-wise
+        sources = [x[positions.reshape(-1)] for x in sources]
+    h = attn_res(sources, text.output_attn_res_proj.weight, text.output_attn_res_norm.weight, text.cfg.rms_norm_eps)
+    logits = lm.lm_head(text.norm(h)).float()
+    return logits if positions is not None else logits.view(b, t, -1)
 
 
 def _layer(layer: DecoderLayer, h: torch.Tensor, blocks: list[torch.Tensor], b: int, t: int,
