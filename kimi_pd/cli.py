@@ -10,7 +10,7 @@ from pathlib import Path
 DEFAULT_TINY_DIR = Path("checkpoints/tiny")
 # Kept in step with engine.training (not imported here: the parser must build without torch loaded).
 FAMILY_NAMES = ("add", "sub", "reverse", "sort", "tool_call", "tool_answer", "multi_turn")
-TRAIN_STEPS = 2000
+TRAIN_STEPS = 2800
 TRAIN_WORKERS = 2
 _DTYPES = ("float32", "bfloat16")
 

@@ -68,13 +68,32 @@ def render_example(tok: KimiTokenizer, inst: Instance, thinking: bool, effort: s
     return Example(full, len(prompt))
 
 
-def sample_example(tok: KimiTokenizer, rng: random.Random, family_weights: dict[str, float]) -> Example:
+@dataclass(frozen=True)
+class Mix:
+    """How often the variants of a family's conversation are drawn (the family itself is weighted apart).
+
+    `thinking_off` is per family (default 0.5): a direct answer without working is the harder skill
+    for arithmetic, and its examples are short, so they are cheap to draw more often. `effort` is the
+    share of thinking-on examples with a `thinking_effort` system message (clients rarely send one;
+    it adds ~60 prompt tokens); `history_reasoning` the share re-sending an earlier turn's reasoning.
+    """
+
+    thinking_off: tuple[tuple[str, float], ...] = ()
+    effort: float = 0.6
+    history_reasoning: float = 0.5
+
+    def off_share(self, family: str) -> float:
+        return dict(self.thinking_off).get(family, 0.5)
+
+
+def sample_example(tok: KimiTokenizer, rng: random.Random, family_weights: dict[str, float],
+                   mix: Mix = Mix()) -> Example:
     """A random training example: family by weight, thinking on/off, effort, history reasoning."""
     family = rng.choices(list(family_weights), weights=list(family_weights.values()))[0]
     inst = sample_split(family, rng, held_out=False)
-    thinking = rng.random() < 0.5
-    effort = rng.choice([None, None, *THINKING_EFFORTS]) if thinking else None
-    return render_example(tok, inst, thinking, effort, keep_history_reasoning=rng.random() < 0.5)
+    thinking = rng.random() >= mix.off_share(family)
+    effort = rng.choice(THINKING_EFFORTS) if thinking and rng.random() < mix.effort else None
+    return render_example(tok, inst, thinking, effort, keep_history_reasoning=rng.random() < mix.history_reasoning)
 
 
 # ---- vocabulary --------------------------------------------------------------------------------

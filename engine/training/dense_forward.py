@@ -3,8 +3,8 @@
 The serving forward (`KimiK3ForConditionalGeneration.forward`) runs a flattened batch whose mixers
 loop over sequences and write a paged cache; autograd through that is correct but spends most of a
 training step in Python. This forward computes the same maths with the batch as a tensor dimension:
-KDA's chunked form with the batch folded into the head dimension (heads are independent), the short
-conv as one grouped `conv1d`, MLA's materialised causal attention as `[B, H, T, T]`. Norms, AttnRes,
+KDA's chunked form with the batch folded into the head dimension (heads are independent) and its
+intra-chunk decays factorised into matmuls (`kda_dense.py`), the short conv as one grouped `conv1d`, MLA's materialised causal attention as `[B, H, T, T]`. Norms, AttnRes,
 SiTU and the latent MoE are the modules' own token-wise code. It uses the very same parameters, so a
 model trained here is the model served; `tests/engine/test_training.py` checks the logits equal the
 serving forward's (and the engine's paged greedy decode) on real prompts.
@@ -18,14 +18,19 @@ import torch.nn.functional as F
 
 from engine.model.attnres import attn_res
 from engine.model.kda import KimiDeltaAttention
-from engine.model.kda_ops import kda_chunked, kda_gate
+from engine.model.kda_ops import kda_gate
 from engine.model.kimi_k3 import DecoderLayer, KimiK3ForConditionalGeneration
 from engine.model.layers import l2norm, rms_norm, upcast
 from engine.model.mla import GatedMLA
+from engine.training.kda_dense import kda_chunked_dense
 
 
-def dense_logits(model: KimiK3ForConditionalGeneration, input_ids: torch.Tensor, kda_chunk_size: int = 32) -> torch.Tensor:
-    """input_ids [B, T] -> logits [B, T, V] (fp32)."""
+def dense_logits(model: KimiK3ForConditionalGeneration, input_ids: torch.Tensor, kda_chunk_size: int = 16,
+                 positions: torch.Tensor | None = None) -> torch.Tensor:
+    """input_ids [B, T] -> logits [B, T, V] (fp32), or [P, V] at the `positions` of a bool mask [B, T].
+
+    Training takes the loss on the answer tokens only, so the head (norm, lm_head) runs on those.
+    """
     lm = model.language_model
     text = lm.model
     b, t = input_ids.shape
@@ -33,9 +38,12 @@ def dense_logits(model: KimiK3ForConditionalGeneration, input_ids: torch.Tensor,
     blocks: list[torch.Tensor] = []
     for layer in text.layers:
         h = _layer(layer, h, blocks, b, t, kda_chunk_size)
-    h = attn_res([*blocks, h], text.output_attn_res_proj.weight, text.output_attn_res_norm.weight,
-                 text.cfg.rms_norm_eps)
-    return lm.lm_head(text.norm(h)).float().view(b, t, -1)
+    sources = [*blocks, h]
+    if positions is not None:                           # the output AttnRes and the head are token-wise
+        sources = [x[positions.reshape(-1)] for x in sources]
+    h = attn_res(sources, text.output_attn_res_proj.weight, text.output_attn_res_norm.weight, text.cfg.rms_norm_eps)
+    logits = lm.lm_head(text.norm(h)).float()
+    return logits if positions is not None else logits.view(b, t, -1)
 
 
 def _layer(layer: DecoderLayer, h: torch.Tensor, blocks: list[torch.Tensor], b: int, t: int,
@@ -67,13 +75,12 @@ def _kda(m: KimiDeltaAttention, x: torch.Tensor, b: int, t: int, chunk: int) -> 
     q, kk, v = upcast(mixed).reshape(b, t, 3, nh, k).unbind(2)
     q, kk = l2norm(q), l2norm(kk)
 
-    def fold(z: torch.Tensor) -> torch.Tensor:                                         # [B, T, H, .] -> [T, B*H, .]
-        return z.transpose(0, 1).reshape(t, b * nh, *z.shape[3:])
+    def fold(z: torch.Tensor) -> torch.Tensor:                                         # [B, T, H, .] -> [B*H, T, .]
+        return z.transpose(1, 2).reshape(b * nh, t, *z.shape[3:])
 
-    state = torch.zeros(b * nh, k, k, dtype=q.dtype, device=x.device)
-    o, _ = kda_chunked(fold(q), fold(kk), fold(v), fold(g.view(b, t, nh, k)), fold(beta.view(b, t, nh)),
-                       state, k ** -0.5, chunk)
-    out = o.view(t, b, nh, k).transpose(0, 1).reshape(b * t, nh, k)
+    o = kda_chunked_dense(fold(q), fold(kk), fold(v), fold(g.view(b, t, nh, k)), fold(beta.view(b, t, nh)),
+                          k ** -0.5, chunk)
+    out = o.view(b, nh, t, k).transpose(1, 2).reshape(b * t, nh, k)
     gate = m.g_proj(x).view(-1, nh, k)
     y = upcast(rms_norm(out, m.o_norm.weight, m.eps)) * torch.sigmoid(upcast(gate))
     return m.o_proj(y.to(x.dtype).reshape(b * t, nh * k))

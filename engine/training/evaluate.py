@@ -130,3 +130,31 @@ def router_answerer(url: str, concurrency: int = 8, api_key: str = "none", timeo
             return list(pool.map(lambda i: one(i, thinking), insts))
 
     return answer_all
+
+
+# ---- teacher-forced: a fast proxy while training ------------------------------------------------
+
+def teacher_forced_scores(model, tok, n: int = 50, families: Iterable[str] = FAMILIES,
+                          thinking_modes: Iterable[bool] = (False, True), seed: int = 1234,
+                          kda_chunk_size: int = 16) -> dict[tuple[str, bool], float]:
+    """Share of held-out instances whose whole answer turn is the argmax at every position.
+
+    One batched training forward per (family, thinking) instead of a greedy decode: an answer turn
+    that is the argmax everywhere is exactly what greedy decoding generates, so this is greedy exact
+    match on the full turn (reasoning included), a slightly stricter score than `evaluate`'s.
+    """
+    import torch
+
+    from engine.training.corpus import render_example
+    from engine.training.dense_forward import dense_logits
+    from engine.training.train import make_batch
+
+    out = {}
+    with torch.no_grad():
+        for thinking in thinking_modes:
+            for family in families:
+                examples = [render_example(tok, i, thinking) for i in eval_instances(family, n, seed)]
+                ids, targets, mask = make_batch(examples, tok.pad_id)
+                hit = (dense_logits(model, ids, kda_chunk_size).argmax(-1) == targets) | ~mask
+                out[(family, thinking)] = hit.all(-1).float().mean().item()
+    return out

@@ -29,19 +29,24 @@ from engine.model.kimi_k3 import KimiK3ForConditionalGeneration
 from engine.presets import tiny_chat_config
 from shared.prompt.hf_files import save_tokenizer
 from shared.prompt.tokenizer import KimiTokenizer
-from engine.training.corpus import Example, build_tokenizer, sample_example
+from engine.training.corpus import Example, Mix, build_tokenizer, sample_example
 from engine.training.dense_forward import dense_logits
 
 log = logging.getLogger(__name__)
 
-DEFAULT_FAMILY_WEIGHTS = {"add": 1.2, "sub": 1.2, "multi_turn": 1.2, "reverse": 1.0, "sort": 0.8,
-                          "tool_call": 0.5, "tool_answer": 0.5}
+# tool_answer (2 % held-out with 0.5) and reverse get more; 500-step ablations (13:26 UTC) with
+# tool_answer 1.0 lowered its held-out answer loss 1.57/1.15 -> 1.32/0.96 (thinking off/on).
+DEFAULT_FAMILY_WEIGHTS = {"add": 1.2, "sub": 1.2, "multi_turn": 1.2, "reverse": 1.2, "sort": 0.9,
+                          "tool_call": 0.6, "tool_answer": 0.9}
+# Fewer `thinking_effort` system messages and re-sent history reasoning than the renderer's variety
+# would suggest: both are prompt tokens (no loss) that clients rarely send; the saved tokens buy answers.
+DEFAULT_MIX = Mix(effort=0.2, history_reasoning=0.3)
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     seed: int = 0
-    steps: int = 2000
+    steps: int = 2800
     tokens_per_step: int = 3072      # padded tokens per batch (examples are bucketed by length)
     lr: float = 3e-3
     min_lr_ratio: float = 0.05
@@ -55,7 +60,9 @@ class TrainConfig:
     # 0.89 for +14 % step time; KDA on 1-3 (0.98) and hidden 192 (1.01), run with a different
     # vocabulary so only roughly comparable, were no better (400-step ablations, 10:20 UTC).
     kda_layers: tuple[int, ...] = (1, 3)
-    kda_chunk_size: int = 8          # 8 was ~10 % faster than 16 and ~25 % faster than 32 per training step
+    # With the factorised intra-chunk form (kda_dense.py, at most 16) 16 is ~5 % faster than 8 per step;
+    # the form cut a KDA layer's forward + backward 2.5x (150 -> 60 ms CPU at 1.5k tokens, 12:55 UTC).
+    kda_chunk_size: int = 16
     # One intra-op thread: on the shared 2-core machine (load 8-10) two OpenMP threads spin against
     # each other and a step is 10-20x slower (measured 07:23 UTC: 2.2 s vs 20-40 s per step).
     threads: int = 1
@@ -63,6 +70,7 @@ class TrainConfig:
     pool_batches: int = 16           # batches drawn together, so length bucketing has choice
     save_every: int = 0              # also write `step-N/` checkpoints every N steps (0: only the final one)
     family_weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_FAMILY_WEIGHTS))
+    mix: Mix = DEFAULT_MIX
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -102,7 +110,7 @@ class BatchStream:
     def _refill(self) -> None:
         budget = self.cfg.tokens_per_step
         approx = max(1, budget // 160)
-        pool = sorted((sample_example(self.tok, self.rng, self.cfg.family_weights)
+        pool = sorted((sample_example(self.tok, self.rng, self.cfg.family_weights, self.cfg.mix)
                        for _ in range(approx * self.cfg.pool_batches)), key=lambda e: len(e.token_ids))
         batches, current = [], []
         for e in pool:
@@ -120,8 +128,7 @@ class BatchStream:
 def masked_loss(model: KimiK3ForConditionalGeneration, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                 chunk: int) -> torch.Tensor:
     ids, targets, mask = batch
-    logits = dense_logits(model, ids, chunk)
-    return F.cross_entropy(logits[mask], targets[mask])
+    return F.cross_entropy(dense_logits(model, ids, chunk, positions=mask), targets[mask])
 
 
 def new_model(tok: KimiTokenizer, cfg: TrainConfig) -> KimiK3ForConditionalGeneration:
@@ -193,7 +200,7 @@ def _rank_main(rank: int, port: int, cfg: TrainConfig, out: str | Path | None, p
 
 def _train_rank(rank: int, cfg: TrainConfig, out: str | Path | None, progress: bool, dist) -> dict:
     setup_determinism(cfg)
-    started = time.monotonic()
+    started, cpu_started = time.monotonic(), time.process_time()
     load_before = os.getloadavg()[0]
     tok = build_tokenizer(cfg.seed)
     model = new_model(tok, cfg)
@@ -227,6 +234,8 @@ def _train_rank(rank: int, cfg: TrainConfig, out: str | Path | None, progress: b
             save_checkpoint(model, tok, Path(out) / f"step-{step + 1}")
     elapsed = time.monotonic() - started
     result = {"config": asdict(cfg), "losses": losses, "seconds": elapsed, "steps_per_s": cfg.steps / elapsed,
+              # this process's CPU time: on 2 quiet cores (one per worker) the wall time is about this
+              "cpu_seconds": time.process_time() - cpu_started,
               "load_before": load_before, "load_after": os.getloadavg()[0],
               "num_params": sum(p.numel() for p in params), "vocab_size": tok.vocab_size}
     if out is not None and rank == 0:

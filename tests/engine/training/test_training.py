@@ -71,7 +71,8 @@ def test_rendered_answer_parses_back_to_the_expected_answer(tok, thinking):
         assert ex.token_ids[-1] == tok.eos_id
 
 
-def test_dense_training_forward_equals_serving_forward(tok):
+@pytest.mark.parametrize("chunk", [8, 16])
+def test_dense_training_forward_equals_serving_forward(tok, chunk):
     """The forward trained with is the forward served: same logits on real prompts of every family."""
     setup_determinism(SMALL)
     model = new_model(tok, SMALL).eval()
@@ -79,7 +80,7 @@ def test_dense_training_forward_equals_serving_forward(tok):
     examples = [render_example(tok, sample_split(f, rng, held_out=True), th) for f in FAMILIES for th in (False, True)]
     ids, _, _ = make_batch(examples, tok.pad_id)
     with torch.no_grad():
-        dense = dense_logits(model, ids, SMALL.kda_chunk_size)
+        dense = dense_logits(model, ids, chunk)
     for i, ex in enumerate(examples):
         served = SequenceRunner(model, 1024).feed(ex.token_ids[:-1])
         torch.testing.assert_close(dense[i, :len(ex.token_ids) - 1], served, atol=2e-4, rtol=1e-4)
