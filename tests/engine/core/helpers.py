@@ -20,6 +20,20 @@ def make_llm(tiny_dir, **overrides) -> LLM:
     return LLM(str(tiny_dir), **{**SETTINGS, **overrides})
 
 
+def record_step_logits(runner) -> list:
+    """Wrap `runner.execute` so every engine step's logits are kept (cloned), in step order: the
+    record equivalence tests compare step by step."""
+    logits, execute = [], runner.execute
+
+    def recording(out):
+        result = execute(out)
+        logits.append(result.logits.clone())
+        return result
+
+    runner.execute = recording
+    return logits
+
+
 def prompt_ids(n: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(0, 1024, n).tolist()
 

@@ -6,6 +6,7 @@ import torch
 
 from engine.graphs.capture import StaticGraphs, graph_backend
 from engine.model.kda_ops import causal_conv_step, kda_recurrent
+from tests.engine.core.helpers import record_step_logits
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -50,15 +51,8 @@ def test_engine_decode_graphs_replay_equal_the_eager_engine(tmp_path):
 
     def run(**extra):
         llm = LLM(str(ckpt), **settings, **extra)
-        runner, logits = llm.engine.runner, []
-        execute = runner.execute
-
-        def recording(out):
-            result = execute(out)
-            logits.append(result.logits.clone())
-            return result
-
-        runner.execute = recording
+        runner = llm.engine.runner
+        logits = record_step_logits(runner)
         tokens = [o.output.token_ids for o in llm.generate(prompts, params)]
         llm.engine.check_integrity()
         return tokens, logits, runner.decode_graphs

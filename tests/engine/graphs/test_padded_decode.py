@@ -9,6 +9,7 @@ from engine import LLM, SamplingParams
 from engine.checkpoint.create import create_checkpoint
 from engine.graphs.config import CompilationConfig
 from engine.graphs.decode import DecodePadding, enable_decode_padding, is_pure_decode
+from tests.engine.core.helpers import record_step_logits
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 SETTINGS = dict(block_size=4, kda_chunk_size=8, max_num_seqs=8, max_num_batched_tokens=512,
@@ -22,21 +23,14 @@ def tiny_dir(tmp_path_factory):
 
 
 def recorded(llm: LLM):
-    runner, logits, padded = llm.engine.runner, [], []
+    runner, padded = llm.engine.runner, []
     model = runner.model
 
     def forward(ids, batch):
         padded.append(len(batch.slices))
         return model.__class__.__call__(model, ids, batch)
 
-    execute = runner.execute
-
-    def recording(out):
-        result = execute(out)
-        logits.append(result.logits.clone())
-        return result
-
-    runner.execute = recording
+    logits = record_step_logits(runner)
     runner.model = type("Spy", (), {"__call__": lambda self, ids, batch: forward(ids, batch)})()
     return logits, padded
 

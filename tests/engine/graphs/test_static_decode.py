@@ -19,6 +19,7 @@ from engine.graphs.config import CompilationConfig
 from engine.graphs.decode import CompiledReplay, EagerReplay, enable_decode_replay
 from engine.graphs.static_decode import DecodeShape, blocks_needed, build_inputs
 from engine.model.forward_batch import ForwardBatch, HybridCacheTensors, SequenceSlice
+from tests.engine.core.helpers import record_step_logits
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -42,15 +43,8 @@ def run(model_dir, replayer=None):
     if replayer is not None:
         graphs = enable_decode_replay(llm.engine.runner, llm.engine.model, 8, CompilationConfig("FULL_DECODE_ONLY"),
                                       lambda step, make_inputs: replayer(step))
-    runner, logits = llm.engine.runner, []
-    execute = runner.execute
-
-    def recording(out):
-        result = execute(out)
-        logits.append(result.logits.clone())
-        return result
-
-    runner.execute = recording
+    runner = llm.engine.runner
+    logits = record_step_logits(runner)
     tokens = [o.output.token_ids for o in llm.generate(PROMPTS, PARAMS)]
     llm.engine.check_integrity()
     return tokens, logits, graphs

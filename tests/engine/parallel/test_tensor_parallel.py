@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from tests.engine.core.helpers import record_step_logits
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -24,15 +25,8 @@ PROMPTS.append(PROMPTS[1][:16] + [5, 6, 7])
 def run(model_dir, **settings) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Greedy tokens of PROMPTS and every step's logits, through the whole engine."""
     with LLM(str(model_dir), **{**SETTINGS, **settings}) as llm:
-        runner, logits = llm.engine.runner, []
-        execute = runner.execute
-
-        def recording(out):
-            result = execute(out)
-            logits.append(result.logits.clone())
-            return result
-
-        runner.execute = recording
+        runner = llm.engine.runner
+        logits = record_step_logits(runner)
         outputs = llm.generate(PROMPTS, GREEDY)
         llm.engine.check_integrity()
         if llm.engine.tp is not None:
