@@ -168,8 +168,12 @@ def busy(url: str, requests: int = 14):
 
     def hog(i: int) -> None:
         # each hog sends its next request when one ends: on a quiet machine the tiny model finishes
-        # 480 tokens in seconds, before the router's next scrape could see them all running
+        # 480 tokens in seconds, before the router's next scrape could see them all running. Starts are
+        # staggered so the hogs do not all end in the same step: a wave of simultaneous ends left the
+        # instance looking idle to one scrape, and a placement then went to it
         body = {"model": SERVED, "prompt": sentence(i, 6), "max_tokens": 480, "ignore_eos": True, "stream": True}
+        if stop.wait(0.2 * i):
+            return
         while not stop.is_set():
             with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as resp:
                 for _ in resp.iter_lines():
@@ -203,7 +207,9 @@ def test_load_from_vllm_metrics_reaches_the_scorer(fleet):
     with busy(holder):
         seen = wait_for_load(router, holder, lambda n: n >= 12)
         assert seen["load"]["extra"]["source"] == "vllm-metrics" and seen["active_requests"] >= 12, seen
-        assert prefill_of(router, prefix + " " + sentence(1, 6)) != holder, "placement ignored the load it read"
+        view = pool_view(router, {fleet.urls["p1"], fleet.urls["p2"]})
+        got = prefill_of(router, prefix + " " + sentence(1, 6))
+        assert got != holder, "placement ignored the load it read: " + explain(router, prefix, "not " + holder, got, view)
     wait_for_load(router, holder, lambda n: n == 0)      # and the load it read falls back when vLLM's does
 
 
@@ -218,6 +224,7 @@ def test_two_prefill_instances_get_prefix_affinity(fleet):
     with busy(first):
         wait_for_load(router, first, lambda n: n >= 12)
         for p in moved:
+            wait_for_load(router, first, lambda n: n >= 12)      # as the router sees it now
             view = pool_view(router, names)
             holders[p] = prefill_of(router, p)
             assert holders[p] != first, explain(router, p, "not " + first, holders[p], view)   # the other one
