@@ -1,9 +1,10 @@
 """`--compilation-config` (the vLLM fields this engine reads) and `--enforce-eager`."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
+
+from engine.json_flag import json_object
 
 CUDAGRAPH_MODES = ("NONE", "FULL_DECODE_ONLY")
 _KNOWN = {"cudagraph_mode", "cudagraph_capture_sizes", "max_cudagraph_capture_size"}
@@ -20,13 +21,7 @@ class CompilationConfig:
         """A JSON string or dict as `vllm serve --compilation-config` takes; unknown keys are refused."""
         if raw is None or isinstance(raw, CompilationConfig):
             return raw or cls()
-        if isinstance(raw, str):
-            try:
-                raw = json.loads(raw)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"--compilation-config is not JSON: {exc}") from exc
-        if not isinstance(raw, dict):
-            raise ValueError("--compilation-config must be a JSON object")
+        raw = json_object(raw, "--compilation-config")
         unknown = sorted(set(raw) - _KNOWN)
         if unknown:
             raise ValueError(f"--compilation-config: unsupported keys {unknown} (supported: {sorted(_KNOWN)})")

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.json_flag import json_object
+
 
 class SpecConfigError(ValueError):
     """A speculative config or draft checkpoint config that cannot run here."""
@@ -64,14 +66,7 @@ class SpeculativeConfig:
         """JSON text or a dict (the CLI flag / LLM kwarg) -> config; None stays None."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise SpecConfigError(f"--speculative-config: not valid JSON ({exc})") from exc
-        if not isinstance(value, dict):
-            raise SpecConfigError("--speculative-config: expected a JSON object")
-        return cls.from_dict(value)
+        return cls.from_dict(json_object(value, "--speculative-config", SpecConfigError))
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SpeculativeConfig":

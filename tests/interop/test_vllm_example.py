@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.interop.test_vllm_nixl import answer, post, requests_for, streamed_text
+from tests.interop.test_vllm_nixl import answer, post, requests_for, routed_answer
 from tests.interop.vllm_fleet import VllmFleet, metric
 
 pytestmark = pytest.mark.timeout(1800)
@@ -32,11 +32,7 @@ def test_pd_through_shared_storage_equals_one_vllm_instance(fleet, stream):
     loaded_before = metric(fleet.urls["d"], "vllm:external_prefix_cache_hits_total")
     for path, body in requests_for(400 + 10 * stream):
         expected = answer(post(single, path, {**body, "cache_salt": "baseline"}))
-        if stream:
-            got, headers = streamed_text(router, path, body)
-        else:
-            resp = post(router, path, body)
-            got, headers = answer(resp), dict(resp.headers)
+        got, headers = routed_answer(router, path, body, stream)
         assert headers["x-kimi-pd-decision"] == "prefill-decode", headers
         assert got == expected and got, (path, got, expected)
     loaded = metric(fleet.urls["d"], "vllm:external_prefix_cache_hits_total") - loaded_before

@@ -73,6 +73,14 @@ def answer(resp: httpx.Response) -> str:
     return choice["text"] if "text" in choice else choice["message"]["content"]
 
 
+def routed_answer(router: str, path: str, body: dict, stream: bool) -> tuple[str, dict]:
+    """The answer text and response headers of one request through the router, streamed or whole."""
+    if stream:
+        return streamed_text(router, path, body)
+    resp = post(router, path, body)
+    return answer(resp), dict(resp.headers)
+
+
 def requests_for(seed: int) -> list[tuple[str, dict]]:
     chat = {"model": SERVED, "temperature": 0, "max_tokens": 24,
             "messages": [{"role": "system", "content": sentence(seed, 40)},
@@ -98,11 +106,7 @@ def test_pd_answers_equal_one_vllm_instance(fleet, stream):
     hits_before = metric(fleet.urls["d"], "vllm:external_prefix_cache_hits_total")
     for i, (path, body) in enumerate(requests_for(100 + 10 * stream)):
         expected = answer(post(single, path, body))
-        if stream:
-            got, headers = streamed_text(router, path, body)
-        else:
-            resp = post(router, path, body)
-            got, headers = answer(resp), dict(resp.headers)
+        got, headers = routed_answer(router, path, body, stream)
         assert headers["x-kimi-pd-decision"] == "prefill-decode", headers
         assert headers["x-kimi-pd-decode-worker"] == fleet.urls["d"]
         assert got == expected and got, (path, got, expected)

@@ -29,7 +29,7 @@ def test_compilation_config_parses_vllm_json_and_refuses_the_rest():
     assert cfg.cudagraph_mode == "FULL_DECODE_ONLY" and cfg.cudagraph_capture_sizes == (1, 2, 4)
     assert cfg.wants_graphs(enforce_eager=False) and not cfg.wants_graphs(enforce_eager=True)
     assert not CompilationConfig.parse(None).wants_graphs(False)
-    for bad, match in [("{", "not JSON"), ('{"cudagraph_mode": "PIECEWISE"}', "not supported"),
+    for bad, match in [("{", "not valid JSON"), ('{"cudagraph_mode": "PIECEWISE"}', "not supported"),
                        ('{"level": 3}', "unsupported keys"), ('{"cudagraph_capture_sizes": [0]}', "positive"),
                        ("[1]", "JSON object")]:
         with pytest.raises(ValueError, match=match):
