@@ -40,4 +40,4 @@ def vllm_python():
 @pytest.fixture(scope="session")
 def tiny_llama(vllm_python, tmp_path_factory):
     from tests.interop.vllm_fleet import cache_dir, tiny_llama
-    return tiny_llama(vllm_python, cache_dir() / "tiny-llama-v1")
+    return tiny_llama(vllm_python, cache_dir() / "tiny-llama-v2")

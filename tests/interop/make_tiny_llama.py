@@ -39,13 +39,13 @@ def main(out: Path) -> None:
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-        "model_max_length": 512, "chat_template": CHAT_TEMPLATE}, indent=1))
+        "model_max_length": 2048, "chat_template": CHAT_TEMPLATE}, indent=1))
     (out / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
                                                              "unk_token": "<unk>"}))
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=128, intermediate_size=256,
                          num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
-                         max_position_embeddings=512, bos_token_id=1, eos_token_id=2, initializer_range=0.2,
+                         max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, initializer_range=0.2,
                          tie_word_embeddings=False, torch_dtype="float32")
     model = LlamaForCausalLM(config).to(torch.float32)
     model.save_pretrained(out, safe_serialization=True)

@@ -129,7 +129,7 @@ def workers_view(router: str) -> dict[str, dict]:
     return {w["worker_id"]: w for w in httpx.get(router + "/admin/workers", headers=AUTH, timeout=10).json()["workers"]}
 
 
-def wait_for_load(router: str, worker: str, check, timeout_s: float = 60) -> dict:
+def wait_for_load(router: str, worker: str, check, timeout_s: float = 120) -> dict:
     deadline, seen = time.monotonic() + timeout_s, None
     while time.monotonic() < deadline:
         seen = workers_view(router)[worker]
@@ -171,11 +171,13 @@ def busy(url: str, requests: int = 14):
     stop = threading.Event()
 
     def hog(i: int) -> None:
-        # each hog sends its next request when one ends: on a quiet machine the tiny model finishes
-        # 480 tokens in seconds, before the router's next scrape could see them all running. Starts are
-        # staggered so the hogs do not all end in the same step: a wave of simultaneous ends left the
-        # instance looking idle to one scrape, and a placement then went to it
-        body = {"model": SERVED, "prompt": sentence(i, 6), "max_tokens": 480, "ignore_eos": True, "stream": True}
+        # a hog's request outlasts the test that uses it (~1,900 tokens: tens of seconds even on a quiet
+        # machine), and it sends the next one only if it does not. Shorter hogs (480 tokens, sent again
+        # when they ended) made waves: requests batched together and of one length end together, and
+        # one scrape in each wave saw the instance idle (measured: 14 running, then 0), so a placement
+        # made then went to it; a starved host stretched the gaps to tens of seconds
+        body = {"model": SERVED, "prompt": sentence(i, 6), "max_tokens": 1900 - 37 * i, "ignore_eos": True,
+                "stream": True}
         if stop.wait(0.2 * i):
             return
         while not stop.is_set():

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import socket
 import subprocess
 import sys
 import time
@@ -18,12 +20,13 @@ from pathlib import Path
 
 import httpx
 
-from kimi_pd.processes import Child, Processes, free_port
+from kimi_pd.processes import Child, Processes
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 SERVED = "tiny-llama"
 ADMIN = "interop-admin-token"
+UCX_WINDOW = 40
 START_TIMEOUT_S = float(os.environ.get("KIMI_PD_INTEROP_START_TIMEOUT", "900"))
 VENV_BUILD_TIMEOUT_S = 1800
 
@@ -60,11 +63,58 @@ def vllm_env(side_channel_port: int, ucx_ports: tuple[int, int]) -> dict[str, st
             "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"}
 
 
+class PortClash(RuntimeError):
+    """A listener of the instance found its port taken (vLLM's NIXL handshake thread then dies and the
+    server never turns healthy, so waiting on it would only run out the clock)."""
+
+
+def ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+class ListenPorts:
+    """Ports for the fleet's listeners, below the kernel's ephemeral range and never handed out twice.
+
+    A port found free in the ephemeral range can be taken, before the instance binds it, as the source
+    port of any outgoing connection on the host (vLLM opens many), and UCX listens anywhere in its own
+    40-port window: CI once lost a run to a NIXL side channel port found taken. Outside that range only
+    another listener can take a port, and every port handed out here is bind-checked."""
+
+    def __init__(self, low: int = 20000) -> None:
+        self.low, self.high = low, ephemeral_low() - 1
+        self.given: set[int] = set()
+        self.rng = random.Random()
+
+    def block(self, count: int = 1) -> int:
+        """The first of `count` consecutive free ports."""
+        for _ in range(200):
+            first = self.rng.randrange(self.low, self.high - count)
+            ports = range(first, first + count)
+            if not self.given.intersection(ports) and all(map(bindable, ports)):
+                self.given.update(ports)
+                return first
+        raise RuntimeError(f"no {count} consecutive free ports in {self.low}-{self.high}")
+
+
+def bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def wait_ready(child: Child, url: str, timeout_s: float, path: str = "/health") -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if child.popen.poll() is not None:
             raise RuntimeError(f"{child.name} exited ({child.popen.returncode}):\n{child.tail(60)}")
+        if "ZMQError: Address already in use" in child.tail(200):
+            raise PortClash(f"{child.name}: a listener's port was taken:\n{child.tail(30)}")
         try:
             if httpx.get(url + path, timeout=2).status_code == 200:
                 return
@@ -80,6 +130,8 @@ class VllmFleet:
         self.processes = Processes()
         self.urls: dict[str, str] = {}
         self.children: dict[str, Child] = {}
+        self.ports = ListenPorts()
+        self.launches: dict[str, tuple[dict, tuple[str, ...]]] = {}
 
     def __enter__(self) -> "VllmFleet":
         return self
@@ -89,20 +141,23 @@ class VllmFleet:
 
     def start_vllm(self, name: str, kv_transfer_config: dict, extra: tuple[str, ...] = ()) -> str:
         """Start one vLLM OpenAI server (not waited for: `wait_all` does, so instances start together)."""
-        port, side, ucx = free_port(), free_port(), free_port()
+        self.launches[name] = (kv_transfer_config, extra)
+        port, side, ucx = self.ports.block(), self.ports.block(), self.ports.block(UCX_WINDOW)
         cmd = ["nice", "-n", "10", str(self.python), "-m", "vllm.entrypoints.openai.api_server",
                "--model", str(self.model), "--served-model-name", SERVED, "--host", "127.0.0.1",
-               "--port", str(port), "--block-size", "32", "--enforce-eager", "--max-model-len", "512",
+               "--port", str(port), "--block-size", "32", "--enforce-eager", "--max-model-len", "2048",
                "--dtype", "float32", "--max-num-seqs", "32", "--kv-transfer-config", json.dumps(kv_transfer_config),
                *extra]
         # UCX picks its listening ports from a small range of its own, above the free port found
-        env = vllm_env(side, (ucx, min(ucx + 40, 65535)))
-        self.children[name] = self.processes.spawn(name, cmd, env, self.tmp / f"{name}.log")
+        env = vllm_env(side, (ucx, ucx + UCX_WINDOW - 1))
+        launch = sum(log.name.startswith(f"{name}.") for log in self.tmp.iterdir())
+        log = self.tmp / (f"{name}.log" if launch == 0 else f"{name}.{launch}.log")
+        self.children[name] = self.processes.spawn(name, cmd, env, log)
         self.urls[name] = f"http://127.0.0.1:{port}"
         return self.urls[name]
 
     def start_router(self, connector: str, prefill: list[str], decode: list[str], *extra: str) -> str:
-        port = free_port()
+        port = self.ports.block()
         cmd = [sys.executable, "-m", "kimi_pd", "router", "--model", str(self.model), "--port", str(port),
                "--served-model-name", SERVED, "tiny", "--kv-connector", connector, "--block-size", "32",
                "--disagg-threshold", "1", "--health-check-interval", "0.5", "--log-level", "info",
@@ -137,10 +192,20 @@ class VllmFleet:
                         raise AssertionError(f"NIXL {name} -> {decode} never worked: {exc!r}") from exc
                     time.sleep(1)
 
-    def wait_all(self, timeout_s: float = START_TIMEOUT_S) -> None:
+    def wait_all(self, timeout_s: float = START_TIMEOUT_S, relaunches: int = 2) -> None:
+        """Wait for every instance; one whose port was taken meanwhile is started again on new ports."""
         deadline = time.monotonic() + timeout_s
-        for name, child in self.children.items():
-            wait_ready(child, self.urls[name], max(1.0, deadline - time.monotonic()))
+        for name in list(self.children):
+            for attempt in range(relaunches + 1):
+                try:
+                    wait_ready(self.children[name], self.urls[name], max(1.0, deadline - time.monotonic()))
+                    break
+                except PortClash as clash:
+                    if attempt == relaunches:
+                        raise
+                    print(f"relaunching {name} on new ports: {clash}", file=sys.stderr)
+                    self.stop(name)
+                    self.start_vllm(name, *self.launches[name])
 
     def stop(self, *names: str) -> None:
         for name in names:
