@@ -27,11 +27,11 @@ from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator, Trace
 from router.placement.pipeline import build_pipeline
 from router.registry import WorkerRegistry
+from router.sampling_check import SamplingCheck
 from router.settings import RouterSettings
 from router.upstream import UpstreamError, make_session
 from shared.openai.ids import header_request_id
 from shared.openai.errors import Unauthorized, ModelNotFound, OpenAIError, error_response
-from shared.openai.convert import to_sampling_params
 from shared.openai import tokenize as tokenize_api
 from shared.openai.fanout import fan_out, needs_fan_out
 from shared.openai.requests import ChatCompletionRequest, CompletionRequest
@@ -64,6 +64,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
         app.state.tokenizer = prompts.tokenizer if prompts.kind == "kimi-k3" else None   # K3's, for /tokenize
         app.state.vision_config = prompts.vision_config
         app.state.max_model_len = prompts.max_model_len
+        app.state.sampling_check = SamplingCheck()
         log.info("prompt hashing: %s (%s)", prompts.kind, settings.model or "no tokenizer")
         app.state.orchestrator = Orchestrator(settings, registry, client, pipeline, metrics, settings.admin_token,
                                               session)
@@ -177,7 +178,7 @@ async def _serve(request: Request, endpoint: str, req, prepare, body_bytes: int)
     st = request.app.state
     _check_model(request, req.model)
     if st.prompts.kind == "kimi-k3":
-        to_sampling_params(req)                  # reject bad parameters here, before any worker is busy
+        st.sampling_check(req)                   # reject bad parameters here, before any worker is busy
     # a small prompt renders and tokenises in less time than a hop to a thread costs; big ones must not
     # stall the event loop (bodies are bounded by max_request_bytes)
     prepared = prepare() if body_bytes <= INLINE_PREPARE_BYTES else await asyncio.to_thread(prepare)

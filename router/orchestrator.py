@@ -110,14 +110,13 @@ class Orchestrator:
         states = self.registry.states()
         ctx = self._context(trace, prepared, states, "decode")
         decode = self._pick(ctx, states, exclude=set())
-        prefill_ctx = replace(ctx, role="prefill")      # same prompt hashes and cached prefixes
-        trace.decision = self._decide(ctx, prefill_ctx, decode, states)
+        trace.decision, prefill_ctx, passed = self._decide(ctx, decode, states)
         trace.kv_connector = self.registry.connector_of(decode.worker_id).name
         if trace.decision == "prefill-decode":
             # only prefill workers of the decode's pool (same connector) can hand it their KV
             other_pools = {w.worker_id for w in states if w.info.role == "prefill"
                            and self.registry.connector_of(w.worker_id).name != trace.kv_connector}
-            await self._prefill_or_fall_back(trace, req, prefill_ctx, states, other_pools)
+            await self._prefill_or_fall_back(trace, req, prefill_ctx, states, other_pools, passed)
         self.metrics.decisions.labels(decision=trace.decision).inc()
         self._record_sent(ctx, decode)
         return await self._decode_leg(trace, req, decode, ctx, states)
@@ -131,29 +130,33 @@ class Orchestrator:
         candidates = [w for w in states if w.worker_id not in exclude]
         return self.pipeline.pick(ctx, candidates).worker         # NoWorkerAvailable is the client's 503
 
-    def _decide(self, ctx: RoutingContext, prefill_ctx: RoutingContext, decode: WorkerState,
-                states: list[WorkerState]) -> str:
-        """Decode-only when no prefill worker passes the same filters placement uses, or when little
-        of the prompt is uncached on the chosen decode worker."""
+    def _decide(self, ctx: RoutingContext, decode: WorkerState, states: list[WorkerState]
+                ) -> tuple[str, RoutingContext | None, tuple[WorkerState, ...] | None]:
+        """Decode-only when little of the prompt is uncached on the chosen decode worker, or when no
+        prefill worker passes the same filters placement uses. Returns the decision, the prefill
+        context and the workers that passed the prefill filters (the prefill pick reuses them).
+        The threshold is asked first: it needs no filter pass."""
+        if decode.info.role != "prefill" and ctx.uncached_tokens(decode.info) < self.s.disagg_threshold_tokens:
+            return "decode-only", None, None
+        prefill_ctx = replace(ctx, role="prefill")      # same prompt hashes and cached prefixes
         try:
-            prefill_ready = [w for w in self.pipeline.candidates(prefill_ctx, states) if w.info.role == "prefill"]
+            passed = self.pipeline.candidates(prefill_ctx, states)
         except NoWorkerAvailable:
-            prefill_ready = []
+            passed = ()
         kind = self.registry.connector_of(decode.worker_id).name
-        prefill_ready = [w for w in prefill_ready if self.registry.connector_of(w.worker_id).name == kind]
-        if not prefill_ready:
-            return "decode-only"                         # no prefill worker speaks this decode's protocol
-        return decide_disaggregation(ctx, decode, self.s.disagg_threshold_tokens)
+        if not any(w.info.role == "prefill" and self.registry.connector_of(w.worker_id).name == kind for w in passed):
+            return "decode-only", prefill_ctx, passed    # no prefill worker speaks this decode's protocol
+        return decide_disaggregation(ctx, decode, self.s.disagg_threshold_tokens), prefill_ctx, passed
 
     def _record_sent(self, ctx: RoutingContext, worker: WorkerState) -> None:
         self.registry.index.record_sent(worker.worker_id, ctx.hashes_for(worker.info))
 
     # ---- prefill leg --------------------------------------------------------------------------
     async def _prefill_or_fall_back(self, trace: Trace, req, ctx: RoutingContext, states: list[WorkerState],
-                                    exclude: set[str]) -> None:
+                                    exclude: set[str], passed: tuple[WorkerState, ...] | None = None) -> None:
         """A prefill pool that is down or failing costs latency, not the request: decode computes it."""
         try:
-            await self._prefill_leg(trace, req, ctx, states, exclude)
+            await self._prefill_leg(trace, req, ctx, states, exclude, passed)
         except NoWorkerAvailable as exc:
             self._fall_back(trace, "no_worker", exc)
         except UpstreamError as err:
@@ -168,7 +171,9 @@ class Orchestrator:
         trace.decision, trace.kv_transfer_params, trace.decode_params = "decode-only", None, None
 
     async def _prefill_leg(self, trace: Trace, req, ctx: RoutingContext, states: list[WorkerState],
-                           exclude: set[str]) -> None:
+                           exclude: set[str], passed: tuple[WorkerState, ...] | None = None) -> None:
+        """`passed`: the workers of `states` that passed the prefill filters (`_decide`); the first
+        pick reuses them when nothing is excluded (the same filters over the same workers)."""
         tried: set[str] = set(exclude)
         kind = connector(trace.kv_connector)
         transfer_id = kind.new_transfer_id(trace.request_id)
@@ -176,7 +181,10 @@ class Orchestrator:
         body["kv_transfer_params"] = kind.prefill_params(transfer_id)
         timeout = self._timeouts["prefill"]
         for attempt in range(self.s.max_attempts):
-            worker = self._pick(ctx, states, tried)
+            if attempt == 0 and passed and not tried:
+                worker = self.pipeline.pick_among(ctx, passed).worker
+            else:
+                worker = self._pick(ctx, states, tried)
             tried.add(worker.worker_id)
             if kind.router_transfer_id and await self._mooncake_engine(worker) is None:
                 # asked before the prefill is sent, so a failure strands no blocks held for a transfer

@@ -104,7 +104,9 @@ class WorkerResponse:
         self.status, self.headers, self._conn = status, headers, conn
 
     async def read(self) -> bytes:
-        parts = [chunk async for chunk in self.iter_any()]
+        conn, parts = self._conn, []
+        while (chunk := await conn.next_body()) is not None:
+            parts.append(chunk)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     async def iter_any(self) -> AsyncIterator[bytes]:

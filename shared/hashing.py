@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 
 HASH_VERSION = "kimi-pd/v1"
-# (parent hash, block token bytes) -> block hash, for image-free blocks: prompts share prefixes, and
+# (parent hash, block token ids) -> block hash, for image-free blocks: prompts share prefixes, and
 # the router hashes every prompt it places. Exact (the key is the hash's whole input); bounded.
 _LINKS: dict[tuple[int, bytes], int] = {}
 MAX_LINKS = 16384
@@ -68,19 +68,19 @@ def block_hashes(token_ids: Sequence[int], block_size: int, root: int,
     """Hashes of every FULL block of `token_ids`, chained from `root`."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    # the same bytes `_digest` would frame, built once per prompt: every router request pays this
-    data = np.asarray(token_ids, dtype=np.int64).astype("<i8", copy=False).tobytes()
     step = block_size * 8
     block_len, parent_len, no_extra = struct.pack("<I", step), struct.pack("<I", 8), struct.pack("<I", 0)
     out, parent = [], root
     blake2b = hashlib.blake2b
-    if not images:                  # the common case: no pixels to mix in, so a chain link is memoisable
-        memo = _LINKS
-        for i in range(len(data) // step):
-            block = data[i * step:(i + 1) * step]
+    if not images:
+        # the common case: no pixels to mix in, so a chain link is memoisable, keyed by the block's
+        # ids (a tuple slice: a hit never converts the ids to bytes, and prompts share prefixes)
+        memo, pack = _LINKS, struct.Struct(f"<{block_size}q").pack
+        for lo in range(0, len(token_ids) - block_size + 1, block_size):
+            block = tuple(token_ids[lo:lo + block_size])
             link = memo.get((parent, block))
             if link is None:
-                message = b"".join((parent_len, parent.to_bytes(8, "big"), block_len, block, no_extra))
+                message = b"".join((parent_len, parent.to_bytes(8, "big"), block_len, pack(*block), no_extra))
                 link = int.from_bytes(blake2b(message, digest_size=8).digest(), "big")
                 if len(memo) >= MAX_LINKS:
                     memo.clear()
@@ -88,6 +88,8 @@ def block_hashes(token_ids: Sequence[int], block_size: int, root: int,
             out.append(link)
             parent = link
         return out
+    # the same bytes `_digest` would frame, built once per prompt
+    data = np.asarray(token_ids, dtype=np.int64).astype("<i8", copy=False).tobytes()
     for i in range(len(data) // step):
         extra = _block_extra(i * block_size, (i + 1) * block_size, images)
         tail = struct.pack("<I", len(extra)) + extra if extra else no_extra

@@ -40,6 +40,11 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
     declared = header(request, b"content-length") or ""
     if declared.isdigit() and int(declared) > max_bytes:
         raise BodyTooLarge(f"the request body is larger than {max_bytes} bytes")
+    body = getattr(request, "_body", None)          # already read (the router's front protocol reads it first)
+    if isinstance(body, bytes):
+        if len(body) > max_bytes:
+            raise BodyTooLarge(f"the request body is larger than {max_bytes} bytes")
+        return body
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)

@@ -66,9 +66,13 @@ class MaxScorePicker:
             raise ValueError("max-score picker needs at least one candidate")
         best = max(score for _, score in scored)
         tied = [w for w, score in scored if score >= best - TIE_EPSILON]
+        if len(tied) == 1:
+            return tied[0]
         least = min(w.active_requests for w in tied)
-        return max((w for w in tied if w.active_requests == least),
-                   key=lambda w: rendezvous(ctx.request_id, w.worker_id))
+        fewest = [w for w in tied if w.active_requests == least]
+        if len(fewest) == 1:
+            return fewest[0]
+        return max(fewest, key=lambda w: rendezvous(ctx.request_id, w.worker_id))
 
 
 @dataclass(frozen=True)
@@ -122,7 +126,11 @@ class Pipeline:
 
     def pick(self, ctx: RoutingContext, workers: Sequence[WorkerState]) -> Pick:
         """Filter, score, pick. Pure; raises NoWorkerAvailable."""
-        candidates = self.candidates(ctx, workers)
+        return self.pick_among(ctx, self.candidates(ctx, workers))
+
+    def pick_among(self, ctx: RoutingContext, candidates: Sequence[WorkerState]) -> Pick:
+        """Score and pick among `candidates` already filtered (`candidates(ctx, workers)`): one
+        filter pass serves a P/D decision and the prefill pick that follows it."""
         table = self.score(ctx, candidates)
         scored = [(w, self.total(table[w.worker_id])) for w in candidates]
         chosen = self.picker(ctx, scored)

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from types import MappingProxyType
+from typing import NamedTuple
 
 from shared.workers import LoadReport, Role, WorkerInfo
 
@@ -65,9 +66,10 @@ class WorkerState:
         return max(self.load.running + self.load.waiting + self.since_report, self.inflight, 0)
 
 
-@dataclass(frozen=True)
-class HashKey:
-    """A prefix-hash chain: workers agree on block hashes only if root AND block size are equal."""
+class HashKey(NamedTuple):
+    """A prefix-hash chain: workers agree on block hashes only if root AND block size are equal.
+    A named tuple: placement builds and looks one up for every worker it considers, several times
+    per request."""
 
     hash_root: int
     block_size: int

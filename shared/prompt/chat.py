@@ -64,10 +64,11 @@ Choices where the sources are silent or disagree:
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from shared.prompt.render_memo import SHORT_CHARS
 from shared.prompt.tokenizer import KimiTokenizer
 
 THINKING_EFFORTS = ("low", "medium", "high", "max")   # exactly the values THINKING_EFFORT_BODY lists
@@ -125,8 +126,7 @@ def render_chat(
         _render_internal_system(out, "thinking-effort", THINKING_EFFORT_BODY.format(effort=_effort(thinking_effort)))
     _render_messages(out, messages, thinking=thinking, keep_reasoning=keep_reasoning)
     if add_generation_prompt:
-        out.open_tag("message", [("role", "assistant")])
-        out.open_tag("think" if thinking else "response")
+        out.memoized(("generation-prompt", thinking), 0, lambda: _render_generation_prompt(out, thinking))
     out.check_all_images_used()
     return RenderedPrompt(out.ids, out.image_spans)
 
@@ -140,16 +140,36 @@ class _Builder:
     def __init__(self, tokenizer: KimiTokenizer, image_token_counts: Sequence[int] | None,
                  image_sizes: Sequence[tuple[int, int]] | None) -> None:
         self.tok = tokenizer
+        self.memo = getattr(tokenizer, "render_memo", None)     # shared.prompt.render_memo.RenderMemo
         self.ids: list[int] = []
         self.image_spans: list[tuple[int, int]] = []
         self._image_counts = list(image_token_counts) if image_token_counts is not None else None
         self._image_sizes = list(image_sizes) if image_sizes is not None else None
 
+    def memoized(self, key: Hashable, key_chars: int, render: Callable[[], None]) -> None:
+        """`render()`, or the ids it appended before for `key` (`shared.prompt.render_memo`): `key`
+        must hold everything the rendering reads, and the piece must be text only."""
+        memo = self.memo
+        if memo is None:
+            render()
+            return
+        ids = memo.get(key)
+        if ids is not None:
+            self.ids.extend(ids)
+            return
+        start, images = len(self.ids), len(self.image_spans)
+        render()
+        if len(self.image_spans) == images:
+            memo.put(key, self.ids[start:], key_chars)
+
     def control(self, name: str) -> None:
         self.ids.append(self.tok.id_of(name))
 
     def text(self, text: str) -> None:
-        self.ids.extend(self.tok.encode(text))
+        if self.memo is not None and len(text) <= SHORT_CHARS:
+            self.ids.extend(self.memo.encode_short(text, self.tok.encode))
+        else:
+            self.ids.extend(self.tok.encode(text))
 
     def open_tag(self, tag: str, attrs: Sequence[tuple[str, Any]] = ()) -> None:
         self.control("<|open|>")
@@ -222,9 +242,16 @@ def _effort(thinking_effort: str | None) -> str:
 
 
 def _render_internal_system(out: _Builder, message_type: str, body: str) -> None:
-    out.open_tag("message", [("role", "system"), ("type", message_type)])
-    out.text(body.strip())
-    out.end_message()
+    def render() -> None:
+        out.open_tag("message", [("role", "system"), ("type", message_type)])
+        out.text(body.strip())
+        out.end_message()
+    out.memoized(("internal-system", message_type, body), len(body), render)
+
+
+def _render_generation_prompt(out: _Builder, thinking: bool) -> None:
+    out.open_tag("message", [("role", "assistant")])
+    out.open_tag("think" if thinking else "response")
 
 
 def _render_tool_declarations(out: _Builder, tools: list[dict[str, Any]]) -> None:

@@ -21,6 +21,7 @@ import tiktoken
 
 from shared.prompt.bpe_train import PAT_STR, dump_tiktoken_model, parse_tiktoken_model
 from shared.prompt.special_tokens import NAMED_SPECIAL_OFFSETS, NUM_SPECIAL_TOKENS, special_token_table
+from shared.prompt.render_memo import RenderMemo
 from shared.prompt.token_memo import SegmentMemo
 
 GENERATED_DIR = Path(__file__).parent / "data"
@@ -69,6 +70,7 @@ class KimiTokenizer:
         self.eos_token = EOS_TOKEN
         self.model_max_length = model_max_length
         self._memo = SegmentMemo()
+        self.render_memo = RenderMemo()          # whole chat pieces (shared.prompt.chat)
 
     # ---- loading and saving -------------------------------------------------------------------
 
