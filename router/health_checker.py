@@ -15,13 +15,20 @@ from router.registry import WorkerRegistry
 log = logging.getLogger(__name__)
 
 
+async def get_within(client: httpx.AsyncClient, url: str, timeout_s: float) -> httpx.Response:
+    """GET with `timeout_s` for the whole exchange: httpx's timeout bounds each read, so a page sent
+    in slow pieces (a vLLM API server busy streaming to a dozen clients took 10-20 s to send its
+    /metrics here) would hold the round, and every other worker's check with it."""
+    return await asyncio.wait_for(client.get(url, timeout=timeout_s), timeout_s)
+
+
 async def check_once(client: httpx.AsyncClient, registry: WorkerRegistry, timeout_s: float,
                      metrics: RouterMetrics | None = None) -> None:
     infos = list(registry.all_infos().values())
 
     async def probe(info) -> None:
         try:
-            resp = await client.get(f"{info.url}/health", timeout=timeout_s)
+            resp = await get_within(client, f"{info.url}/health", timeout_s)
             ok = resp.status_code == 200
         except Exception:                                  # noqa: BLE001 - any failure is a failed check
             ok = False
@@ -43,7 +50,7 @@ async def size_from_metrics(client: httpx.AsyncClient, registry: WorkerRegistry,
     """Size a static worker's approximate index from its /metrics (asked once per worker)."""
     registry.unsized.discard(info.worker_id)
     try:
-        resp = await client.get(f"{info.url}/metrics", timeout=timeout_s)
+        resp = await get_within(client, f"{info.url}/metrics", timeout_s)
         tokens = capacity_tokens_from_metrics(resp.text) if resp.status_code == 200 else None
     except Exception:                                      # noqa: BLE001 - sizing is best effort
         tokens = None
@@ -61,7 +68,7 @@ async def load_from_metrics(client: httpx.AsyncClient, registry: WorkerRegistry,
     """A stock vLLM worker's load from its /metrics (router/vllm_metrics.py), every health round: the
     heartbeat such a worker does not send. A page that cannot be read keeps the last report."""
     try:
-        resp = await client.get(f"{info.url}/metrics", timeout=timeout_s)
+        resp = await get_within(client, f"{info.url}/metrics", timeout_s)
         report = load_from_vllm_metrics(resp.text, time.time()) if resp.status_code == 200 else None
     except Exception as exc:                               # noqa: BLE001 - load is best effort
         log.debug("metrics of %s unreadable: %s", info.worker_id, exc)

@@ -126,7 +126,7 @@ def test_aliases_and_models(fleet):
 
 
 def workers_view(router: str) -> dict[str, dict]:
-    return {w["worker_id"]: w for w in httpx.get(router + "/admin/workers", headers=AUTH, timeout=10).json()["workers"]}
+    return {w["worker_id"]: w for w in httpx.get(router + "/admin/workers", headers=AUTH, timeout=30).json()["workers"]}
 
 
 def wait_for_load(router: str, worker: str, check, timeout_s: float = 120) -> dict:

@@ -20,15 +20,19 @@ class SlowWorker:
     """A real loopback HTTP server that answers every request after `delay_s` (client timeouts are
     enforced by the network layer, so a mock transport would never time out)."""
 
-    def __init__(self, delay_s: float) -> None:
-        self.delay_s, self.url, self._server = delay_s, "", None
+    def __init__(self, delay_s: float, dribble_s: float = 0.0) -> None:
+        self.delay_s, self.dribble_s, self.url, self._server = delay_s, dribble_s, "", None
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while (await reader.readuntil(b"\r\n\r\n")):
                 await asyncio.sleep(self.delay_s)
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
-                await writer.drain()
+                body = b"ok" * 8
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body))
+                for byte in (body if self.dribble_s else [body]):        # `dribble_s`: one byte at a time
+                    writer.write(bytes([byte]) if self.dribble_s else byte)
+                    await writer.drain()
+                    await asyncio.sleep(self.dribble_s)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
@@ -66,3 +70,20 @@ async def test_missed_timeouts_mark_unhealthy_and_one_answer_heals():
         worker.delay_s = 0.0
         await run_checks(client, registry, 0.3, timeout_s=0.1)
         assert registry.health.is_healthy(worker.url)
+
+
+async def test_an_answer_sent_in_slow_pieces_counts_as_missed_and_does_not_hold_the_round():
+    """Each piece comes within the timeout (so httpx's per-read timeout never fires) but the whole
+    answer takes 16 x 0.15 s: the check gives up at the timeout, and a round with a fast worker in it
+    ends about then rather than when the slow page would have."""
+    async with SlowWorker(0.0, dribble_s=0.15) as slow, SlowWorker(0.0) as fast, httpx.AsyncClient() as client:
+        registry = WorkerRegistry(RouterSettings(model=None, static_decode=(slow.url, fast.url)), None)
+        started = asyncio.get_running_loop().time()
+        await health_checker.check_once(client, registry, 0.5)
+        elapsed = asyncio.get_running_loop().time() - started
+        await health_checker.check_once(client, registry, 0.5)
+        assert not registry.health.is_healthy(slow.url) and registry.health.is_healthy(fast.url)
+        assert elapsed < 1.5, elapsed                       # the slow page alone takes 2.4 s
+        slow.dribble_s = 0.0
+        await health_checker.check_once(client, registry, 0.5)
+        assert registry.health.is_healthy(slow.url)
