@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 
 import httpx
 
@@ -14,6 +15,12 @@ from router.registry import WorkerRegistry
 
 log = logging.getLogger(__name__)
 
+# a stock vLLM worker's /metrics is read off the health round, one read per worker at a time, given
+# this long as a whole: the page of an API server busy streaming to a dozen clients came in pieces
+# over 10-20 s here, and inline it held every worker's health check for as long
+LOAD_SCRAPE_DEADLINE_S = 15.0
+_scrapes: "weakref.WeakKeyDictionary[WorkerRegistry, dict[str, asyncio.Task]]" = weakref.WeakKeyDictionary()
+
 
 async def get_within(client: httpx.AsyncClient, url: str, timeout_s: float) -> httpx.Response:
     """GET with `timeout_s` for the whole exchange: httpx's timeout bounds each read, so a page sent
@@ -23,7 +30,9 @@ async def get_within(client: httpx.AsyncClient, url: str, timeout_s: float) -> h
 
 
 async def check_once(client: httpx.AsyncClient, registry: WorkerRegistry, timeout_s: float,
-                     metrics: RouterMetrics | None = None) -> None:
+                     metrics: RouterMetrics | None = None, wait_for_load: bool = True) -> None:
+    """One health round. `wait_for_load`: read stock vLLM workers' load inline (at startup, so the
+    router is ready with it); otherwise in the background (`scrape_load`), never holding the round."""
     infos = list(registry.all_infos().values())
 
     async def probe(info) -> None:
@@ -33,7 +42,10 @@ async def check_once(client: httpx.AsyncClient, registry: WorkerRegistry, timeou
         except Exception:                                  # noqa: BLE001 - any failure is a failed check
             ok = False
         if ok and registry.is_vllm(info.worker_id):
-            await load_from_metrics(client, registry, info, timeout_s, metrics)      # sizes its index too
+            scrape = scrape_load(client, registry, info, metrics,                    # sizes its index too
+                                 timeout_s if wait_for_load else LOAD_SCRAPE_DEADLINE_S)
+            if wait_for_load and scrape is not None:
+                await scrape
         elif ok and info.worker_id in registry.unsized:
             await size_from_metrics(client, registry, info, timeout_s)
         was = registry.health.is_healthy(info.worker_id)
@@ -44,6 +56,23 @@ async def check_once(client: httpx.AsyncClient, registry: WorkerRegistry, timeou
             log.warning("worker %s is now %s", info.worker_id, "healthy" if ok else "unhealthy")
 
     await asyncio.gather(*(probe(i) for i in infos))
+
+
+def scrape_load(client: httpx.AsyncClient, registry: WorkerRegistry, info, metrics: RouterMetrics | None = None,
+                deadline_s: float = LOAD_SCRAPE_DEADLINE_S) -> asyncio.Task | None:
+    """Start reading `info`'s load unless a read of it is still under way (then None)."""
+    tasks = _scrapes.setdefault(registry, {})
+    running = tasks.get(info.worker_id)
+    if running is not None and not running.done():
+        return None
+    tasks[info.worker_id] = task = asyncio.create_task(
+        load_from_metrics(client, registry, info, deadline_s, metrics))
+    return task
+
+
+def cancel_scrapes(registry: WorkerRegistry) -> None:
+    for task in _scrapes.pop(registry, {}).values():
+        task.cancel()
 
 
 async def size_from_metrics(client: httpx.AsyncClient, registry: WorkerRegistry, info, timeout_s: float) -> None:
@@ -93,12 +122,15 @@ async def run(client: httpx.AsyncClient, registry: WorkerRegistry, interval_s: f
     """A round every `interval_s` after the last one ended (rounds never overlap), each probe given
     `timeout_s`: a short interval (fast failure detection) does not shorten the time a busy worker
     has to answer, which on a starved host made healthy workers look dead."""
-    while not stop.is_set():
-        try:
-            await check_once(client, registry, timeout_s, metrics)
-        except Exception:                                  # noqa: BLE001 - the checker must outlive any bug
-            log.exception("health check round failed")
-        try:
-            await asyncio.wait_for(stop.wait(), interval_s)
-        except asyncio.TimeoutError:
-            pass
+    try:
+        while not stop.is_set():
+            try:
+                await check_once(client, registry, timeout_s, metrics, wait_for_load=False)
+            except Exception:                              # noqa: BLE001 - the checker must outlive any bug
+                log.exception("health check round failed")
+            try:
+                await asyncio.wait_for(stop.wait(), interval_s)
+            except asyncio.TimeoutError:
+                pass
+    finally:
+        cancel_scrapes(registry)

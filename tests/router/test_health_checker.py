@@ -20,19 +20,23 @@ class SlowWorker:
     """A real loopback HTTP server that answers every request after `delay_s` (client timeouts are
     enforced by the network layer, so a mock transport would never time out)."""
 
-    def __init__(self, delay_s: float, dribble_s: float = 0.0) -> None:
+    def __init__(self, delay_s: float, dribble_s: float = 0.0, dribbled: str = "") -> None:
         self.delay_s, self.dribble_s, self.url, self._server = delay_s, dribble_s, "", None
+        self.dribbled = dribbled            # the path answered in pieces ("": every path)
+        self.paths: list[str] = []
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            while (await reader.readuntil(b"\r\n\r\n")):
+            while (head := await reader.readuntil(b"\r\n\r\n")):
+                self.paths.append(head.split()[1].decode())
                 await asyncio.sleep(self.delay_s)
                 body = b"ok" * 8
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body))
-                for byte in (body if self.dribble_s else [body]):        # `dribble_s`: one byte at a time
-                    writer.write(bytes([byte]) if self.dribble_s else byte)
+                dribble = self.dribble_s if self.dribbled in ("", self.paths[-1]) else 0.0
+                for byte in (body if dribble else [body]):               # dribbled: one byte at a time
+                    writer.write(bytes([byte]) if dribble else byte)
                     await writer.drain()
-                    await asyncio.sleep(self.dribble_s)
+                    await asyncio.sleep(dribble)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
@@ -87,3 +91,16 @@ async def test_an_answer_sent_in_slow_pieces_counts_as_missed_and_does_not_hold_
         slow.dribble_s = 0.0
         await health_checker.check_once(client, registry, 0.5)
         assert registry.health.is_healthy(slow.url)
+
+
+async def test_a_slow_vllm_metrics_page_is_read_off_the_round_one_read_at_a_time():
+    """A stock vLLM worker whose /metrics comes in pieces over 2.4 s: health rounds every 0.05 s go on
+    meanwhile (its /health is answered at once), and only one read of its page is under way at a time."""
+    async with SlowWorker(0.0, dribble_s=0.15, dribbled="/metrics") as worker, httpx.AsyncClient() as client:
+        settings = RouterSettings(model=None, static_decode=(worker.url,), kv_connector="nixl")
+        registry = WorkerRegistry(settings, None)
+        assert registry.is_vllm(worker.url)
+        await run_checks(client, registry, 1.0, timeout_s=0.5)
+        assert worker.paths.count("/health") >= 5 and worker.paths.count("/metrics") == 1, worker.paths
+        assert registry.health.is_healthy(worker.url)
+        assert not health_checker._scrapes.get(registry)         # the checker's exit cancelled its read
