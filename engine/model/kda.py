@@ -9,6 +9,7 @@ from torch import nn
 from shared.model_config import TextConfig
 from engine.model import choices
 from engine.model.forward_batch import ForwardBatch, HybridCacheTensors, SequenceSlice
+from engine.model.fused import fuse_linears, project
 from engine.model.kda_ops import (causal_conv_step, causal_conv_with_state, kda_chunked, kda_gate,
                                   kda_recurrent)
 from engine.model.layers import l2norm, rms_norm, upcast
@@ -74,17 +75,25 @@ class KimiDeltaAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x: [N, D] normalised layer input of every new token; updates each slice's KDA state in place."""
         h, k = self.num_heads, self.head_dim
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)       # [N, 3HK] pre-conv
-        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(-1, h, k), self.head_a_log(), self.dt_bias,
-                     self.lower_bound)
-        beta = torch.sigmoid(upcast(self.b_proj(x)))
+        qkv, f_a, b, gate = project(self, x, self._input_linears(), (3, 1, 1, 1))  # qkv [N, 3HK] pre-conv
+        g = kda_gate(self.f_b_proj(f_a).view(-1, h, k), self.head_a_log(), self.dt_bias, self.lower_bound)
+        beta = torch.sigmoid(upcast(b))
         if batch.decode is not None:
             out = self._decode_static(qkv, g, beta, batch)
         else:
             out = self._forward_slices(qkv, g, beta, batch)
-        gate = self.g_proj(x).view(-1, h, k)
+        gate = gate.view(-1, h, k)
         y = upcast(rms_norm(out, self.o_norm.weight, self.eps)) * torch.sigmoid(upcast(gate))
         return self.o_proj(y.to(x.dtype).reshape(x.shape[0], h * k))
+
+    def _input_linears(self) -> tuple[nn.Module, ...]:
+        """Every projection of the layer input x, in the order `project` returns them (q, k, v first,
+        so the pre-conv q|k|v is one slice of the fused output)."""
+        return (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj, self.g_proj)
+
+    def fuse_linears(self) -> None:
+        """q/k/v/f_a/b/g as one GEMM per weight kind (engine/model/fused.py); after any sharding."""
+        fuse_linears(self, self._input_linears(), (3, 1, 1, 1))
 
     def _forward_slices(self, qkv, g, beta, batch: ForwardBatch) -> torch.Tensor:
         h, k = self.num_heads, self.head_dim

@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.model.fused import fuse_linears, project
+
 
 def upcast(x: torch.Tensor) -> torch.Tensor:
     """The accumulation dtype for internal maths: fp32, or fp64 when the input already is (oracle runs)."""
@@ -57,7 +59,16 @@ class SiTUMLP(nn.Module):
         self.beta, self.linear_beta = beta, linear_beta
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(situ(self.gate_proj(x), self.up_proj(x), self.beta, self.linear_beta))
+        gate, up = project(self, x, (self.gate_proj, self.up_proj), (1, 1))
+        return self.down(gate, up)
+
+    def down(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The MLP after its input projections (a latent MoE fuses the shared experts' into its own)."""
+        return self.down_proj(situ(gate, up, self.beta, self.linear_beta))
+
+    def fuse_linears(self) -> None:
+        """gate_proj + up_proj as one GEMM (engine/model/fused.py)."""
+        fuse_linears(self, (self.gate_proj, self.up_proj), (1, 1))
 
 
 def linear_weight(module: nn.Module) -> torch.Tensor:
