@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from engine.model.quant import W4A8DynamicLinear, W8A8DynamicLinear
 
 FUSED_ATTR = "_fused_projections"
+EXPERT_GEMMS_ATTR = "_expert_gemms"        # a latent MoE's fused float experts, called directly
 # A fused float GEMM runs for inputs of at most this many rows (decode steps of small batches, the
 # routed experts' few tokens); wider inputs run the members' GEMMs on their views. Measured on this
 # 2-core CPU (MKL, 2 threads, fp32): fused q|k|v|f_a|b|g and router|down|shared gate|up are 13-20 %
@@ -187,6 +188,7 @@ def fuse_linears(owner: nn.Module, members: Sequence[nn.Module], chunks: Sequenc
 def unfuse_linears(owner: nn.Module) -> None:
     """Back to one GEMM per linear (the members keep their views; results are the same)."""
     owner.__dict__.pop(FUSED_ATTR, None)
+    owner.__dict__.pop(EXPERT_GEMMS_ATTR, None)
 
 
 def is_fused(owner: nn.Module) -> bool:

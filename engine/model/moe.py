@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+import torch.nn.functional as F
 
 from shared.model_config import TextConfig
-from engine.model.fused import fuse_linears, project
+from engine.model.fused import EXPERT_GEMMS_ATTR, FUSED_ATTR, FUSED_GEMM_MAX_ROWS, fuse_linears, project
 from engine.model.layers import RMSNorm, SiTUMLP, situ, upcast
 
 
@@ -94,9 +95,17 @@ class LatentMoE(nn.Module):
         (engine/model/fused.py); after any sharding."""
         linears = self._input_linears()
         fuse_linears(self, linears, (1,) * len(linears))
+        gemms = []
         for e in self._local_experts():
             expert = self.experts[e]
-            fuse_linears(expert, (expert.w1, expert.w3), (1, 1))
+            fused = fuse_linears(expert, (expert.w1, expert.w3), (1, 1))
+            w13 = expert.__dict__[FUSED_ATTR].groups[0] if fused else None
+            if not (isinstance(w13, nn.Linear) and isinstance(expert.w2, nn.Linear)):
+                gemms = None
+                break
+            gemms.append((w13.weight, expert.w1.weight, expert.w3.weight, expert.w2.weight))
+        # float experts: the dispatch loop calls their GEMMs directly (no module calls per expert)
+        self.__dict__[EXPERT_GEMMS_ATTR] = gemms
 
     def _local_experts(self) -> range:
         lo, hi = self.expert_range if self.expert_range is not None else (0, len(self.experts))
@@ -128,6 +137,15 @@ class LatentMoE(nn.Module):
             return y
         tok = order // top_k
         rows = h[tok]
+        gemms = self.__dict__.get(EXPERT_GEMMS_ATTR)
+        out = (self._float_experts(rows, counts, local, gemms) if gemms is not None
+               else self._any_experts(rows, counts, local))
+        # index_put_ rather than index_add_: the latter costs ~30 ms a call on this CPU build of torch.
+        y.index_put_((tok,), upcast(out) * weights.reshape(-1)[order, None], accumulate=True)
+        return y
+
+    def _any_experts(self, rows: torch.Tensor, counts: list[int], local: range) -> torch.Tensor:
+        """Expert outputs of `rows` (grouped by expert, `counts[e]` each) through the expert modules."""
         gates, ups, runs, pos = [], [], [], 0
         for e in local:
             n = counts[e]
@@ -138,10 +156,25 @@ class LatentMoE(nn.Module):
                 runs.append((e, pos, pos + n))
                 pos += n
         act = situ(_cat(gates), _cat(ups), self.beta, self.linear_beta)
-        out = _cat([self.experts[e].w2(act[lo:hi]) for e, lo, hi in runs])
-        # index_put_ rather than index_add_: the latter costs ~30 ms a call on this CPU build of torch.
-        y.index_put_((tok,), upcast(out) * weights.reshape(-1)[order, None], accumulate=True)
-        return y
+        return _cat([self.experts[e].w2(act[lo:hi]) for e, lo, hi in runs])
+
+    def _float_experts(self, rows: torch.Tensor, counts: list[int], local: range, gemms: list) -> torch.Tensor:
+        """`_any_experts` for fused float experts, calling their GEMMs directly: the same products
+        (w1|w3 fused up to FUSED_GEMM_MAX_ROWS rows, as `FusedProjections` does) and the same SiTU."""
+        parts, runs, pos = [], [], 0
+        for i, e in enumerate(local):
+            n = counts[e]
+            if n:
+                w13, w1, w3, w2 = gemms[i]
+                r = rows[pos: pos + n]
+                parts.append(F.linear(r, w13) if n <= FUSED_GEMM_MAX_ROWS
+                             else torch.cat([F.linear(r, w1), F.linear(r, w3)], dim=-1))
+                runs.append((w2, pos, pos + n))
+                pos += n
+        gate_up = _cat(parts)
+        inter = gate_up.shape[-1] // 2
+        act = situ(gate_up[:, :inter], gate_up[:, inter:], self.beta, self.linear_beta)
+        return _cat([F.linear(act[lo:hi], w2) for w2, lo, hi in runs])
 
     def _routed_dense(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Every local expert on every token, weighted by a dense [T, E] routing matrix (zero where not chosen)."""
