@@ -95,15 +95,15 @@ class LatentMoE(nn.Module):
         (engine/model/fused.py); after any sharding."""
         linears = self._input_linears()
         fuse_linears(self, linears, (1,) * len(linears))
-        gemms = []
+        gemms: list | None = []
         for e in self._local_experts():
             expert = self.experts[e]
             fused = fuse_linears(expert, (expert.w1, expert.w3), (1, 1))
             w13 = expert.__dict__[FUSED_ATTR].groups[0] if fused else None
-            if not (isinstance(w13, nn.Linear) and isinstance(expert.w2, nn.Linear)):
+            if gemms is not None and isinstance(w13, nn.Linear) and isinstance(expert.w2, nn.Linear):
+                gemms.append((w13.weight, expert.w1.weight, expert.w3.weight, expert.w2.weight))
+            else:
                 gemms = None
-                break
-            gemms.append((w13.weight, expert.w1.weight, expert.w3.weight, expert.w2.weight))
         # float experts: the dispatch loop calls their GEMMs directly (no module calls per expert)
         self.__dict__[EXPERT_GEMMS_ATTR] = gemms
 

@@ -86,6 +86,7 @@ def test_fused_quantized_checkpoint_is_bit_identical(tiny_w4a8_dir):
     kinds = {type(m).__name__ for owner in llm.engine.model.modules() if is_fused(owner)
              for m in owner.__dict__["_fused_projections"].groups}
     assert {"W4A8DynamicLinear", "W8A8DynamicLinear"} <= kinds            # experts w1|w3, KDA q|k|v
+    assert all(is_fused(e) for e in experts(llm.engine.model))           # every expert, not just the first
 
 
 def test_parameters_stay_as_views_of_the_fused_weights(tiny_dir):
@@ -99,6 +100,7 @@ def test_parameters_stay_as_views_of_the_fused_weights(tiny_dir):
     assert all(torch.equal(fused_state[k], v) for k, v in plain.state_dict().items())
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in plain.parameters())
     model.fuse_linears()
+    assert all(is_fused(e) for e in experts(model))
     kda = model.language_model.model.layers[1].self_attn
     merged = kda.__dict__["_fused_projections"].groups[0].weight
     assert kda.q_proj.weight.data_ptr() == merged.data_ptr()
@@ -108,6 +110,11 @@ def test_parameters_stay_as_views_of_the_fused_weights(tiny_dir):
                            torch.zeros_like(kda.g_proj.weight)})
     x = torch.randn(3, kda.q_proj.weight.shape[1], dtype=torch.float64)
     assert torch.equal(project(kda, x, kda._input_linears(), (3, 1, 1, 1))[3], torch.zeros(3, kda.g_proj.weight.shape[0], dtype=torch.float64))
+
+
+def experts(model) -> list[nn.Module]:
+    return [e for layer in model.language_model.model.layers if hasattr(layer, "block_sparse_moe")
+            for e in layer.block_sparse_moe.experts]
 
 
 def _w8a8(w: torch.Tensor) -> W8A8DynamicLinear:
