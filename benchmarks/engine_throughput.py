@@ -95,6 +95,8 @@ def main() -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="ranks sharing the model (they share this machine's memory bandwidth)")
     parser.add_argument("--enable-expert-parallel", action="store_true")
+    parser.add_argument("--unfused-baseline", action="store_true",
+                        help="also time each batch with the fused linears undone (TP=1), in the same run")
     parser.add_argument("--out", default="benchmarks/results/engine_throughput.json")
     args = parser.parse_args()
     ckpt = Path(args.checkpoint or f"checkpoints/{args.preset}")
@@ -112,9 +114,16 @@ def main() -> None:
         # (an estimate under EP, where a rank's routed experts are not a 1/N sample of the touched ones).
         moved = (weight_bytes_per_step(engine, b) * args.tensor_parallel_size
                  + state_bytes_per_step(engine, b, args.prompt_tokens))
-        rows.append({"batch": b, "decode_step_ms": step * 1e3, "output_tokens_per_s": b / step,
-                     "bytes_per_step": moved, "achieved_bytes_per_s": moved / step,
-                     "roofline_fraction": moved / step / bandwidth})
+        row = {"batch": b, "decode_step_ms": step * 1e3, "output_tokens_per_s": b / step,
+               "bytes_per_step": moved, "achieved_bytes_per_s": moved / step,
+               "roofline_fraction": moved / step / bandwidth}
+        if args.unfused_baseline and args.tensor_parallel_size == 1:
+            engine.model.unfuse_linears()          # one GEMM per linear, as before engine/model/fused.py
+            unfused = decode_step_seconds(engine, b, args.prompt_tokens, args.steps)
+            engine.model.fuse_linears()
+            row.update(unfused_decode_step_ms=unfused * 1e3, unfused_roofline_fraction=moved / unfused / bandwidth,
+                       fused_over_unfused=step / unfused)
+        rows.append(row)
     prompt = [(13 * j) % 1000 for j in range(args.ttft_prompt_tokens)]
     cold, _ = ttft(engine, "cold", prompt)
     warm, cached = ttft(engine, "warm", prompt)

@@ -91,6 +91,7 @@ class LLMEngine:
             self.tp = TensorParallel(config)          # starts ranks 1..N-1; rank 0 holds its shard
         self.model = self.tp.model if self.tp else load_checkpoint(config.model, torch_dtype(config.dtype),
                                                                     config.device, options)
+        self.model.fuse_linears()       # one GEMM per shared input (TP ranks fused their shards already)
         self.tokenizer = KimiTokenizer.from_dir(config.model)
         text = self.model.config.text_config
         self.max_model_len = min(config.max_model_len or text.max_position_embeddings, text.max_position_embeddings)

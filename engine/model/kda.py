@@ -9,6 +9,7 @@ from torch import nn
 from shared.model_config import TextConfig
 from engine.model import choices
 from engine.model.forward_batch import ForwardBatch, HybridCacheTensors, SequenceSlice
+from engine.model.fused import fuse_linears, project
 from engine.model.kda_ops import (causal_conv_step, causal_conv_with_state, kda_chunked, kda_gate,
                                   kda_recurrent)
 from engine.model.layers import l2norm, rms_norm, upcast
@@ -74,27 +75,37 @@ class KimiDeltaAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x: [N, D] normalised layer input of every new token; updates each slice's KDA state in place."""
         h, k = self.num_heads, self.head_dim
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)       # [N, 3HK] pre-conv
-        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(-1, h, k), self.head_a_log(), self.dt_bias,
-                     self.lower_bound)
-        beta = torch.sigmoid(upcast(self.b_proj(x)))
+        qkv, f_a, b, gate = project(self, x, self._input_linears(), (3, 1, 1, 1))  # qkv [N, 3HK] pre-conv
+        g = kda_gate(self.f_b_proj(f_a).view(-1, h, k), self.head_a_log(), self.dt_bias, self.lower_bound)
+        beta = torch.sigmoid(upcast(b))
         if batch.decode is not None:
             out = self._decode_static(qkv, g, beta, batch)
         else:
             out = self._forward_slices(qkv, g, beta, batch)
-        gate = self.g_proj(x).view(-1, h, k)
+        gate = gate.view(-1, h, k)
         y = upcast(rms_norm(out, self.o_norm.weight, self.eps)) * torch.sigmoid(upcast(gate))
         return self.o_proj(y.to(x.dtype).reshape(x.shape[0], h * k))
 
+    def _input_linears(self) -> tuple[nn.Module, ...]:
+        """Every projection of the layer input x, in the order `project` returns them (q, k, v first,
+        so the pre-conv q|k|v is one slice of the fused output)."""
+        return (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj, self.g_proj)
+
+    def fuse_linears(self) -> None:
+        """q/k/v/f_a/b/g as one GEMM per weight kind (engine/model/fused.py); after any sharding."""
+        fuse_linears(self, self._input_linears(), (3, 1, 1, 1))
+
     def _forward_slices(self, qkv, g, beta, batch: ForwardBatch) -> torch.Tensor:
         h, k = self.num_heads, self.head_dim
-        out = qkv.new_empty(qkv.shape[0], h, k, dtype=upcast(qkv).dtype)
         cache, conv_w = batch.cache, self.conv_weight()
         for s in batch.slices:
             if s.reset_kda_state:
                 cache.kda_conv[self.layer_id][s.kda_slot].zero_()
                 cache.kda_recurrent[self.layer_id][s.kda_slot].zero_()
         decode = [i for i, s in enumerate(batch.slices) if s.num_new_tokens == 1 and not s.snapshots]
+        if len(decode) == qkv.shape[0]:                   # a pure decode batch: row i is slice i
+            return self._decode_rows(qkv, g, beta, conv_w, batch, _decode_slots(decode, batch, qkv.device))
+        out = qkv.new_empty(qkv.shape[0], h, k, dtype=upcast(qkv).dtype)
         if decode:
             self._decode_step(decode, qkv, g, beta, conv_w, batch, out)
         verify = [i for i, s in enumerate(batch.slices) if s.spec_slots]
@@ -138,16 +149,20 @@ class KimiDeltaAttention(nn.Module):
     def _decode_step(self, idx: list[int], qkv, g, beta, conv_w, batch: ForwardBatch, out) -> None:
         """All one-token slices in one vectorised recurrent step."""
         rows = torch.tensor([batch.token_offsets[i] for i in idx], device=qkv.device)
-        slots = torch.tensor([batch.slices[i].kda_slot for i in idx], device=qkv.device)
+        out[rows] = self._decode_rows(qkv[rows], g[rows], beta[rows], conv_w, batch,
+                                      _decode_slots(idx, batch, qkv.device))
+
+    def _decode_rows(self, qkv, g, beta, conv_w, batch: ForwardBatch, slots: torch.Tensor) -> torch.Tensor:
+        """One recurrent step for rows that are one token each of the sequences in KDA `slots`."""
         conv_store = batch.cache.kda_conv[self.layer_id]
         rec_store = batch.cache.kda_recurrent[self.layer_id]
-        mixed, new_conv = causal_conv_step(qkv[rows], conv_w, conv_store[slots])
+        mixed, new_conv = causal_conv_step(qkv, conv_w, conv_store[slots])
         conv_store[slots] = new_conv
         q, k, v = self._split_qkv(mixed)
-        o, new_rec = kda_recurrent(q[:, None], k[:, None], v[:, None], g[rows][:, None], beta[rows][:, None],
+        o, new_rec = kda_recurrent(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None],
                                    rec_store[slots], self.head_dim ** -0.5)
         rec_store[slots] = new_rec
-        out[rows] = o[:, 0]
+        return o[:, 0]
 
     def _verify_steps(self, idx: list[int], qkv, g, beta, conv_w, batch: ForwardBatch, out) -> None:
         """Speculative verification, vectorised over the verifying slices of equal length: the conv runs
@@ -205,3 +220,14 @@ class KimiDeltaAttention(nn.Module):
             o, s = kda_recurrent(q[None], k[None], v[None], g[None], beta[None], state[None], scale)
             return o[0], s[0]
         return kda_chunked(q, k, v, g, beta, state, scale, opts.chunk_size)
+
+
+def _decode_slots(idx: list[int], batch: ForwardBatch, device: torch.device) -> torch.Tensor:
+    """The KDA slots of the one-token slices `idx`: the same for every KDA layer of a forward, so
+    built once per batch."""
+    cached = getattr(batch, "_kda_decode_slots", None)
+    if cached is not None and cached[0] == idx:
+        return cached[1]
+    slots = torch.tensor([batch.slices[i].kda_slot for i in idx], device=device)
+    batch._kda_decode_slots = (list(idx), slots)
+    return slots

@@ -142,6 +142,19 @@ class KimiK3ForConditionalGeneration(nn.Module):
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         return self.language_model(input_ids, batch)
 
+    def fuse_linears(self) -> None:
+        """Run the linears that read one input as one GEMM each (engine/model/fused.py): after loading
+        and any sharding, before serving. The checkpoint's parameters stay, as views of the fused weights."""
+        for layer in self.language_model.model.layers:
+            layer.self_attn.fuse_linears()
+            (layer.block_sparse_moe if hasattr(layer, "block_sparse_moe") else layer.mlp).fuse_linears()
+
+    def unfuse_linears(self) -> None:
+        """One GEMM per linear again (baselines and equivalence tests; the parameters stay views)."""
+        from engine.model.fused import unfuse_linears
+        for module in self.language_model.modules():
+            unfuse_linears(module)
+
     def freeze_decode_weights(self) -> None:
         """Precompute what the mixers derive from their weights, for capture-safe decode steps
         (`ForwardBatch.decode`): a captured graph reads these fixed tensors instead."""

@@ -4,10 +4,23 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.model.fused import fuse_linears, project
+
+
+_ACCUMULATION_DTYPES = (torch.float32, torch.float64)
+
 
 def upcast(x: torch.Tensor) -> torch.Tensor:
-    """The accumulation dtype for internal maths: fp32, or fp64 when the input already is (oracle runs)."""
-    return x if x.dtype == torch.float64 else x.float()
+    """The accumulation dtype for internal maths: fp32, or fp64 when the input already is (oracle runs).
+
+    An fp32/fp64 input is returned as is without a call (`x.float()` would return x too, after a
+    dispatch: a decode step makes ~600 of them)."""
+    return x if x.dtype in _ACCUMULATION_DTYPES else x.float()
+
+
+def cast(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`y.to(dtype)`, skipping the call when y already has it (the result is the same tensor)."""
+    return y if y.dtype == dtype else y.to(dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -16,7 +29,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
         y = y * upcast(weight)
-    return y.to(x.dtype)
+    return cast(y, x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -43,7 +56,7 @@ def situ(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float |
     a = beta * torch.tanh(g / beta) * torch.sigmoid(g)
     if linear_beta is not None:
         u = linear_beta * torch.tanh(u / linear_beta)
-    return (a * u).to(gate.dtype)
+    return cast(a * u, gate.dtype)
 
 
 class SiTUMLP(nn.Module):
@@ -57,7 +70,16 @@ class SiTUMLP(nn.Module):
         self.beta, self.linear_beta = beta, linear_beta
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(situ(self.gate_proj(x), self.up_proj(x), self.beta, self.linear_beta))
+        gate, up = project(self, x, (self.gate_proj, self.up_proj), (1, 1))
+        return self.down(gate, up)
+
+    def down(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The MLP after its input projections (a latent MoE fuses the shared experts' into its own)."""
+        return self.down_proj(situ(gate, up, self.beta, self.linear_beta))
+
+    def fuse_linears(self) -> None:
+        """gate_proj + up_proj as one GEMM (engine/model/fused.py)."""
+        fuse_linears(self, (self.gate_proj, self.up_proj), (1, 1))
 
 
 def linear_weight(module: nn.Module) -> torch.Tensor:

@@ -15,6 +15,7 @@ from torch import nn
 from shared.model_config import TextConfig
 from engine.model import choices
 from engine.model.forward_batch import ForwardBatch, SequenceSlice
+from engine.model.fused import fuse_linears, project
 from engine.model.layers import RMSNorm, linear_weight, upcast
 
 
@@ -47,21 +48,33 @@ class GatedMLA(nn.Module):
 
     def latent(self, x: torch.Tensor) -> torch.Tensor:
         """What the cache stores for tokens x: [N, kv_lora + rope]."""
-        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora, self.rope], dim=-1)
+        return self._latent_of(self.kv_a_proj_with_mqa(x))
+
+    def _latent_of(self, kv_a: torch.Tensor) -> torch.Tensor:
+        c, k_pe = kv_a.split([self.kv_lora, self.rope], dim=-1)
         return torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1)
+
+    def _input_linears(self) -> tuple[nn.Module, ...]:
+        """Every projection of the layer input x, in the order `project` returns them."""
+        return (self.q_a_proj, self.kv_a_proj_with_mqa, self.g_proj)
+
+    def fuse_linears(self) -> None:
+        """q_a/kv_a/g as one GEMM per weight kind (engine/model/fused.py); after any sharding."""
+        fuse_linears(self, self._input_linears(), (1, 1, 1))
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x: [N, D] normalised layer input; writes the new latents into the pages, attends, gates."""
         nh = self.num_heads
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(-1, nh, self.nope + self.rope)
-        latent = self.latent(x)
+        q_a, kv_a, g = project(self, x, self._input_linears(), (1, 1, 1))
+        q = self.q_b_proj(self.q_a_layernorm(q_a)).view(-1, nh, self.nope + self.rope)
+        latent = self._latent_of(kv_a)
         pages = batch.cache.mla_pages[self.layer_id]
         flat_pages = pages.view(-1, pages.shape[-1])
         if batch.decode is not None:
             out = self._decode_static(q, latent, flat_pages, batch)
         else:
             out = self._forward_slices(q, latent, flat_pages, batch)
-        gate = torch.sigmoid(upcast(self.g_proj(x))).to(x.dtype)
+        gate = torch.sigmoid(upcast(g)).to(x.dtype)
         return self.o_proj(out.reshape(x.shape[0], -1) * gate)
 
     def _forward_slices(self, q: torch.Tensor, latent: torch.Tensor, flat_pages: torch.Tensor,

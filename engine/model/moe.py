@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+import torch.nn.functional as F
 
 from shared.model_config import TextConfig
+from engine.model.fused import EXPERT_GEMMS_ATTR, FUSED_ATTR, FUSED_GEMM_MAX_ROWS, fuse_linears, project
 from engine.model.layers import RMSNorm, SiTUMLP, situ, upcast
 
 
@@ -65,9 +67,11 @@ class LatentMoE(nn.Module):
     def forward(self, x: torch.Tensor, static: bool = False) -> torch.Tensor:
         """static: capture-safe (no host reads of the routing): every local expert runs on every token
         and a dense routing-weight mask keeps the chosen ones (decode graphs; same sums as dispatch)."""
-        weights, ids = route(self.gate.logits(x), self.gate.e_score_correction_bias, self.top_k,
-                             self.renormalize, self.scaling)
-        h = self.routed_expert_down_proj(x)
+        linears = self._input_linears()
+        outs = project(self, x, linears, (1,) * len(linears))
+        logits = outs.pop(0) if linears[0] is self.gate else self.gate.logits(x)
+        h = outs.pop(0)
+        weights, ids = route(logits, self.gate.e_score_correction_bias, self.top_k, self.renormalize, self.scaling)
         y = self._routed_dense(h, weights, ids) if static else self._routed_dispatch(h, weights, ids)
         if self.reduce_routed is not None:
             y = self.reduce_routed(y)
@@ -75,28 +79,102 @@ class LatentMoE(nn.Module):
         if self.routed_expert_norm is not None:
             y = self.routed_expert_norm(y)
         y = self.routed_expert_up_proj(y)
-        return y + self.shared_experts(x) if self.shared_experts is not None else y
+        return y + self.shared_experts.down(*outs) if self.shared_experts is not None else y
+
+    def _input_linears(self) -> tuple[nn.Module, ...]:
+        """Every projection of the layer input x: the router (when it computes in x's dtype: its fp32
+        weight beside bf16 linears keeps its own fp32 GEMM), the latent down projection and the shared
+        experts' gate/up."""
+        down = self.routed_expert_down_proj
+        joins = isinstance(down, nn.Linear) and self.gate.weight.dtype == down.weight.dtype
+        shared = (self.shared_experts.gate_proj, self.shared_experts.up_proj) if self.shared_experts else ()
+        return ((self.gate,) if joins else ()) + (down,) + shared
+
+    def fuse_linears(self) -> None:
+        """The layer input's projections as one GEMM per weight kind and every local expert's w1/w3 as one
+        (engine/model/fused.py); after any sharding."""
+        linears = self._input_linears()
+        fuse_linears(self, linears, (1,) * len(linears))
+        gemms: list | None = []
+        for e in self._local_experts():
+            expert = self.experts[e]
+            fused = fuse_linears(expert, (expert.w1, expert.w3), (1, 1))
+            w13 = expert.__dict__[FUSED_ATTR].groups[0] if fused else None
+            if gemms is not None and isinstance(w13, nn.Linear) and isinstance(expert.w2, nn.Linear):
+                gemms.append((w13.weight, expert.w1.weight, expert.w3.weight, expert.w2.weight))
+            else:
+                gemms = None
+        # float experts: the dispatch loop calls their GEMMs directly (no module calls per expert)
+        self.__dict__[EXPERT_GEMMS_ATTR] = gemms
 
     def _local_experts(self) -> range:
         lo, hi = self.expert_range if self.expert_range is not None else (0, len(self.experts))
         return range(lo, hi)
 
-    def _expert(self, e: int, he: torch.Tensor) -> torch.Tensor:
+    def _gate_up(self, e: int, he: torch.Tensor) -> list[torch.Tensor]:
         expert = self.experts[e]
-        return expert.w2(situ(expert.w1(he), expert.w3(he), self.beta, self.linear_beta))
+        return project(expert, he, (expert.w1, expert.w3), (1, 1))
+
+    def _expert(self, e: int, he: torch.Tensor) -> torch.Tensor:
+        return self.experts[e].w2(situ(*self._gate_up(e, he), self.beta, self.linear_beta))
 
     def _routed_dispatch(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Each chosen expert on its tokens only (the chosen set is read on the host)."""
+        """Each chosen expert on its tokens only (the chosen set is read on the host, once).
+
+        The (token, slot) pairs are sorted by expert, so every expert takes one contiguous run of
+        gathered rows; SiTU runs once over all experts' gate/up rows, and one accumulating scatter adds
+        each token's contributions in ascending expert order (the order of an expert-by-expert loop).
+        """
         y = torch.zeros(h.shape, dtype=upcast(h).dtype, device=h.device)
+        top_k = ids.shape[1]
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
         local = self._local_experts()
-        for e in torch.unique(ids).tolist():
-            if e not in local:
-                continue
-            tok, slot = (ids == e).nonzero(as_tuple=True)
-            out = self._expert(e, h[tok])
-            # index_put_ rather than index_add_: the latter costs ~30 ms a call on this CPU build of torch.
-            y.index_put_((tok,), upcast(out) * weights[tok, slot, None], accumulate=True)
+        first = sum(counts[: local.start])
+        order = order[first: first + sum(counts[local.start: local.stop])]
+        if not order.numel():
+            return y
+        tok = order // top_k
+        rows = h[tok]
+        gemms = self.__dict__.get(EXPERT_GEMMS_ATTR)
+        out = (self._float_experts(rows, counts, local, gemms) if gemms is not None
+               else self._any_experts(rows, counts, local))
+        # index_put_ rather than index_add_: the latter costs ~30 ms a call on this CPU build of torch.
+        y.index_put_((tok,), upcast(out) * weights.reshape(-1)[order, None], accumulate=True)
         return y
+
+    def _any_experts(self, rows: torch.Tensor, counts: list[int], local: range) -> torch.Tensor:
+        """Expert outputs of `rows` (grouped by expert, `counts[e]` each) through the expert modules."""
+        gates, ups, runs, pos = [], [], [], 0
+        for e in local:
+            n = counts[e]
+            if n:
+                gate, up = self._gate_up(e, rows[pos: pos + n])
+                gates.append(gate)
+                ups.append(up)
+                runs.append((e, pos, pos + n))
+                pos += n
+        act = situ(_cat(gates), _cat(ups), self.beta, self.linear_beta)
+        return _cat([self.experts[e].w2(act[lo:hi]) for e, lo, hi in runs])
+
+    def _float_experts(self, rows: torch.Tensor, counts: list[int], local: range, gemms: list) -> torch.Tensor:
+        """`_any_experts` for fused float experts, calling their GEMMs directly: the same products
+        (w1|w3 fused up to FUSED_GEMM_MAX_ROWS rows, as `FusedProjections` does) and the same SiTU."""
+        parts, runs, pos = [], [], 0
+        for i, e in enumerate(local):
+            n = counts[e]
+            if n:
+                w13, w1, w3, w2 = gemms[i]
+                r = rows[pos: pos + n]
+                parts.append(F.linear(r, w13) if n <= FUSED_GEMM_MAX_ROWS
+                             else torch.cat([F.linear(r, w1), F.linear(r, w3)], dim=-1))
+                runs.append((w2, pos, pos + n))
+                pos += n
+        gate_up = _cat(parts)
+        inter = gate_up.shape[-1] // 2
+        act = situ(gate_up[:, :inter], gate_up[:, inter:], self.beta, self.linear_beta)
+        return _cat([F.linear(act[lo:hi], w2) for w2, lo, hi in runs])
 
     def _routed_dense(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Every local expert on every token, weighted by a dense [T, E] routing matrix (zero where not chosen)."""
@@ -108,3 +186,7 @@ class LatentMoE(nn.Module):
             # where, not a product: an unchosen expert's output never reaches the sum, whatever its value
             y = y + torch.where(w != 0, upcast(self._expert(e, h)) * w, 0.0)
         return y
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -35,13 +35,14 @@ def parallel_config(config) -> ParallelConfig:
 
 
 def build_rank(config, rank: int, port: int) -> tuple[TPGroup, KimiK3ForConditionalGeneration]:
-    """Join the group as `rank`, load the checkpoint on this rank's device and keep its shard."""
+    """Join the group as `rank`, load the checkpoint on this rank's device, keep its shard, fuse it."""
     parallel = parallel_config(config)
     device = rank_device(config.device, rank)
     group = TPGroup.join(rank, parallel.tensor_parallel_size, port, device)
     options = ModelOptions(kda=KDAOptions(chunk_size=config.kda_chunk_size))
     model = load_checkpoint(config.model, torch_dtype(config.dtype), device, options)
     shard_model(model, parallel, group)
+    model.fuse_linears()                # per shard: the fused weights are this rank's rows
     return group, model
 
 
