@@ -104,6 +104,7 @@ class _RecordingTokenizer(KimiTokenizer):
     def __init__(self) -> None:
         super().__init__({bytes([i]): i for i in range(NUM_BYTE_RANKS)})
         self.pieces: list[str] = []
+        self.render_memo = None            # every piece must reach `encode`: a memo hit would skip it
 
     def encode(self, text: str, allow_special: bool = False) -> list[int]:
         self.pieces.append(text)
