@@ -17,8 +17,9 @@ log = logging.getLogger(__name__)
 
 # a stock vLLM worker's /metrics is read off the health round, one read per worker at a time, given
 # this long as a whole: the page of an API server busy streaming to a dozen clients came in pieces
-# over 10-20 s here, and inline it held every worker's health check for as long
-LOAD_SCRAPE_DEADLINE_S = 15.0
+# over 10-30 s here (a late page is still the newest load there is), and inline it held every worker's
+# health check for as long
+LOAD_SCRAPE_DEADLINE_S = 60.0
 _scrapes: "weakref.WeakKeyDictionary[WorkerRegistry, dict[str, asyncio.Task]]" = weakref.WeakKeyDictionary()
 
 

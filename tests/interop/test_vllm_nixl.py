@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import random
+import socket
 import subprocess
 import threading
 import time
@@ -167,24 +168,35 @@ def wait_for_idle_pool(router: str, workers, timeout_s: float = 60) -> None:
 
 @contextlib.contextmanager
 def busy(url: str, requests: int = 14):
-    """Long streamed requests sent to one vLLM instance directly (the router never sees them)."""
+    """Long requests sent to one vLLM instance directly (the router never sees them), unstreamed and
+    each outlasting the test that uses it (~1,900 tokens: tens of seconds even on a quiet machine); a
+    hog whose request ends sends the next one, and leaving closes every connection (vLLM aborts a
+    request whose client is gone).
+
+    Streamed hogs cost vLLM's API server an event per token: with 14 of them its /metrics page took
+    10-30 s to come, so the load the router read was that old. Short hogs (480 tokens, sent again as
+    they ended) came in waves: requests batched together and of one length end together, and one
+    scrape per wave saw the instance idle (measured: 14 running, then 0), and a placement went to it."""
     stop = threading.Event()
+    host, port = url.removeprefix("http://").split(":")
 
     def hog(i: int) -> None:
-        # a hog's request outlasts the test that uses it (~1,900 tokens: tens of seconds even on a quiet
-        # machine), and it sends the next one only if it does not. Shorter hogs (480 tokens, sent again
-        # when they ended) made waves: requests batched together and of one length end together, and
-        # one scrape in each wave saw the instance idle (measured: 14 running, then 0), so a placement
-        # made then went to it; a starved host stretched the gaps to tens of seconds
-        body = {"model": SERVED, "prompt": sentence(i, 6), "max_tokens": 1900 - 37 * i, "ignore_eos": True,
-                "stream": True}
+        body = json.dumps({"model": SERVED, "prompt": sentence(i, 6), "max_tokens": 1900 - 37 * i,
+                           "ignore_eos": True}).encode()
+        request = (f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+                   f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode() + body
         if stop.wait(0.2 * i):
             return
         while not stop.is_set():
-            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as resp:
-                for _ in resp.iter_lines():
-                    if stop.is_set():
-                        return
+            with socket.create_connection((host, int(port)), timeout=10) as conn:
+                conn.sendall(request)
+                conn.settimeout(0.2)
+                while not stop.is_set():
+                    try:
+                        if not conn.recv(65536):
+                            break                            # answered (connection: close): send the next
+                    except TimeoutError:
+                        pass
 
     threads = [threading.Thread(target=hog, args=(i,), daemon=True) for i in range(requests)]
     for t in threads:
