@@ -24,9 +24,8 @@ _scrapes: "weakref.WeakKeyDictionary[WorkerRegistry, dict[str, asyncio.Task]]" =
 
 
 async def get_within(client: httpx.AsyncClient, url: str, timeout_s: float) -> httpx.Response:
-    """GET with `timeout_s` for the whole exchange: httpx's timeout bounds each read, so a page sent
-    in slow pieces (a vLLM API server busy streaming to a dozen clients took 10-20 s to send its
-    /metrics here) would hold the round, and every other worker's check with it."""
+    """GET with `timeout_s` for the whole exchange: httpx's timeout bounds each read, so an answer
+    sent in slow pieces (see LOAD_SCRAPE_DEADLINE_S) would otherwise hold its caller much longer."""
     return await asyncio.wait_for(client.get(url, timeout=timeout_s), timeout_s)
 
 
