@@ -11,7 +11,7 @@ from engine.model import choices
 from engine.model.forward_batch import ForwardBatch, HybridCacheTensors, SequenceSlice
 from engine.model.fused import fuse_linears, project
 from engine.model.kda_ops import (causal_conv_step, causal_conv_with_state, kda_chunked, kda_gate,
-                                  kda_recurrent)
+                                  kda_recurrent, kda_recurrent_step_)
 from engine.model.layers import l2norm, rms_norm, upcast
 
 
@@ -152,15 +152,21 @@ class KimiDeltaAttention(nn.Module):
         out[rows] = self._decode_rows(qkv[rows], g[rows], beta[rows], conv_w, batch,
                                       _decode_slots(idx, batch, qkv.device))
 
-    def _decode_rows(self, qkv, g, beta, conv_w, batch: ForwardBatch, slots: torch.Tensor) -> torch.Tensor:
-        """One recurrent step for rows that are one token each of the sequences in KDA `slots`."""
+    def _decode_rows(self, qkv, g, beta, conv_w, batch: ForwardBatch, slots: torch.Tensor | slice) -> torch.Tensor:
+        """One recurrent step for rows that are one token each of the sequences in KDA `slots`.
+
+        Consecutive slots (a slice; always so at batch 1) are a view of the cache, updated in place;
+        others are gathered and scattered back. Both give the same values bitwise."""
         conv_store = batch.cache.kda_conv[self.layer_id]
         rec_store = batch.cache.kda_recurrent[self.layer_id]
         mixed, new_conv = causal_conv_step(qkv, conv_w, conv_store[slots])
         conv_store[slots] = new_conv
         q, k, v = self._split_qkv(mixed)
+        scale = self.head_dim ** -0.5
+        if isinstance(slots, slice) and rec_store.dtype == torch.float32:
+            return kda_recurrent_step_(q, k, v, g, beta, rec_store[slots], scale)
         o, new_rec = kda_recurrent(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None],
-                                   rec_store[slots], self.head_dim ** -0.5)
+                                   rec_store[slots], scale)
         rec_store[slots] = new_rec
         return o[:, 0]
 
@@ -222,12 +228,14 @@ class KimiDeltaAttention(nn.Module):
         return kda_chunked(q, k, v, g, beta, state, scale, opts.chunk_size)
 
 
-def _decode_slots(idx: list[int], batch: ForwardBatch, device: torch.device) -> torch.Tensor:
-    """The KDA slots of the one-token slices `idx`: the same for every KDA layer of a forward, so
-    built once per batch."""
+def _decode_slots(idx: list[int], batch: ForwardBatch, device: torch.device) -> torch.Tensor | slice:
+    """The KDA slots of the one-token slices `idx` (a slice when they are consecutive): the same for
+    every KDA layer of a forward, so built once per batch."""
     cached = getattr(batch, "_kda_decode_slots", None)
     if cached is not None and cached[0] == idx:
         return cached[1]
-    slots = torch.tensor([batch.slices[i].kda_slot for i in idx], device=device)
+    ids = [batch.slices[i].kda_slot for i in idx]
+    consecutive = all(b == a + 1 for a, b in zip(ids, ids[1:]))
+    slots = slice(ids[0], ids[-1] + 1) if consecutive else torch.tensor(ids, device=device)
     batch._kda_decode_slots = (list(idx), slots)
     return slots

@@ -70,6 +70,22 @@ def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     return torch.stack(outs, dim=1), s
 
 
+def kda_recurrent_step_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                        state: torch.Tensor, scale: float) -> torch.Tensor:
+    """One token for B sequences, updating the fp32 `state` [B, H, K, V] in place (a view of the cache).
+
+    q, k: [B, H, K]; v: [B, H, V]; g: [B, H, K]; beta: [B, H]. Returns o [B, H, V] fp32. The arithmetic
+    of one `kda_recurrent` step, operation for operation, so the two agree bitwise; in place, the
+    state is neither gathered out of the cache nor scattered back (two state copies per layer and step).
+    """
+    q, k, v, g, beta = upcast(q) * scale, upcast(k), upcast(v), upcast(g), upcast(beta)
+    state.mul_(g.exp()[..., None])
+    kv_mem = (k[:, :, None, :] @ state).squeeze(-2)                      # S^T k: [B, H, V]
+    delta = beta[:, :, None] * (v - kv_mem)
+    state.add_(k[:, :, :, None] * delta[:, :, None, :])
+    return (q[:, :, None, :] @ state).squeeze(-2)
+
+
 def _pad_time(x: torch.Tensor, total: int) -> torch.Tensor:
     pad = total - x.shape[0]
     return x if pad == 0 else torch.cat([x, x.new_zeros((pad, *x.shape[1:]))])

@@ -88,9 +88,9 @@ class GatedMLA(nn.Module):
             if not s.num_new_tokens or i in batched:
                 continue
             rows = slice(start, start + s.num_new_tokens)
-            flat_pages[self._slot_index(s, s.num_cached_tokens, s.num_total_tokens, batch)] = \
-                latent[rows].to(flat_pages.dtype)
-            context = flat_pages[self._slot_index(s, 0, s.num_total_tokens, batch)].to(q.dtype)
+            write, read = _slice_slots(i, s, batch)
+            flat_pages[write] = latent[rows].to(flat_pages.dtype)
+            context = flat_pages[read].to(q.dtype)
             out[rows] = self._attend(q[rows], context, s.num_cached_tokens)
         return out
 
@@ -132,12 +132,6 @@ class GatedMLA(nn.Module):
         """Build the absorbed weights once for capture-safe decode steps (graphs read fixed weights)."""
         self._frozen_absorb = tuple(w.contiguous() for w in self._absorb_weights())
 
-    @staticmethod
-    def _slot_index(s: SequenceSlice, lo: int, hi: int, batch: ForwardBatch) -> torch.Tensor:
-        bs = batch.cache.block_size
-        pos = torch.arange(lo, hi, device=s.block_table.device)
-        return s.block_table[pos // bs] * bs + pos % bs
-
     def _use_absorbed(self, num_new: int) -> bool:
         mode = self.options.mode
         return mode == "absorbed" or (mode == "auto" and num_new <= self.options.absorb_max_tokens)
@@ -162,8 +156,10 @@ class GatedMLA(nn.Module):
     def _attend(self, q: torch.Tensor, context: torch.Tensor, num_cached: int) -> torch.Tensor:
         """q: [t, H, nope+rope]; context: [ctx+t, kv_lora+rope] -> [t, H, v_dim]; causal."""
         t, total = q.shape[0], context.shape[0]
-        q_pos = torch.arange(num_cached, num_cached + t, device=q.device)
-        mask = torch.arange(total, device=q.device)[None, :] > q_pos[:, None]          # [t, total]
+        mask = None                   # the last token of the context sees all of it: nothing to mask
+        if num_cached + t < total or t > 1:
+            q_pos = torch.arange(num_cached, num_cached + t, device=q.device)
+            mask = torch.arange(total, device=q.device)[None, :] > q_pos[:, None]      # [t, total]
         q_nope, q_pe = upcast(q).split([self.nope, self.rope], dim=-1)
         c, k_pe = upcast(context).split([self.kv_lora, self.rope], dim=-1)
         w_uk, w_uv = self._absorb_weights()
@@ -171,15 +167,32 @@ class GatedMLA(nn.Module):
         pe_scores = q_pe @ k_pe.t()                                                     # [H, t, total]
         if self._use_absorbed(t):
             ql = q_nope @ w_uk                                                          # [H, t, kv_lora]
-            probs = torch.softmax(((ql @ c.t() + pe_scores) * self.scale).masked_fill(mask, float("-inf")), dim=-1)
+            probs = torch.softmax(_masked((ql @ c.t() + pe_scores) * self.scale, mask), dim=-1)
             out = (probs @ c) @ w_uv.transpose(1, 2)                                    # latent out -> [H, t, v]
         else:
             k_nope = c @ w_uk.transpose(1, 2)                                           # [H, total, nope]
             v = c @ w_uv.transpose(1, 2)                                                # [H, total, v]
             scores = q_nope @ k_nope.transpose(1, 2) + pe_scores
-            probs = torch.softmax((scores * self.scale).masked_fill(mask, float("-inf")), dim=-1)
+            probs = torch.softmax(_masked(scores * self.scale, mask), dim=-1)
             out = probs @ v
         return out.transpose(0, 1).to(q.dtype)
+
+
+def _masked(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    return scores if mask is None else scores.masked_fill(mask, float("-inf"))
+
+
+def _slice_slots(i: int, s: SequenceSlice, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cache slots of slice i's new tokens, of its whole context): the same for every MLA layer of a
+    forward (they share block tables), so built once per batch."""
+    memo = batch.__dict__.setdefault("_mla_slice_slots", {})
+    slots = memo.get(i)
+    if slots is None:
+        bs = batch.cache.block_size
+        pos = torch.arange(0, s.num_total_tokens, device=s.block_table.device)
+        read = s.block_table[pos // bs] * bs + pos % bs
+        slots = memo[i] = (read[s.num_cached_tokens:], read)
+    return slots
 
 
 def _decode_plan(idx: list[int], batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,0 +1,102 @@
+"""Decode-step shortcuts (issue 17's batch-1 overhead) give bitwise the values of the general paths.
+
+- `kda_recurrent_step_` (the state updated in place in the cache) == one `kda_recurrent` step;
+- a KDA decode over consecutive slots (a cache view, in place) == the gather/scatter over a slot tensor,
+  outputs and both cache states;
+- the one-token MoE dispatch == the sorted dispatch on the same token, also under expert parallelism;
+- `rms_norm` through torch's `F.rms_norm` (fp32/fp64) == the seven-op formula; bf16 keeps the formula.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.model.forward_batch import ForwardBatch, HybridCacheTensors, SequenceSlice
+from engine.model.kda import KimiDeltaAttention, _decode_slots
+from engine.model.kda_ops import kda_recurrent, kda_recurrent_step_
+from engine.model.layers import l2norm, rms_norm
+from engine.model.moe import LatentMoE, route
+from tests.engine.conftest import tiny_model
+
+
+def test_in_place_recurrent_step_equals_one_recurrent_step():
+    gen = torch.Generator().manual_seed(3)
+    b, h, k = 3, 4, 16
+    q, kk = l2norm(torch.randn(b, h, k, generator=gen)), l2norm(torch.randn(b, h, k, generator=gen))
+    v = torch.randn(b, h, k, generator=gen)
+    g = -5.0 * torch.sigmoid(torch.randn(b, h, k, generator=gen))
+    beta = torch.sigmoid(torch.randn(b, h, generator=gen))
+    state = torch.randn(b, h, k, k, generator=gen)
+    ref_o, ref_s = kda_recurrent(q[:, None], kk[:, None], v[:, None], g[:, None], beta[:, None], state, k ** -0.5)
+    in_place = state.clone()
+    o = kda_recurrent_step_(q, kk, v, g, beta, in_place, k ** -0.5)
+    assert torch.equal(o, ref_o[:, 0]) and torch.equal(in_place, ref_s)
+
+
+def _kda_and_cache(model):
+    layer = next(m for m in model.modules() if isinstance(m, KimiDeltaAttention))
+    cfg = model.config.text_config
+    cache = HybridCacheTensors.allocate(cfg, num_blocks=8, num_slots=6, block_size=4, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(5)
+    for store in (cache.kda_conv[layer.layer_id], cache.kda_recurrent[layer.layer_id]):
+        store.copy_(torch.randn(store.shape, generator=gen))
+    return layer, cache
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_kda_decode_in_place_over_consecutive_slots_equals_gather_scatter(rows):
+    model = tiny_model()
+    layer, cache = _kda_and_cache(model)
+    other = HybridCacheTensors(block_size=cache.block_size, mla_pages=cache.mla_pages,
+                               kda_conv={i: t.clone() for i, t in cache.kda_conv.items()},
+                               kda_recurrent={i: t.clone() for i, t in cache.kda_recurrent.items()})
+    x = torch.randn(rows, model.config.text_config.hidden_size, generator=torch.Generator().manual_seed(9))
+
+    def decode(c: HybridCacheTensors, as_tensor: bool) -> torch.Tensor:
+        batch = ForwardBatch([SequenceSlice(1, 5, 2 + r, torch.tensor([0, 1])) for r in range(rows)], c)
+        slots = _decode_slots(list(range(rows)), batch, x.device)
+        assert isinstance(slots, slice)                   # consecutive slots 2.. are a view
+        if as_tensor:
+            batch._kda_decode_slots = (list(range(rows)), torch.arange(slots.start, slots.stop))
+        with torch.inference_mode():
+            return layer(x, batch)
+
+    assert torch.equal(decode(cache, as_tensor=False), decode(other, as_tensor=True))
+    lid = layer.layer_id
+    assert torch.equal(cache.kda_conv[lid], other.kda_conv[lid])
+    assert torch.equal(cache.kda_recurrent[lid], other.kda_recurrent[lid])
+
+
+@pytest.mark.parametrize("expert_range", [None, (2, 6)])
+def test_one_token_moe_equals_sorted_dispatch(expert_range):
+    model = tiny_model()
+    model.fuse_linears()
+    moe = next(m for m in model.modules() if isinstance(m, LatentMoE))
+    moe.expert_range = expert_range
+    gen = torch.Generator().manual_seed(11)
+    latent = moe.routed_expert_down_proj.weight.shape[0]
+    for _ in range(20):
+        h = torch.randn(1, latent, generator=gen)
+        logits = torch.randn(1, len(moe.experts), generator=gen)
+        # 4 of them (the tiny preset routes 2): with 3 or more terms the order of the sum shows
+        weights, ids = route(logits, moe.gate.e_score_correction_bias, 4, moe.renormalize, moe.scaling)
+        fast = moe._routed_dispatch(h, weights, ids)
+        assert torch.equal(fast, moe._sorted_dispatch(h, weights, ids))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(1, 1024), (5, 64), (2, 3, 128)])
+def test_rms_norm_is_the_formula_bitwise(dtype, shape):
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(shape, generator=gen) * 7).to(dtype)
+    w = torch.randn(shape[-1], generator=gen).to(dtype)
+    ref = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    assert torch.equal(rms_norm(x, w, 1e-5), ref)
+    assert torch.equal(rms_norm(x, None, 1e-5), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+
+
+def test_rms_norm_of_bf16_multiplies_the_weight_in_fp32():
+    x = torch.randn(4, 64).bfloat16()
+    w = torch.randn(64)
+    xf = x.float()
+    assert torch.equal(rms_norm(x, w, 1e-5), (w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5))).bfloat16())
