@@ -2,22 +2,45 @@
 from __future__ import annotations
 
 import torch
-from engine.model.layers import upcast
+from engine.model.layers import cast, upcast
 from torch import nn
 
 
 def attn_res(sources: list[torch.Tensor], proj_weight: torch.Tensor, norm_weight: torch.Tensor,
-             eps: float) -> torch.Tensor:
+             eps: float, query: torch.Tensor | None = None) -> torch.Tensor:
     """Mix `sources` (completed blocks then the partial sum, each [T, D]) for every token.
 
-    Keys are the sources RMS-normalised WITHOUT weight; the pseudo-query is norm.w * proj.w; the
-    output is the softmax-weighted sum of the UN-normalised sources, cast to the sources' dtype.
+    Keys are the sources RMS-normalised WITHOUT weight; the pseudo-query is norm.w * proj.w (pass
+    `query`, from `site_query`, to skip recomputing it); the output is the softmax-weighted sum of
+    the UN-normalised sources, cast to the sources' dtype.
     """
     v = upcast(torch.stack(sources, dim=1))                                   # [T, n, D]
     keys = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
-    query = upcast(norm_weight) * upcast(proj_weight).view(-1)
+    if query is None:
+        query = pseudo_query(proj_weight, norm_weight)
     probs = torch.softmax(keys @ query, dim=-1)                                # [T, n]
-    return (probs[:, None, :] @ v).squeeze(1).to(sources[-1].dtype)
+    return cast((probs[:, None, :] @ v).squeeze(1), sources[-1].dtype)
+
+
+def pseudo_query(proj_weight: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:
+    return upcast(norm_weight) * upcast(proj_weight).view(-1)
+
+
+def site_query(owner: nn.Module, proj: nn.Module, norm: nn.Module) -> torch.Tensor | None:
+    """One AttnRes site's pseudo-query, kept on `owner` for inference (a decode step has 2 per layer).
+
+    Keyed on both weights' storage and version, so a reload or an in-place update rebuilds it; None
+    (compute it in the graph) when grad is on or under torch.compile (a traced step reads no cache).
+    """
+    if torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return None
+    pw, nw = proj.weight, norm.weight
+    key = (pw.data_ptr(), pw._version, nw.data_ptr(), nw._version)
+    cache = owner.__dict__.setdefault("_attn_res_queries", {})
+    hit = cache.get(id(proj))
+    if hit is None or hit[0] != key:
+        hit = cache[id(proj)] = (key, pseudo_query(pw, nw))
+    return hit[1]
 
 
 class AttnResWeights(nn.Module):

@@ -135,6 +135,10 @@ class FusedProjections:
         self._float = [isinstance(g, nn.Linear) for g in self.groups]
         self._member_list, self._chunk_sizes = list(members), list(chunks)
         self._merged_float = merged_float
+        # One GEMM whose chunks tile its columns in order: one `split` makes every chunk's view.
+        tiles = len(self.groups) == 1 and all(isinstance(c, tuple) for c in self.chunks) and all(
+            a[2] == b[1] for a, b in zip(self.chunks, self.chunks[1:])) and self.chunks[0][1] == 0
+        self._split_sizes = [hi - lo for _, lo, hi in self.chunks] if tiles else None
 
     def _members(self, x: torch.Tensor) -> list[torch.Tensor]:
         return _one_by_one(self._member_list, x, self._chunk_sizes)
@@ -143,6 +147,8 @@ class FusedProjections:
         if x.shape[0] > FUSED_GEMM_MAX_ROWS and self._merged_float:
             return self._members(x)
         outs = [F.linear(x, g.weight) if is_float else _apply(g, x) for g, is_float in zip(self.groups, self._float)]
+        if self._split_sizes is not None:
+            return list(outs[0].split(self._split_sizes, dim=-1))
         result = []
         for chunk in self.chunks:
             if isinstance(chunk, tuple):

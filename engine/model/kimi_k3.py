@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from shared.model_config import ModelConfig, TextConfig
-from engine.model.attnres import AttnResWeights, attn_res
+from engine.model.attnres import AttnResWeights, attn_res, site_query
 from engine.model.forward_batch import ForwardBatch
 from engine.model.kda import KDAOptions, KimiDeltaAttention
 from engine.model.layers import RMSNorm, SiTUMLP
@@ -69,7 +69,7 @@ class DecoderLayer(nn.Module):
         return prefix_sum + self.ffn(self.post_attention_layernorm(x), batch.decode is not None)
 
     def _mix(self, partial: torch.Tensor, blocks: list[torch.Tensor], proj: nn.Linear, norm: nn.Module) -> torch.Tensor:
-        return attn_res([*blocks, partial], proj.weight, norm.weight, self.eps)
+        return attn_res([*blocks, partial], proj.weight, norm.weight, self.eps, site_query(self, proj, norm))
 
 
 class KimiK3TextModel(nn.Module):
@@ -96,7 +96,7 @@ class KimiK3TextModel(nn.Module):
                 by_layer[layer.layer_id] = h          # the AttnRes block's partial sum after this layer
         batch.captured = [by_layer[i] for i in batch.capture_layers]
         h = attn_res([*blocks, h], self.output_attn_res_proj.weight, self.output_attn_res_norm.weight,
-                     self.cfg.rms_norm_eps)
+                     self.cfg.rms_norm_eps, site_query(self, self.output_attn_res_proj, self.output_attn_res_norm))
         return self.norm(h)
 
 

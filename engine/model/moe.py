@@ -167,11 +167,8 @@ class LatentMoE(nn.Module):
         inter = gate_up.shape[-1] // 2
         act = situ(gate_up[:, :inter], gate_up[:, inter:], self.beta, self.linear_beta)
         out = _cat([F.linear(act[i: i + 1], gemms[e - local.start][3]) for i, (e, _) in enumerate(chosen)])
-        weighted = upcast(out) * weights[0, [slot for _, slot in chosen]].unsqueeze(1)
-        y = weighted[0:1]
-        for i in range(1, len(chosen)):
-            y = y + weighted[i: i + 1]
-        return y
+        # a sum over rows adds them in order, bitwise as the scatter does (test_decode_fast_paths)
+        return (upcast(out) * weights[0, [slot for _, slot in chosen]].unsqueeze(1)).sum(0, keepdim=True)
 
     def _any_experts(self, rows: torch.Tensor, counts: list[int], local: range) -> torch.Tensor:
         """Expert outputs of `rows` (grouped by expert, `counts[e]` each) through the expert modules."""
