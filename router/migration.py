@@ -39,8 +39,40 @@ class RelayedStream:
         self._parser, self.continuation = SSEParser(), True
 
     def feed(self, chunk: bytes) -> bytes:
-        """The client's bytes for this upstream chunk (complete events only; a partial one waits)."""
-        return b"".join(self._event(e) for e in self._parser.feed(chunk))
+        """The client's bytes for this upstream chunk (complete events only; a partial one waits).
+
+        The common chunk (whole one-line `data:` events) is read without building SSEEvents, and
+        forwarded as it came when the relay changes none of its events."""
+        datas = self._parser.whole_data(chunk)
+        if datas is None:
+            return b"".join(self._event(e) for e in self._parser.feed(chunk))
+        outs = [self._data_event(d) for d in datas]
+        if all(out is None for out in outs):
+            return chunk
+        return b"".join(b"data: " + d + b"\n\n" if out is None else out for d, out in zip(datas, outs))
+
+    def _data_event(self, data: bytes) -> bytes | None:
+        """`_event` for one `data:` line's bytes: the client's bytes, or None for the event unchanged."""
+        if data == b"[DONE]":
+            self.done = True
+            return None
+        if b'"error"' in data:
+            return self._event(SSEEvent(data.decode("utf-8", errors="replace")))
+        try:
+            body = orjson.loads(data)
+        except orjson.JSONDecodeError:                 # not JSON, or not UTF-8: as the line parser frames it
+            return _frame(SSEEvent(data.decode("utf-8", errors="replace")))
+        if not isinstance(body, dict):
+            return None
+        changed, role_only = self._track(body)
+        if self.continuation and role_only:
+            return b""                                 # the client already has the role chunk
+        if self.response_id is None:
+            self.response_id, self.created = body.get("id"), body.get("created")
+        elif "id" in body and (body["id"] != self.response_id or body.get("created") != self.created):
+            body["id"], body["created"] = self.response_id, self.created
+            changed = True
+        return b"data: " + orjson.dumps(body) + b"\n\n" if changed else None
 
     def _event(self, event: SSEEvent) -> bytes:
         if event.is_done:
@@ -55,8 +87,20 @@ class RelayedStream:
             return _frame(event)
         if not isinstance(body, dict):
             return _frame(event)
+        _, role_only = self._track(body)
+        if self.continuation and role_only:
+            return b""                                 # the client already has the role chunk
+        if self.response_id is None:
+            self.response_id, self.created = body.get("id"), body.get("created")
+        elif "id" in body:
+            body["id"], body["created"] = self.response_id, self.created
+        return b"data: " + orjson.dumps(body) + b"\n\n"
+
+    def _track(self, body: dict[str, Any]) -> tuple[bool, bool]:
+        """Record the chunk's token ids and finish, strip the ids unless the client asked for them:
+        (whether the body changed, whether it is a role-only chunk)."""
         choices = body.get("choices") if isinstance(body.get("choices"), list) else []
-        role_only = False
+        role_only = changed = False
         for choice in choices:
             if not isinstance(choice, dict):
                 continue
@@ -65,18 +109,13 @@ class RelayedStream:
                 self.token_ids += [t for t in ids if isinstance(t, int)]
             elif _has_content(choice):
                 self.untracked = True
+            changed = changed or (not self.keep_token_ids and ids is not None)
             if choice.get("finish_reason"):
                 self.finished = True
             delta = choice.get("delta")
             role_only = role_only or (isinstance(delta, dict) and "role" in delta and not delta.get("content")
                                       and len(choices) == 1 and not choice.get("finish_reason"))
-        if self.continuation and role_only:
-            return b""                                 # the client already has the role chunk
-        if self.response_id is None:
-            self.response_id, self.created = body.get("id"), body.get("created")
-        elif "id" in body:
-            body["id"], body["created"] = self.response_id, self.created
-        return b"data: " + orjson.dumps(body) + b"\n\n"
+        return changed, role_only
 
     @property
     def resumable(self) -> bool:

@@ -99,10 +99,9 @@ class SSEParser:
         return bool(self._buf or self._data or self._event)
 
     def feed(self, chunk: bytes) -> list[SSEEvent]:
-        if not (self._buf or self._data or self._event is not None or self._skip_lf):
-            events = self._whole_data_events(chunk)
-            if events is not None:
-                return events
+        events = self._whole_data_events(chunk)
+        if events is not None:
+            return events
         if self._skip_lf and chunk:
             chunk = chunk[1:] if chunk[:1] == b"\n" else chunk
             self._skip_lf = False
@@ -119,19 +118,26 @@ class SSEParser:
         del self._buf[:start]
         return events
 
-    def _whole_data_events(self, chunk: bytes) -> list[SSEEvent] | None:
-        """The common chunk, read in one scan: whole events of one `data: ` line each, LF line ends
-        (what every OpenAI server sends, one event per token). None for anything else (comments,
-        `event:`/`id:` fields, CR line ends, a partial event, a byte-order mark), which the line
-        parser then reads; on the chunks it accepts both give the same events."""
-        if not chunk.endswith(b"\n\n") or b"\r" in chunk:
+    def whole_data(self, chunk: bytes) -> list[bytes] | None:
+        """The data bytes of each event when `chunk` is whole events of one `data: ` line each, LF
+        line ends, and nothing is pending (what every OpenAI server sends, one event per token): a
+        relay's common chunk, read in one scan without building events; the parser's state is then
+        as after `feed`. None for anything else (comments, `event:`/`id:` fields, CR line ends, a
+        partial event, a byte-order mark, bytes pending from an earlier chunk): `feed` it."""
+        if (self._buf or self._data or self._event is not None or self._skip_lf
+                or not chunk.endswith(b"\n\n") or b"\r" in chunk):
             return None
         pieces = chunk[:-2].split(b"\n\n")
         for piece in pieces:
             if not piece.startswith(b"data: ") or b"\n" in piece:
                 return None
         self._at_start = False
-        return [SSEEvent(piece[6:].decode("utf-8", errors="replace"), None, self._id) for piece in pieces]
+        return [piece[6:] for piece in pieces]
+
+    def _whole_data_events(self, chunk: bytes) -> list[SSEEvent] | None:
+        """`whole_data` as events; on the chunks it accepts the line parser gives the same events."""
+        data = self.whole_data(chunk)
+        return None if data is None else [SSEEvent(d.decode("utf-8", errors="replace"), None, self._id) for d in data]
 
     def _line(self, line: str) -> SSEEvent | None:
         if self._at_start:

@@ -62,3 +62,29 @@ def test_error_events_pass_through_and_are_counted():
     s = RelayedStream(keep_token_ids=False)
     out = s.feed(b'event: error\ndata: {"error": {"message": "x", "type": "server_error"}}\n\ndata: [DONE]\n\n')
     assert s.errors == 1 and s.done and out.startswith(b"event: error\n")
+
+
+def _state(s: RelayedStream) -> tuple:
+    return s.token_ids, s.response_id, s.created, s.finished, s.done, s.errors, s.untracked
+
+
+def test_one_event_per_chunk_is_relayed_as_a_stream_read_whole():
+    """The one-event chunk's shortcut (no SSEEvent; forwarded as it came unless changed) gives the same
+    events and the same view as the general parser reading the same stream in one piece."""
+    stream = [chunk({"role": "assistant", "content": ""}, [], cid="c1"), chunk({"content": "a"}, [5], cid="c1"),
+              chunk({"content": "b"}, cid="c1"), chunk({"content": "c"}, [6, 7], cid="c-other"),
+              b'data: {"error": {"message": "boom", "type": "server_error"}}\n\n',
+              b"data: not json\n\n", b"data: [1, 2]\n\n",
+              chunk({}, [8], finish="stop", cid="c1"), b"data: [DONE]\n\n"]
+    for keep in (False, True):
+        per_event, whole = RelayedStream(keep_token_ids=keep), RelayedStream(keep_token_ids=keep)
+        pieces = [per_event.feed(c) for c in stream]
+        assert events(b"".join(pieces)) == events(whole.feed(b"".join(stream)))
+        assert _state(per_event) == _state(whole)
+        assert pieces[2] == stream[2]                    # nothing to change: the upstream's bytes as they came
+        assert events(pieces[3])[0]["id"] == "c1"        # re-named under the first response id
+        assert ("token_ids" in events(pieces[1])[0]["choices"][0]) == keep
+    assert per_event.errors == 1 and per_event.done and per_event.untracked
+    calm = RelayedStream(keep_token_ids=False)
+    plain = chunk({"role": "assistant", "content": ""}) + chunk({"content": "x"}) + b"data: [DONE]\n\n"
+    assert calm.feed(plain) is plain and calm.done     # several events, none changed: the chunk itself
