@@ -46,7 +46,7 @@ from kimi_pd.bench.client import COMPLETIONS, RequestSettings
 from kimi_pd.bench.datasets import SampleRequest, sample_random
 from kimi_pd.bench.runner import RunSettings, run_requests
 from kimi_pd.bench.tokenizer import TokenPool, load_tokenizer
-from kimi_pd.up import free_port
+from shared.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"

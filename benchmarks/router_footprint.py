@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from shared.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = ("router", "shared", "engine", "worker", "kv_transfer", "prefill_worker", "decode_worker", "kimi_pd")
@@ -36,12 +37,6 @@ elapsed = time.perf_counter() - t
 print(json.dumps({{"import_s": elapsed, "torch": "torch" in sys.modules, "engine": "engine" in sys.modules,
                   "project_modules": sum(m.split(".")[0] in {PROJECT!r} for m in sys.modules)}}))
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def env_for(tree: Path) -> dict[str, str]:

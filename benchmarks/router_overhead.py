@@ -29,7 +29,6 @@ import math
 import os
 import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,6 +44,7 @@ import httpx
 
 from benchmarks.peers import ensure_venv, peers_for, proc_usage
 from benchmarks.stub_worker import token_text
+from shared.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "router_overhead.json"
@@ -61,12 +61,6 @@ class BenchError(RuntimeError):
 
 
 # ---- processes ------------------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _die_with_parent() -> None:
     """Linux: the child gets SIGTERM if this process dies, so no server outlives a killed benchmark."""

@@ -47,6 +47,7 @@ from kv_transfer.interface import (
 from kv_transfer.payload import ModelIdentity, TransferPayload, byte_view
 from kv_transfer.sideband import SidebandSender
 from kv_transfer.wire import Gmac
+from shared.net import free_port as _free_port
 
 MLA_LAYERS, LATENT, KDA_LAYERS, HEADS, HEAD_DIM, CONV = 24, 576, 69, 96, 128, 3
 IDENTITY = ModelIdentity("kimi-k3-bench", "bfloat16", "KKKM" * 23, 64)
@@ -356,11 +357,6 @@ def _load() -> list[float] | None:
         return [round(x, 2) for x in os.getloadavg()]
     except OSError:
         return None
-
-
-def _free_port() -> int:
-    with socket.create_server(("127.0.0.1", 0)) as probe:
-        return probe.getsockname()[1]
 
 
 def summarize(results: dict[str, dict]) -> dict:

@@ -7,7 +7,6 @@ an engine with TP > 1 owns the default process group until `close()`.
 from __future__ import annotations
 
 import datetime
-import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,12 +14,6 @@ import torch
 import torch.distributed as dist
 
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def rank_device(device: str, rank: int) -> str:

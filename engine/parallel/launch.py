@@ -21,7 +21,8 @@ from engine.checkpoint.loader import load_checkpoint
 from engine.dtypes import torch_dtype
 from engine.model.kda import KDAOptions
 from engine.model.kimi_k3 import KimiK3ForConditionalGeneration, ModelOptions
-from engine.parallel.comm import TPGroup, free_port, rank_device
+from engine.parallel.comm import TPGroup, rank_device
+from shared.net import free_port
 from engine.parallel.config import ParallelConfig
 from engine.parallel.runner import TPModelRunner
 from engine.parallel.shard import shard_model

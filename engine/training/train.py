@@ -31,6 +31,7 @@ from shared.prompt.hf_files import save_tokenizer
 from shared.prompt.tokenizer import KimiTokenizer
 from engine.training.corpus import Example, Mix, build_tokenizer, sample_example
 from engine.training.dense_forward import dense_logits
+from shared.net import free_port as _free_port
 
 log = logging.getLogger(__name__)
 
@@ -174,13 +175,6 @@ def train(cfg: TrainConfig, out: str | Path | None, progress: bool = True) -> di
     if isinstance(result, BaseException):
         raise result
     return result
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(rank: int, port: int, cfg: TrainConfig, out: str | Path | None, progress: bool, results) -> None:

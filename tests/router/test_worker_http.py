@@ -3,13 +3,13 @@ failure the orchestrator acts on (router.upstream.classify), and keep-alive reus
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import pytest
 
 from router.upstream import classify
 from router.worker_http import (ConnectFailed, Disconnected, InvalidRequest, Origin, ProtocolError, ReadTimeout,
                                 WorkerClient)
+from shared.net import free_port as _free_port
 
 OK_BODY = b'{"ok": true}'
 
@@ -51,12 +51,6 @@ class RawServer:
 async def _post(client: WorkerClient, url: str, body: bytes = b"{}", read_timeout: float = 2.0, headers=None):
     return await client.post(client.origin(url), "/v1/chat/completions", body, headers or {"x-request-id": "r1"},
                              connect_timeout=1.0, read_timeout=read_timeout)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(coro):

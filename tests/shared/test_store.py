@@ -27,7 +27,8 @@ from shared.store import (
     StoreUnavailable,
     make_store,
 )
-from shared.store.embedded import EmbeddedValkeyError, find_server_binary, free_port
+from shared.net import free_port
+from shared.store.embedded import EmbeddedValkeyError, find_server_binary
 from shared.workers import LoadReport, WorkerInfo
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(20)]
