@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import torch
-from engine.model.layers import cast, upcast
+from engine.model.layers import cast, rms_norm, upcast
 from torch import nn
 
 
@@ -15,7 +15,7 @@ def attn_res(sources: list[torch.Tensor], proj_weight: torch.Tensor, norm_weight
     the UN-normalised sources, cast to the sources' dtype.
     """
     v = upcast(torch.stack(sources, dim=1))                                   # [T, n, D]
-    keys = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
+    keys = rms_norm(v, None, eps)           # v * rsqrt(mean(v^2) + eps), one call in fp32/fp64
     if query is None:
         query = pseudo_query(proj_weight, norm_weight)
     probs = torch.softmax(keys @ query, dim=-1)                                # [T, n]

@@ -27,9 +27,11 @@ def cast(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """`w * (x_f32 * rsqrt(mean(x_f32^2) + eps))`, cast back to x's dtype (MODEL.md section 2).
 
-    In fp32/fp64 with a weight of x's dtype, torch's `rms_norm` is that formula, bitwise (test_layers),
-    in one call instead of seven (a decode step makes ~50)."""
-    if x.dtype in _ACCUMULATION_DTYPES and (weight is None or weight.dtype == x.dtype):
+    For inference in fp32/fp64 with a weight of x's dtype, torch's `rms_norm` is that formula, bitwise
+    (test_decode_fast_paths), in one call instead of seven (a decode step makes ~75). Training keeps
+    the formula: its backward is the one the shipped checkpoint was trained with."""
+    if (x.dtype in _ACCUMULATION_DTYPES and (weight is None or weight.dtype == x.dtype)
+            and not torch.is_grad_enabled()):
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = upcast(x)
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
