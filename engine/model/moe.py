@@ -164,9 +164,8 @@ class LatentMoE(nn.Module):
             return torch.zeros(h.shape, dtype=upcast(h).dtype, device=h.device)
         row = h.contiguous()
         gate_up = _cat([F.linear(row, gemms[e - local.start][0]) for e, _ in chosen])
-        inter = gate_up.shape[-1] // 2
-        act = situ(gate_up[:, :inter], gate_up[:, inter:], self.beta, self.linear_beta)
-        out = _cat([F.linear(act[i: i + 1], gemms[e - local.start][3]) for i, (e, _) in enumerate(chosen)])
+        act = situ(*gate_up.split(gate_up.shape[-1] // 2, dim=-1), self.beta, self.linear_beta)
+        out = _cat([F.linear(a, gemms[e - local.start][3]) for a, (e, _) in zip(act.split(1), chosen)])
         # a sum over rows adds them in order, bitwise as the scatter does (test_decode_fast_paths)
         return (upcast(out) * weights[0, [slot for _, slot in chosen]].unsqueeze(1)).sum(0, keepdim=True)
 
