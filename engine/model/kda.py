@@ -12,7 +12,7 @@ from engine.model.forward_batch import ForwardBatch, HybridCacheTensors, Sequenc
 from engine.model.fused import fuse_linears, project
 from engine.model.kda_ops import (causal_conv_step, causal_conv_with_state, kda_chunked, kda_gate,
                                   kda_recurrent, kda_recurrent_step_)
-from engine.model.layers import l2norm, rms_norm, upcast
+from engine.model.layers import cast, l2norm, rms_norm, upcast
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ class KimiDeltaAttention(nn.Module):
             out = self._forward_slices(qkv, g, beta, batch)
         gate = gate.view(-1, h, k)
         y = upcast(rms_norm(out, self.o_norm.weight, self.eps)) * torch.sigmoid(upcast(gate))
-        return self.o_proj(y.to(x.dtype).reshape(x.shape[0], h * k))
+        return self.o_proj(cast(y, x.dtype).reshape(x.shape[0], h * k))
 
     def _input_linears(self) -> tuple[nn.Module, ...]:
         """Every projection of the layer input x, in the order `project` returns them (q, k, v first,

@@ -8,7 +8,7 @@ Two forms compute it: `kda_recurrent` (one token at a time, batched over sequenc
 from __future__ import annotations
 
 import torch
-from engine.model.layers import upcast
+from engine.model.layers import cast, upcast
 import torch.nn.functional as F
 
 
@@ -34,17 +34,17 @@ def causal_conv_with_state(x: torch.Tensor, weight: torch.Tensor, state: torch.T
     start of a sequence). Returns (y [T, C], new_state [W-1, C]); computed in fp32.
     """
     w = weight.shape[-1]
-    xx = upcast(torch.cat([state.to(x.dtype), x], dim=0))          # [W-1+T, C]
+    xx = upcast(torch.cat([cast(state, x.dtype), x], dim=0))          # [W-1+T, C]
     windows = xx.unfold(0, w, 1)                                    # [T, C, W]
     y = F.silu((windows * upcast(weight)).sum(-1))
-    return y.to(x.dtype), xx[-(w - 1):].to(state.dtype)
+    return cast(y, x.dtype), cast(xx[-(w - 1):], state.dtype)
 
 
 def causal_conv_step(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode token for B sequences: x [B, C], state [B, W-1, C] -> (y [B, C], new_state)."""
-    xx = upcast(torch.cat([state.to(x.dtype), x[:, None]], dim=1))  # [B, W, C]
+    xx = upcast(torch.cat([cast(state, x.dtype), x[:, None]], dim=1))  # [B, W, C]
     y = F.silu((xx * upcast(weight).t()[None]).sum(1))
-    return y.to(x.dtype), xx[:, 1:].to(state.dtype)
+    return cast(y, x.dtype), cast(xx[:, 1:], state.dtype)
 
 
 def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -16,7 +16,7 @@ from shared.model_config import TextConfig
 from engine.model import choices
 from engine.model.forward_batch import ForwardBatch, SequenceSlice
 from engine.model.fused import fuse_linears, project
-from engine.model.layers import RMSNorm, linear_weight, upcast
+from engine.model.layers import RMSNorm, cast, linear_weight, upcast
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ class GatedMLA(nn.Module):
             out = self._decode_static(q, latent, flat_pages, batch)
         else:
             out = self._forward_slices(q, latent, flat_pages, batch)
-        gate = torch.sigmoid(upcast(g)).to(x.dtype)
+        gate = cast(torch.sigmoid(upcast(g)), x.dtype)
         return self.o_proj(out.reshape(x.shape[0], -1) * gate)
 
     def _forward_slices(self, q: torch.Tensor, latent: torch.Tensor, flat_pages: torch.Tensor,
@@ -89,8 +89,8 @@ class GatedMLA(nn.Module):
                 continue
             rows = slice(start, start + s.num_new_tokens)
             write, read = _slice_slots(i, s, batch)
-            flat_pages[write] = latent[rows].to(flat_pages.dtype)
-            context = flat_pages[read].to(q.dtype)
+            flat_pages[write] = cast(latent[rows], flat_pages.dtype)
+            context = cast(flat_pages[read], q.dtype)
             out[rows] = self._attend(q[rows], context, s.num_cached_tokens)
         return out
 
@@ -119,14 +119,14 @@ class GatedMLA(nn.Module):
                           weights: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Absorbed attention of one query token per row: q [B, H, nope+rope], context [B, L, kv_lora+rope],
         valid [B, L] -> [B, H, v_dim]."""
-        c, k_pe = upcast(context.to(q.dtype)).split([self.kv_lora, self.rope], dim=-1)               # [B, L, .]
+        c, k_pe = upcast(cast(context, q.dtype)).split([self.kv_lora, self.rope], dim=-1)               # [B, L, .]
         q_nope, q_pe = upcast(q).split([self.nope, self.rope], dim=-1)                               # [B, H, .]
         w_uk, w_uv = weights
         ql = (q_nope.transpose(0, 1) @ w_uk).transpose(0, 1)                                          # [B, H, kv_lora]
         scores = ql @ c.transpose(1, 2) + q_pe @ k_pe.transpose(1, 2)                                # [B, H, L]
         probs = torch.softmax((scores * self.scale).masked_fill(~valid[:, None, :], float("-inf")), dim=-1)
         latent_out = (probs @ c).transpose(0, 1)                                                     # [H, B, kv_lora]
-        return (latent_out @ w_uv.transpose(1, 2)).transpose(0, 1).to(q.dtype)
+        return cast((latent_out @ w_uv.transpose(1, 2)).transpose(0, 1), q.dtype)
 
     def freeze_decode_weights(self) -> None:
         """Build the absorbed weights once for capture-safe decode steps (graphs read fixed weights)."""
@@ -175,7 +175,7 @@ class GatedMLA(nn.Module):
             scores = q_nope @ k_nope.transpose(1, 2) + pe_scores
             probs = torch.softmax(_masked(scores * self.scale, mask), dim=-1)
             out = probs @ v
-        return out.transpose(0, 1).to(q.dtype)
+        return cast(out.transpose(0, 1), q.dtype)
 
 
 def _masked(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from shared.model_config import TextConfig
 from engine.model.fused import EXPERT_GEMMS_ATTR, FUSED_ATTR, FUSED_GEMM_MAX_ROWS, fuse_linears, project
-from engine.model.layers import RMSNorm, SiTUMLP, situ, upcast
+from engine.model.layers import RMSNorm, SiTUMLP, cast, situ, upcast
 
 
 def route(logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int, renormalize: bool,
@@ -75,7 +75,7 @@ class LatentMoE(nn.Module):
         y = self._routed_dense(h, weights, ids) if static else self._routed_dispatch(h, weights, ids)
         if self.reduce_routed is not None:
             y = self.reduce_routed(y)
-        y = y.to(x.dtype)
+        y = cast(y, x.dtype)
         if self.routed_expert_norm is not None:
             y = self.routed_expert_norm(y)
         y = self.routed_expert_up_proj(y)
