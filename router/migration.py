@@ -2,9 +2,9 @@
 
 Decode legs are asked for `return_token_ids`: each chunk carries the ids of the tokens whose text it
 delivers. `RelayedStream` parses each complete SSE event, records those ids (the tokens the client
-has seen), the response id and whether a finish reason passed, and re-frames the event for the
-client: without the ids unless the client asked for them, under the first worker's response id,
-and without the role chunk of a continuation. When the worker dies, `continuation_body` is the
+has seen), the response id and whether a finish reason passed, and forwards the event as it came
+unless the client must see it changed: without the ids unless the client asked for them, under the
+first worker's response id, and without the role chunk of a continuation. When the worker dies, `continuation_body` is the
 request for another decode worker: the same request plus `kimi_pd_resume` (delivered tokens and the
 seeded generator's offset), which that worker prefills (its prefix cache holds most of the prompt)
 and continues from - greedy, token for token what the first worker would have produced.
@@ -52,12 +52,15 @@ class RelayedStream:
         return b"".join(b"data: " + d + b"\n\n" if out is None else out for d, out in zip(datas, outs))
 
     def _data_event(self, data: bytes) -> bytes | None:
-        """`_event` for one `data:` line's bytes: the client's bytes, or None for the event unchanged."""
+        """One event's data bytes: the client's bytes for it, or None to forward it unchanged."""
         if data == b"[DONE]":
             self.done = True
             return None
-        if b'"error"' in data:
-            return self._event(SSEEvent(data.decode("utf-8", errors="replace")))
+        if b'"error"' in data:                         # the cheap test first: one event per token
+            event = SSEEvent(data.decode("utf-8", errors="replace"))
+            if event.is_error:
+                self.errors += 1
+                return _frame(event)
         try:
             body = orjson.loads(data)
         except orjson.JSONDecodeError:                 # not JSON, or not UTF-8: as the line parser frames it
@@ -75,26 +78,15 @@ class RelayedStream:
         return b"data: " + orjson.dumps(body) + b"\n\n" if changed else None
 
     def _event(self, event: SSEEvent) -> bytes:
+        """An event the line parser read (any framing): fields and errors pass as they are."""
         if event.is_done:
             self.done = True
             return SSE_DONE
         if event.event is not None or event.is_error:
             self.errors += 1
             return _frame(event)
-        try:
-            body = orjson.loads(event.data)
-        except orjson.JSONDecodeError:
-            return _frame(event)
-        if not isinstance(body, dict):
-            return _frame(event)
-        _, role_only = self._track(body)
-        if self.continuation and role_only:
-            return b""                                 # the client already has the role chunk
-        if self.response_id is None:
-            self.response_id, self.created = body.get("id"), body.get("created")
-        elif "id" in body:
-            body["id"], body["created"] = self.response_id, self.created
-        return b"data: " + orjson.dumps(body) + b"\n\n"
+        out = self._data_event(event.data.encode())
+        return _frame(event) if out is None else out
 
     def _track(self, body: dict[str, Any]) -> tuple[bool, bool]:
         """Record the chunk's token ids and finish, strip the ids unless the client asked for them:
