@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import torch
-from engine.model.layers import cast, rms_norm, upcast
+from engine.model.layers import cast, inference_cached, rms_norm, upcast
 from torch import nn
 
 
@@ -26,21 +26,11 @@ def pseudo_query(proj_weight: torch.Tensor, norm_weight: torch.Tensor) -> torch.
     return upcast(norm_weight) * upcast(proj_weight).view(-1)
 
 
-def site_query(owner: nn.Module, proj: nn.Module, norm: nn.Module) -> torch.Tensor | None:
-    """One AttnRes site's pseudo-query, kept on `owner` for inference (a decode step has 2 per layer).
-
-    Keyed on both weights' storage and version, so a reload or an in-place update rebuilds it; None
-    (compute it in the graph) when grad is on or under torch.compile (a traced step reads no cache).
-    """
-    if torch.is_grad_enabled() or torch.compiler.is_compiling():
-        return None
+def site_query(owner: nn.Module, proj: nn.Module, norm: nn.Module) -> torch.Tensor:
+    """One AttnRes site's pseudo-query, kept on `owner` for inference (`inference_cached`; a decode
+    step has 2 sites per layer)."""
     pw, nw = proj.weight, norm.weight
-    key = (pw.data_ptr(), pw._version, nw.data_ptr(), nw._version)
-    cache = owner.__dict__.setdefault("_attn_res_queries", {})
-    hit = cache.get(id(proj))
-    if hit is None or hit[0] != key:
-        hit = cache[id(proj)] = (key, pseudo_query(pw, nw))
-    return hit[1]
+    return inference_cached(owner, f"_attn_res_query_{id(proj)}", (pw, nw), lambda: pseudo_query(pw, nw))
 
 
 class AttnResWeights(nn.Module):

@@ -12,7 +12,7 @@ from engine.model.forward_batch import ForwardBatch, HybridCacheTensors, Sequenc
 from engine.model.fused import fuse_linears, project
 from engine.model.kda_ops import (causal_conv_step, causal_conv_with_state, kda_chunked, kda_gate,
                                   kda_recurrent, kda_recurrent_step_)
-from engine.model.layers import cast, l2norm, rms_norm, upcast
+from engine.model.layers import cast, inference_cached, l2norm, rms_norm, upcast
 
 
 @dataclass(frozen=True)
@@ -58,18 +58,11 @@ class KimiDeltaAttention(nn.Module):
     def conv_weight(self) -> torch.Tensor:
         """q, k, v depthwise conv kernels concatenated along channels: [3*H*K, W].
 
-        Cached for inference (serving concatenated them every step); the key is each kernel's storage
-        and version, so an in-place update (training, a reload) rebuilds it, and grad mode never caches.
+        Kept for inference (`inference_cached`): serving concatenated them every step.
         """
         kernels = [m.weight for m in (self.q_conv1d, self.k_conv1d, self.v_conv1d)]
-        if torch.is_grad_enabled():
-            return torch.cat([w.squeeze(1) for w in kernels])
-        key = tuple((w.data_ptr(), w._version) for w in kernels)
-        cached = getattr(self, "_conv_weight_cache", None)
-        if cached is None or cached[0] != key:
-            cached = (key, torch.cat([w.squeeze(1) for w in kernels]))
-            self._conv_weight_cache = cached
-        return cached[1]
+        return inference_cached(self, "_conv_weight_cache", kernels,
+                                lambda: torch.cat([w.squeeze(1) for w in kernels]))
 
     # ---- forward -----------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:

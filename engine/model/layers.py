@@ -1,6 +1,9 @@
 """Small building blocks shared by the Kimi-K3 layers: RMSNorm, SiTU, l2norm, dense SiTU MLP."""
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -8,6 +11,7 @@ from torch import nn
 from engine.model.fused import fuse_linears, project
 
 
+T = TypeVar("T")
 _ACCUMULATION_DTYPES = (torch.float32, torch.float64)
 
 
@@ -17,6 +21,21 @@ def upcast(x: torch.Tensor) -> torch.Tensor:
     An fp32/fp64 input is returned as is without a call (`x.float()` would return x too, after a
     dispatch: a decode step makes ~600 of them)."""
     return x if x.dtype in _ACCUMULATION_DTYPES else x.float()
+
+
+def inference_cached(owner: nn.Module, name: str, sources: Sequence[torch.Tensor], build: Callable[[], T]) -> T:
+    """`build()`, kept on `owner` under `name` for inference: a value derived from weights that a
+    decode step would otherwise rebuild every step (concatenated kernels, absorbed MLA weights,
+    AttnRes pseudo-queries). Keyed on each source's storage, version and dtype, so a reload, a cast
+    or an in-place update rebuilds it; never kept under grad or torch.compile (a traced step reads
+    no cache)."""
+    if torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return build()
+    key = tuple((t.data_ptr(), t._version, t.dtype) for t in sources)
+    hit = owner.__dict__.get(name)
+    if hit is None or hit[0] != key:
+        hit = owner.__dict__[name] = (key, build())
+    return hit[1]
 
 
 def cast(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -16,7 +16,7 @@ from shared.model_config import TextConfig
 from engine.model import choices
 from engine.model.forward_batch import ForwardBatch, SequenceSlice
 from engine.model.fused import fuse_linears, project
-from engine.model.layers import RMSNorm, cast, linear_weight, upcast
+from engine.model.layers import RMSNorm, cast, inference_cached, linear_weight, upcast
 
 
 @dataclass(frozen=True)
@@ -139,19 +139,13 @@ class GatedMLA(nn.Module):
     def _absorb_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_UK [H, nope, kv_lora], W_UV [H, v, kv_lora]) in the accumulation dtype.
 
-        Cached for inference: upcasting (or dequantising a quantized kv_b_proj) every step re-read the
-        whole matrix. Keyed on the weight's storage and version; grad mode never caches.
+        Kept for inference (`inference_cached`): upcasting (or dequantising a quantized kv_b_proj)
+        every step re-read the whole matrix.
         """
-        source = self.kv_b_proj.weight
-        key = (source.data_ptr(), source._version, source.dtype)
-        cached = getattr(self, "_absorb_cache", None)
-        if cached is not None and cached[0] == key and not torch.is_grad_enabled():
-            return cached[1]
-        w_kvb = upcast(linear_weight(self.kv_b_proj)).view(self.num_heads, self.nope + self.v_dim, self.kv_lora)
-        pair = (w_kvb[:, : self.nope], w_kvb[:, self.nope:])
-        if not torch.is_grad_enabled():
-            self._absorb_cache = (key, pair)
-        return pair
+        def build() -> tuple[torch.Tensor, torch.Tensor]:
+            w_kvb = upcast(linear_weight(self.kv_b_proj)).view(self.num_heads, self.nope + self.v_dim, self.kv_lora)
+            return w_kvb[:, : self.nope], w_kvb[:, self.nope:]
+        return inference_cached(self, "_absorb_cache", (self.kv_b_proj.weight,), build)
 
     def _attend(self, q: torch.Tensor, context: torch.Tensor, num_cached: int) -> torch.Tensor:
         """q: [t, H, nope+rope]; context: [ctx+t, kv_lora+rope] -> [t, H, v_dim]; causal."""
