@@ -4,7 +4,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import weakref
 
 import httpx
 
@@ -20,7 +19,6 @@ log = logging.getLogger(__name__)
 # over 10-30 s here (a late page is still the newest load there is), and inline it held every worker's
 # health check for as long
 LOAD_SCRAPE_DEADLINE_S = 60.0
-_scrapes: "weakref.WeakKeyDictionary[WorkerRegistry, dict[str, asyncio.Task]]" = weakref.WeakKeyDictionary()
 
 
 async def get_within(client: httpx.AsyncClient, url: str, timeout_s: float) -> httpx.Response:
@@ -61,7 +59,7 @@ async def check_once(client: httpx.AsyncClient, registry: WorkerRegistry, timeou
 def scrape_load(client: httpx.AsyncClient, registry: WorkerRegistry, info, metrics: RouterMetrics | None = None,
                 deadline_s: float = LOAD_SCRAPE_DEADLINE_S) -> asyncio.Task | None:
     """Start reading `info`'s load unless a read of it is still under way (then None)."""
-    tasks = _scrapes.setdefault(registry, {})
+    tasks = registry.load_scrapes
     running = tasks.get(info.worker_id)
     if running is not None and not running.done():
         return None
@@ -71,8 +69,9 @@ def scrape_load(client: httpx.AsyncClient, registry: WorkerRegistry, info, metri
 
 
 def cancel_scrapes(registry: WorkerRegistry) -> None:
-    for task in _scrapes.pop(registry, {}).values():
+    for task in registry.load_scrapes.values():
         task.cancel()
+    registry.load_scrapes.clear()
 
 
 async def size_from_metrics(client: httpx.AsyncClient, registry: WorkerRegistry, info, timeout_s: float) -> None:

@@ -100,6 +100,7 @@ class WorkerRegistry:
         self._instance: str | None = None            # the store server's run id, to notice restarts
         self.last_refresh = 0.0
         self.unsized: set[str] = set()                # static workers whose /metrics are still to be asked
+        self.load_scrapes: dict[str, asyncio.Task] = {}   # stock vLLM /metrics reads under way (health_checker)
         for info in self.static.values():
             self._size_static(info)
 

@@ -103,4 +103,4 @@ async def test_a_slow_vllm_metrics_page_is_read_off_the_round_one_read_at_a_time
         await run_checks(client, registry, 1.0, timeout_s=0.5)
         assert worker.paths.count("/health") >= 5 and worker.paths.count("/metrics") == 1, worker.paths
         assert registry.health.is_healthy(worker.url)
-        assert not health_checker._scrapes.get(registry)         # the checker's exit cancelled its read
+        assert not registry.load_scrapes         # the checker's exit cancelled its read
