@@ -19,6 +19,7 @@ from pathlib import Path
 
 from engine.training.corpus import Mix
 from engine.training.evaluate import evaluate, offline_answerer
+from engine.training.tasks import FAMILIES
 from engine.training.train import TrainConfig, train
 
 RESULTS = Path(__file__).parent / "results" / "tiny_chat_one_cell.json"
@@ -47,7 +48,7 @@ def score(checkpoint: Path, family: str, thinking: bool, n: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--family", default="add")
+    parser.add_argument("--family", choices=FAMILIES, default="add")
     parser.add_argument("--thinking", choices=("on", "off"), default="off")
     parser.add_argument("--steps", type=int, default=4000)
     parser.add_argument("--hidden", type=int, default=128)
