@@ -22,7 +22,6 @@ from engine.model.sequence_runner import SequenceRunner
 from engine.presets import preset_config
 
 
-
 def build(preset: str, dtype: torch.dtype) -> KimiK3ForConditionalGeneration:
     model = KimiK3ForConditionalGeneration(preset_config(preset))
     init_weights(model, seed=0)

@@ -141,7 +141,7 @@ def workload(pool: TokenPool, args: argparse.Namespace) -> list[SampleRequest]:
     short = sample_random(pool, len(times), args.short_len, args.short_out, range_ratio=0.25, seed=args.seed)
     bursts = np.arange(args.burst_every / 2, args.duration, args.burst_every)
     long = sample_random(pool, len(bursts) * args.burst_size, args.long_len, args.long_out, seed=args.seed + 1)
-    out = [dataclasses.replace(r, request_id=f"short-{i}", arrival_s=float(t)) for i, (r, t) in enumerate(zip(short, times))]
+    out = [dataclasses.replace(r, request_id=f"short-{i}", arrival_s=float(t)) for i, (r, t) in enumerate(zip(short, times, strict=False))]
     out += [dataclasses.replace(r, request_id=f"long-{i}", arrival_s=float(bursts[i // args.burst_size]))
             for i, r in enumerate(long)]
     return sorted(out, key=lambda r: r.arrival_s)
@@ -165,15 +165,15 @@ def summarize(requests: list[SampleRequest], outputs: list, duration_s: float) -
     """vllm-bench metrics of the short and the long requests separately, with their TPOT/TTFT lists."""
     groups: dict[str, Any] = {"duration_s": duration_s}
     for kind in ("short", "long"):
-        subset = [o for r, o in zip(requests, outputs) if r.request_id.startswith(kind)]
+        subset = [o for r, o in zip(requests, outputs, strict=False) if r.request_id.startswith(kind)]
         if not subset:
             continue
         res = bench_metrics.compute(subset, duration_s, (50.0, 90.0, 99.0), {})
         detail = res.pop("detail")
         ok = [not e for e in detail["errors"]]
         res["tpots_ms"] = [((lat - t) / (n - 1)) * 1e3 for lat, t, n, good in
-                           zip(detail["latencies"], detail["ttfts"], detail["output_lens"], ok) if good and n > 1]
-        res["ttfts_ms"] = [t * 1e3 for t, good in zip(detail["ttfts"], ok) if good]
+                           zip(detail["latencies"], detail["ttfts"], detail["output_lens"], ok, strict=False) if good and n > 1]
+        res["ttfts_ms"] = [t * 1e3 for t, good in zip(detail["ttfts"], ok, strict=False) if good]
         res["errors"] = sorted({e for e in detail["errors"] if e})[:5]
         groups[kind] = res
     return groups
@@ -213,11 +213,11 @@ def figure(runs: dict[str, dict], path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     for name, phases in runs.items():
         run = phases["mixed"]
-        for ax, values in zip(axes, (run["short"]["tpots_ms"], run["short"]["ttfts_ms"], run["long"]["ttfts_ms"])):
+        for ax, values in zip(axes, (run["short"]["tpots_ms"], run["short"]["ttfts_ms"], run["long"]["ttfts_ms"]), strict=False):
             v = np.sort(values)
             if len(v):
                 ax.step(v, np.arange(1, len(v) + 1) / len(v), where="post", label=name)
-    for ax, title in zip(axes, ("short chats: TPOT (ms)", "short chats: TTFT (ms)", "long prompts: TTFT (ms)")):
+    for ax, title in zip(axes, ("short chats: TPOT (ms)", "short chats: TTFT (ms)", "long prompts: TTFT (ms)"), strict=False):
         ax.set_title(title)
         ax.set_xscale("log")
         ax.set_ylabel("fraction of requests")

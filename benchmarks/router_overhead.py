@@ -423,7 +423,7 @@ def summary(modes: dict[str, Any]) -> dict[str, Any]:
             row: dict[str, Any] = {}
             for kind, per_target in lat.items():
                 base = per_target[baseline] if baseline in per_target else per_target["direct"]
-                added = [t - d for t, d in zip(per_target[name]["round_means_ms"], base["round_means_ms"])]
+                added = [t - d for t, d in zip(per_target[name]["round_means_ms"], base["round_means_ms"], strict=False)]
                 row[kind] = {"added_mean_ms": round(_median(added), 3),
                              "added_mean_ms_range": [round(min(added), 3), round(max(added), 3)],
                              "added_p99_ms": round(per_target[name]["p99_ms"] - base["p99_ms"], 3)}

@@ -59,7 +59,7 @@ def acceptance(target: str, draft: str, k: int, prompts: dict[str, list[list[int
         total["drafts"] += s.num_drafts
         total["draft_tokens"] += s.num_draft_tokens
         total["accepted"] += s.num_accepted_tokens
-        per_pos = [a + b for a, b in zip(per_pos, s.accepted_per_pos)]
+        per_pos = [a + b for a, b in zip(per_pos, s.accepted_per_pos, strict=False)]
     d = max(1, total["drafts"])
     return {"mean_acceptance_length": round(1 + total["accepted"] / d, 3),
             "mean_accepted_drafts_per_step": round(total["accepted"] / d, 3),

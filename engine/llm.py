@@ -3,15 +3,16 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Sequence
 from dataclasses import fields
-from typing import Any, Sequence
+from typing import Any
 
 from engine.core.engine import EngineConfig, LLMEngine
 from engine.core.inputs import EngineInput
 from engine.core.outputs import RequestOutput
-from shared.sampling_params import SamplingParams
 from shared.prompt.images import decode_image_part
 from shared.prompt.prepare import image_parts, render_prompt
+from shared.sampling_params import SamplingParams
 
 PromptLike = str | list[int] | dict[str, Any] | EngineInput
 
@@ -30,7 +31,7 @@ class LLM:
         """Stop the engine's other tensor-parallel ranks (none at tensor_parallel_size=1)."""
         self.engine.close()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -49,8 +50,8 @@ class LLM:
         params_list = self._params_for(len(prompts), params)
         # n sequences per prompt: n engine requests (sequence i seeded seed + i, as the servers do)
         ids = [[self.engine.add_request(f"llm-{next(self._ids)}", self._to_input(p), sp.for_sequence(i))
-                for i in range(sp.n)] for p, sp in zip(prompts, params_list)]
-        finals = dict(zip([i for group in ids for i in group], self._run([i for group in ids for i in group])))
+                for i in range(sp.n)] for p, sp in zip(prompts, params_list, strict=False)]
+        finals = dict(zip([i for group in ids for i in group], self._run([i for group in ids for i in group]), strict=False))
         return [_gather([finals[i] for i in group]) for group in ids]
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],

@@ -204,7 +204,7 @@ def apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
 def exponential_race(probs: Tensor, generators: Sequence[torch.Generator | None]) -> Tensor:
     """argmax(p / E) with E ~ Exp(1) picks i with probability p_i; each row's E comes from its generator."""
     noise = torch.empty_like(probs)
-    for row, generator in zip(noise, generators):
+    for row, generator in zip(noise, generators, strict=False):
         row.exponential_(generator=generator)
     return probs.div(noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
 
@@ -222,7 +222,7 @@ def _top_logprobs(raw_logprobs: Tensor, requests: Sequence[SamplingState]) -> li
     n_max = min(max((n or 0 for n in wanted), default=0), raw_logprobs.shape[1])
     values, ids = raw_logprobs.topk(n_max, dim=-1)
     values_l, ids_l = values.tolist(), ids.tolist()
-    return [None if n is None else list(zip(ids_l[i][:n], values_l[i][:n])) for i, n in enumerate(wanted)]
+    return [None if n is None else list(zip(ids_l[i][:n], values_l[i][:n], strict=False)) for i, n in enumerate(wanted)]
 
 
 def _row_values(values: list[float], like: Tensor) -> Tensor:

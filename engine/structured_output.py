@@ -36,7 +36,7 @@ class GrammarCompiler:
         info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=self.vocab_size, stop_token_ids=[tok.eos_id])
         return xgr.GrammarCompiler(info, max_threads=1)
 
-    def matcher(self, spec: StructuredOutput) -> "RequestGrammar":
+    def matcher(self, spec: StructuredOutput) -> RequestGrammar:
         """A fresh matcher for `spec`; a schema/regex/grammar xgrammar cannot compile is a 400."""
         try:
             compiled = self._compile(spec)

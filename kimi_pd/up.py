@@ -17,10 +17,10 @@ from pathlib import Path
 
 import httpx
 
-from shared.store.embedded import EmbeddedValkey, EmbeddedValkeyError
-from shared.store.factory import REDIS_URL_ENV
 from kimi_pd.processes import Processes, Supervisor
 from shared.net import free_port
+from shared.store.embedded import EmbeddedValkey, EmbeddedValkeyError
+from shared.store.factory import REDIS_URL_ENV
 
 READY_TIMEOUT_S = 180.0
 KIMI_PD = [sys.executable, "-m", "kimi_pd"]

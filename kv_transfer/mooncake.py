@@ -85,7 +85,7 @@ def _registration(addrs: list[int], sizes: list[int]) -> tuple[list[int], list[i
     """What to register for these regions: one span when they are laid out in order with only
     alignment gaps (a receive arena: one registration instead of one per tensor), else each."""
     end = addrs[-1] + sizes[-1]
-    ordered = all(a + n <= b for a, n, b in zip(addrs, sizes, addrs[1:]))
+    ordered = all(a + n <= b for a, n, b in zip(addrs, sizes, addrs[1:], strict=False))
     if ordered and end - addrs[0] <= sum(sizes) + 64 * len(sizes):
         return [addrs[0]], [end - addrs[0]]
     return addrs, sizes

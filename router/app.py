@@ -20,26 +20,36 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from router import health_checker
+from router.connectors import ALIASES as CONNECTOR_ALIASES
+from router.connectors import CONNECTORS
 from router.dashboard import install as install_dashboard
 from router.fast_path import FastPathApp
 from router.kv_events_relay import KVEventsRelay
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator, Trace
 from router.placement.pipeline import build_pipeline
+from router.prompt_source import foreign_detokenize, foreign_tokenize, load_prompt_source
 from router.registry import WorkerRegistry
 from router.sampling_check import SamplingCheck
 from router.settings import RouterSettings
 from router.upstream import UpstreamError, make_session
-from shared.openai.ids import header_request_id
-from shared.openai.errors import Unauthorized, ModelNotFound, OpenAIError, error_response
+from shared.http import (
+    ClientDisconnected,
+    bearer_token,
+    header,
+    install_error_handlers,
+    parse_json,
+    read_body,
+    read_json_body,
+    read_json_object,
+    until_disconnect,
+)
 from shared.openai import tokenize as tokenize_api
+from shared.openai.errors import ModelNotFound, OpenAIError, Unauthorized, error_response
 from shared.openai.fanout import fan_out, needs_fan_out
+from shared.openai.ids import header_request_id
 from shared.openai.requests import ChatCompletionRequest, CompletionRequest
 from shared.openai.responses import ModelCard, ModelList
-from shared.http import (ClientDisconnected, bearer_token, header, install_error_handlers, parse_json, read_body,
-                         read_json_body, read_json_object, until_disconnect)
-from router.connectors import ALIASES as CONNECTOR_ALIASES, CONNECTORS
-from router.prompt_source import foreign_detokenize, foreign_tokenize, load_prompt_source
 from shared.store.factory import make_store
 
 log = logging.getLogger(__name__)

@@ -123,7 +123,7 @@ class History:
         """Per-interval request rate and TTFT p99, oldest first (the page's sparklines)."""
         pts = list(self.samples)
         out = []
-        for a, b in zip(pts, pts[1:]):
+        for a, b in zip(pts, pts[1:], strict=False):
             t = traffic(a, b)
             out.append({"t": b.t, "request_rate": t["request_rate"],
                         "ttft_p99_ms": t["latency_ms"].get("ttft", {}).get("p99")})

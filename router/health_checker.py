@@ -9,8 +9,8 @@ import httpx
 
 from router.capacity import capacity_tokens_from_metrics
 from router.metrics import RouterMetrics
-from router.vllm_metrics import load_from_vllm_metrics, timing_deltas
 from router.registry import WorkerRegistry
+from router.vllm_metrics import load_from_vllm_metrics, timing_deltas
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ async def run(client: httpx.AsyncClient, registry: WorkerRegistry, interval_s: f
                 log.exception("health check round failed")
             try:
                 await asyncio.wait_for(stop.wait(), interval_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
     finally:
         cancel_scrapes(registry)

@@ -65,7 +65,7 @@ class Translator:
         ours = block_hashes(event.token_ids, self.block_size, parent)
         if len(ours) != len(event.block_hashes):
             return None
-        self.ours.update(zip(event.block_hashes, ours))
+        self.ours.update(zip(event.block_hashes, ours, strict=False))
         return BlockStored(ours, None if event.parent_block_hash is None else parent, event.token_ids,
                            event.block_size)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+
 class CachedLabels:
     """A labelled counter whose children are kept in a dict: prometheus-client's `labels()` takes a
     lock and re-validates the names on every call, several times per request on the hot path.

@@ -49,7 +49,7 @@ class RelayedStream:
         outs = [self._data_event(d) for d in datas]
         if all(out is None for out in outs):
             return chunk
-        return b"".join(b"data: " + d + b"\n\n" if out is None else out for d, out in zip(datas, outs))
+        return b"".join(b"data: " + d + b"\n\n" if out is None else out for d, out in zip(datas, outs, strict=False))
 
     def _data_event(self, data: bytes) -> bytes | None:
         """One event's data bytes: the client's bytes for it, or None to forward it unchanged."""

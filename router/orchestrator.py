@@ -21,13 +21,13 @@ from fastapi.responses import Response
 from router.connectors import connector, engine_id_from_query, mooncake_decode_params
 from router.fast_path import EventStreamResponse
 from router.metrics import RouterMetrics
+from router.migration import RelayedStream, continuation_body
 from router.placement.context import build_context
 from router.placement.ledger import Leg
 from router.placement.pipeline import NoWorkerAvailable, Pipeline, decide_disaggregation
 from router.placement.types import RoutingContext, WorkerState
 from router.registry import WorkerRegistry
 from router.settings import RouterSettings
-from router.migration import RelayedStream, continuation_body
 from router.upstream import (
     TRANSPORT_ERRORS,
     UpstreamError,
@@ -49,7 +49,7 @@ ADMIN_HEADER = "authorization"
 _PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}     # endpoint -> the workers' path
 
 
-def trace_headers(trace: "Trace") -> dict[str, str]:
+def trace_headers(trace: Trace) -> dict[str, str]:
     """Where a request went: for clients' tracing and for tests (worker ids, never secrets)."""
     headers = {"x-request-id": trace.request_id, "x-kimi-pd-decision": trace.decision}
     if trace.prefill_worker:

@@ -251,7 +251,7 @@ class WorkerRegistry:
             await self.refresh()
             try:
                 await asyncio.wait_for(stop.wait(), self.settings.refresh_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     def drain(self, worker_id: str) -> bool:

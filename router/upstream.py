@@ -14,8 +14,16 @@ from typing import Any
 import httpx
 import orjson
 
-from router.worker_http import (KEEPALIVE_S, ConnectFailed, Disconnected, InvalidRequest, Origin, ReadTimeout,
-                                WorkerClient, WorkerHTTPError)
+from router.worker_http import (
+    KEEPALIVE_S,
+    ConnectFailed,
+    Disconnected,
+    InvalidRequest,
+    Origin,
+    ReadTimeout,
+    WorkerClient,
+    WorkerHTTPError,
+)
 
 log = logging.getLogger(__name__)
 

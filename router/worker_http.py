@@ -74,7 +74,7 @@ class Origin:
         return (host if self.port == default else f"{host}:{self.port}").encode("ascii")
 
     @classmethod
-    def parse(cls, url: str) -> "Origin":
+    def parse(cls, url: str) -> Origin:
         try:
             parts = urlsplit(url)
             port = parts.port
@@ -100,7 +100,7 @@ class WorkerResponse:
 
     __slots__ = ("status", "headers", "_conn")
 
-    def __init__(self, conn: "_Connection", status: int, headers: dict[str, str]) -> None:
+    def __init__(self, conn: _Connection, status: int, headers: dict[str, str]) -> None:
         self.status, self.headers, self._conn = status, headers, conn
 
     async def read(self) -> bytes:
@@ -133,7 +133,7 @@ class WorkerResponse:
 class _Connection(asyncio.Protocol):
     """One keep-alive connection; at most one request in flight (no pipelining)."""
 
-    def __init__(self, pool: "WorkerClient", origin: Origin) -> None:
+    def __init__(self, pool: WorkerClient, origin: Origin) -> None:
         self.pool, self.origin = pool, origin
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)

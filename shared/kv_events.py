@@ -58,7 +58,7 @@ def _decode_event(raw: Any) -> KVEvent:
         tag = raw.get("type")
         values = {k: v for k, v in raw.items() if k != "type"}
     elif isinstance(raw, (list, tuple)) and raw and isinstance(raw[0], str):
-        tag, values = raw[0], dict(zip(_FIELDS.get(raw[0], (None, ()))[1], raw[1:]))
+        tag, values = raw[0], dict(zip(_FIELDS.get(raw[0], (None, ()))[1], raw[1:], strict=False))
     else:
         raise ValueError(f"not a KV event: {raw!r}")
     if tag not in _FIELDS:

@@ -49,7 +49,7 @@ class LinearAttnConfig:
     use_full_rank_gate: bool = True
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], where: str = "text_config.linear_attn_config") -> "LinearAttnConfig":
+    def from_dict(cls, d: dict[str, Any], where: str = "text_config.linear_attn_config") -> LinearAttnConfig:
         known, extra = _take(d, cls, where)
         for key in ("kda_layers", "full_attn_layers"):
             _check_type(where, key, known[key], (list, tuple))
@@ -139,7 +139,7 @@ class TextConfig:
         return self.linear_attn_config.num_heads * self.linear_attn_config.head_dim
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], where: str = "text_config") -> "TextConfig":
+    def from_dict(cls, d: dict[str, Any], where: str = "text_config") -> TextConfig:
         known, extra = _take(d, cls, where)
         known.pop("extra", None)
         known["linear_attn_config"] = LinearAttnConfig.from_dict(known["linear_attn_config"])
@@ -221,7 +221,7 @@ class VisionConfig:
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], where: str = "vision_config") -> "VisionConfig":
+    def from_dict(cls, d: dict[str, Any], where: str = "vision_config") -> VisionConfig:
         known, extra = _take(d, cls, where)
         known.pop("extra", None)
         if "merge_kernel_size" in known:
@@ -259,7 +259,7 @@ class ModelConfig:
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         if not isinstance(d, dict):
             raise ConfigError("config.json: top level must be an object")
         known, extra = _take(d, cls, "config")
@@ -281,7 +281,7 @@ class ModelConfig:
         return cls(**known, extra=extra)
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "ModelConfig":
+    def from_file(cls, path: str | Path) -> ModelConfig:
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"

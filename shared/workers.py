@@ -59,7 +59,7 @@ class WorkerInfo:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def validate(self) -> "WorkerInfo":
+    def validate(self) -> WorkerInfo:
         """Itself, or InvalidWorkerRecord: routers only route to what a real worker could have written."""
         _check(isinstance(self.worker_id, str) and _ID.fullmatch(self.worker_id) is not None, "worker_id")
         _check(self.role in ROLES, "role")
@@ -74,7 +74,7 @@ class WorkerInfo:
         return self
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "WorkerInfo":
+    def from_dict(cls, d: dict[str, Any]) -> WorkerInfo:
         """Parse and validate (InvalidWorkerRecord for anything a worker would not write)."""
         _check(isinstance(d, dict), "not an object")
         known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
@@ -99,7 +99,7 @@ class LoadReport:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "LoadReport":
+    def from_dict(cls, d: dict[str, Any]) -> LoadReport:
         """Parse and validate (InvalidWorkerRecord when a count, fraction or flag has the wrong kind)."""
         _check(isinstance(d, dict), "load is not an object")
         report = cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})

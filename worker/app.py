@@ -17,19 +17,19 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from engine.core.inputs import Resume
 from shared.http import bearer_token, install_error_handlers, read_json_body, read_json_object, until_disconnect
 from shared.kv_transfer_params import KVTransferParams
-from shared.openai.convert import to_sampling_params
-from shared.openai.ids import header_request_id
-from shared.openai.errors import Unauthorized, ModelNotFound, OpenAIError, error_from_exception
 from shared.openai import tokenize as tokenize_api
+from shared.openai.convert import to_sampling_params
+from shared.openai.errors import ModelNotFound, OpenAIError, Unauthorized, error_from_exception
 from shared.openai.fanout import fan_out, needs_fan_out
+from shared.openai.ids import header_request_id
 from shared.openai.prompts import prepare_chat, prepare_completion
 from shared.openai.requests import ChatCompletionRequest, CompletionRequest
 from shared.openai.responses import ModelCard, ModelList
 from shared.openai.sse import SSE_DONE, sse_error
 from worker import responses
-from engine.core.inputs import Resume
 from worker.legs import new_request_id, run_leg
 from worker.role import LegResult
 from worker.runtime import WorkerRuntime

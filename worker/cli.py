@@ -9,8 +9,15 @@ from engine.core.engine import EngineConfig
 from shared.http_server import protocol_class
 from worker.flags import add_worker_args
 from worker.role import Role
-from worker.settings import (ADMIN_TOKEN_ENV, API_KEY_ENV, TRANSFER_SECRET_ENV, WorkerSettings,
-                             internal_auth_default, secret_from_env)
+from worker.settings import (
+    ADMIN_TOKEN_ENV,
+    API_KEY_ENV,
+    TRANSFER_SECRET_ENV,
+    WorkerSettings,
+    internal_auth_default,
+    secret_from_env,
+)
+
 
 def settings_from_args(args: argparse.Namespace, model_dir: str) -> WorkerSettings:
     from engine.spec_decode.config import SpeculativeConfig

@@ -7,17 +7,27 @@ from functools import lru_cache
 from typing import Any
 
 from engine.core.outputs import RequestOutput
-from shared.prompt.tokenizer import KimiTokenizer
 from shared.openai.convert import ChatDeltaShaper, chat_logprobs, completion_logprobs, shape_chat_message
-from shared.openai.shaping import SpecialTokenStrip
 from shared.openai.logprobs import concat_logprobs, echo_logprobs, prompt_logprobs_body
 from shared.openai.requests import ChatCompletionRequest, CompletionRequest
-from shared.openai.responses import (ChatCompletion, ChatCompletionChoice, ChatCompletionChunk,
-                                     ChatCompletionChunkChoice, ChatCompletionMessage, Completion, CompletionChoice,
-                                     CompletionChunk, DeltaMessage, Usage, random_id)
+from shared.openai.responses import (
+    ChatCompletion,
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionChunkChoice,
+    ChatCompletionMessage,
+    Completion,
+    CompletionChoice,
+    CompletionChunk,
+    DeltaMessage,
+    Usage,
+    random_id,
+)
+from shared.openai.shaping import SpecialTokenStrip
 from shared.openai.sse import SSE_DONE, sse_event
-from worker.role import LegResult
 from shared.prompt.prepare import PreparedPrompt
+from shared.prompt.tokenizer import KimiTokenizer
+from worker.role import LegResult
 
 
 def _token_text(tokenizer: KimiTokenizer):

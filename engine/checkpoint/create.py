@@ -10,12 +10,18 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from engine.checkpoint.init import init_weights
-from engine.checkpoint.layout import (CONFIG_FILE, GENERATION_CONFIG_FILE, INDEX_FILE, QUANT_DESCRIPTION_FILE,
-                                      keeps_fp32, shard_name)
+from engine.checkpoint.layout import (
+    CONFIG_FILE,
+    GENERATION_CONFIG_FILE,
+    INDEX_FILE,
+    QUANT_DESCRIPTION_FILE,
+    keeps_fp32,
+    shard_name,
+)
 from engine.dtypes import torch_dtype
-from shared.model_config import ModelConfig
 from engine.model.kimi_k3 import KimiK3ForConditionalGeneration
 from engine.presets import PRESETS, SHIPPED_PRESETS, shipped_checkpoint
+from shared.model_config import ModelConfig
 from shared.prompt.hf_files import save_tokenizer
 
 log = logging.getLogger(__name__)

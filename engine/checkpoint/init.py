@@ -11,7 +11,6 @@ import math
 import torch
 from torch import nn
 
-
 # A random deep net is chaotic: with unit-gain layers, fp32 rounding grows ~2-3x per layer (measured
 # on `tiny`: 1e-7 input noise -> 3e-5 in the logits). Half-gain projections and soft AttnRes scores
 # keep it well-conditioned (<= 5e-6 over 4 seeds) while every mixer still changes the logits.

@@ -15,10 +15,16 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from engine.checkpoint.layout import (CONFIG_FILE, INDEX_FILE, QUANT_DESCRIPTION_FILE, ROT_PROJ_TENSOR, SINGLE_FILE,
-                                      keeps_fp32)
-from shared.model_config import ConfigError, ModelConfig
+from engine.checkpoint.layout import (
+    CONFIG_FILE,
+    INDEX_FILE,
+    QUANT_DESCRIPTION_FILE,
+    ROT_PROJ_TENSOR,
+    SINGLE_FILE,
+    keeps_fp32,
+)
 from engine.model.kimi_k3 import KimiK3ForConditionalGeneration, ModelOptions
+from shared.model_config import ConfigError, ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +42,7 @@ def _weight_map(ckpt: Path) -> dict[str, str]:
             raise CheckpointError(f"{index}: not a safetensors index ({exc})") from exc
     if (ckpt / SINGLE_FILE).exists():
         with safe_open(str(ckpt / SINGLE_FILE), framework="pt") as f:
-            return {name: SINGLE_FILE for name in f.keys()}
+            return {name: SINGLE_FILE for name in f}
     raise CheckpointError(f"{ckpt}: neither {INDEX_FILE} nor {SINGLE_FILE}")
 
 

@@ -15,8 +15,8 @@ from tqdm import tqdm
 
 from engine.checkpoint.layout import CONFIG_FILE, GENERATION_CONFIG_FILE, INDEX_FILE, QUANT_DESCRIPTION_FILE
 from engine.checkpoint.loader import CheckpointError, _weight_map
-from shared.model_config import ModelConfig
 from engine.model.quant import describe, quantize_state_dict
+from shared.model_config import ModelConfig
 
 QUANTIZATION_CONFIG = {"quant_method": "ascend", "format": "modelslim-w4a8-dynamic"}
 _COPIED = ("tiktoken.model", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.json",

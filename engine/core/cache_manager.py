@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.model_config import TextConfig
 from engine.core.block_pool import BlockPool
 from engine.core.request import Request
 from engine.core.state_slots import StateSlotPool
 from shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from shared.model_config import TextConfig
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class PrefixHit:
     snapshot_slot: int | None
 
     @staticmethod
-    def none() -> "PrefixHit":
+    def none() -> PrefixHit:
         return PrefixHit(0, [], None)
 
 

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import torch
 
 from engine.checkpoint.loader import load_checkpoint
-from engine.dtypes import TORCH_DTYPE_NAMES, torch_dtype
 from engine.core.cache_manager import HybridCacheManager, budget_cache
 from engine.core.inputs import EngineInput, Resume, encode_images, validate_tokens
 from engine.core.model_runner import ModelRunner
@@ -25,22 +24,23 @@ from engine.core.outputs import CompletionOutput, PromptLogprob, RequestOutput
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler, SchedulerConfig
 from engine.core.state_export import ExportedState, StateIdentity
+from engine.dtypes import TORCH_DTYPE_NAMES, torch_dtype
 from engine.graphs.config import CompilationConfig
 from engine.graphs.decode import setup_decode_graphs
-from shared.prompt.detokenizer import IncrementalDetokenizer
-from shared.errors import InvalidRequest, InvalidTokenIds, RequestTooLarge
 from engine.model.kda import KDAOptions
 from engine.model.kimi_k3 import ModelOptions
 from engine.sampler import SamplingState, sample
-from engine.structured_output import GrammarCompiler
-from engine.token_constraints import bad_words_token_ids
-from shared.sampling_params import SamplingParams
-from shared.prompt.tokenizer import KimiTokenizer
 from engine.spec_decode.config import DraftConfig, SpeculativeConfig
 from engine.spec_decode.proposer import DraftRequest, DSparkProposer
 from engine.spec_decode.stats import SpecDecodeStats
 from engine.spec_decode.verify import verify
+from engine.structured_output import GrammarCompiler
+from engine.token_constraints import bad_words_token_ids
+from shared.errors import InvalidRequest, InvalidTokenIds, RequestTooLarge
 from shared.hashing import block_hashes, root_hash, salted_root
+from shared.prompt.detokenizer import IncrementalDetokenizer
+from shared.prompt.tokenizer import KimiTokenizer
+from shared.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -304,7 +304,7 @@ class LLMEngine:
         for index, (start, chunk_logits) in result.prompt_logits.items():
             record_prompt_logprobs(out.seqs[index].req, start, chunk_logits)
         row, sampling, sample_rows, verified, context = 0, [], [], [], []
-        for s, offset in zip(out.seqs, result.token_offsets):
+        for s, offset in zip(out.seqs, result.token_offsets, strict=False):
             req = s.req
             req.first_scheduled_time = req.first_scheduled_time or time.monotonic()
             if s.verifies:
@@ -341,7 +341,7 @@ class LLMEngine:
         sampled = sample(result.logits[sample_rows], states, self.eos_token_ids) if sampling else None
         verify_s = time.perf_counter() - started if verified else None
         outputs = [self._append_tokens(req, [tok], [lp], [top]) for req, tok, lp, top in
-                   zip(sampling, sampled.token_ids, sampled.logprobs, sampled.top_logprobs)] if sampled else []
+                   zip(sampling, sampled.token_ids, sampled.logprobs, sampled.top_logprobs, strict=False)] if sampled else []
         outputs += [self._append_tokens(req, c.token_ids, c.logprobs, c.top_logprobs) for req, c in verified]
         if self.proposer is not None:
             draft_started = time.perf_counter()
@@ -385,7 +385,7 @@ class LLMEngine:
         blocks = self.proposer.propose([DraftRequest(r.blocks, r.num_computed_tokens, r.output_token_ids[-1], k,
                                                      0.0 if r.params.is_greedy else r.params.temperature,
                                                      r.sampling_seed) for r, k in reqs])
-        for (req, _), block in zip(reqs, blocks):
+        for (req, _), block in zip(reqs, blocks, strict=False):
             req.spec_token_ids, req.spec_draft_logits = block.token_ids, block.logits
         return len(reqs)
 
@@ -396,7 +396,7 @@ class LLMEngine:
     def _append_tokens(self, req: Request, tokens: list[int], logprobs: list[float], tops: list) -> RequestOutput:
         """Append tokens in order until one stops the request; one output for all of them."""
         new_text, added = "", []
-        for token, logprob, top in zip(tokens, logprobs, tops):
+        for token, logprob, top in zip(tokens, logprobs, tops, strict=False):
             req.output_token_ids.append(token)
             if req.grammar is not None:
                 req.grammar.accept(token)
@@ -470,6 +470,6 @@ def record_prompt_logprobs(req: Request, start: int, logits: torch.Tensor) -> No
     n = req.params.prompt_logprobs or 0
     top_values, top_ids = logprobs.topk(n, dim=-1) if n else (None, None)
     chosen_l, ranks_l = chosen.squeeze(1).tolist(), ranks.tolist()
-    tops = list(zip(top_ids.tolist(), top_values.tolist())) if n else [([], [])] * len(chosen_l)
-    for i, (token_id, lp, rank, (ids, values)) in enumerate(zip(targets.tolist(), chosen_l, ranks_l, tops)):
-        req.prompt_logprobs[start + 1 + i] = PromptLogprob(token_id, lp, rank, list(zip(ids, values)))
+    tops = list(zip(top_ids.tolist(), top_values.tolist(), strict=False)) if n else [([], [])] * len(chosen_l)
+    for i, (token_id, lp, rank, (ids, values)) in enumerate(zip(targets.tolist(), chosen_l, ranks_l, tops, strict=False)):
+        req.prompt_logprobs[start + 1 + i] = PromptLogprob(token_id, lp, rank, list(zip(ids, values, strict=False)))

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.core.request import ImageInput
-from shared.errors import InvalidRequest, InvalidTokenIds, PromptTooLong
 from engine.model.kimi_k3 import KimiK3ForConditionalGeneration
+from shared.errors import InvalidRequest, InvalidTokenIds, PromptTooLong
 from shared.hashing import ImageSpan
 from shared.prompt.images import content_hash
 from shared.prompt.prepare import ImageItem
@@ -17,7 +17,7 @@ from shared.prompt.prepare import ImageItem
 class EngineInput:
     prompt_token_ids: list[int]
     images: list[ImageItem] = field(default_factory=list)
-    resume: "Resume | None" = None
+    resume: Resume | None = None
 
 
 @dataclass(frozen=True)

@@ -35,11 +35,11 @@ class ImageInput:
 class Request:
     request_id: str
     prompt_token_ids: list[int]
-    params: "SamplingParams"
+    params: SamplingParams
     images: list[ImageInput] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
     export_state: bool = False          # prefill leg: hold the state for a decode worker
-    imported: "ExportedState | None" = None
+    imported: ExportedState | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -24,7 +24,7 @@ class StateIdentity:
     layer_schedule: str          # one letter per layer: K (KDA) or M (MLA)
     block_size: int
 
-    def check_compatible(self, other: "StateIdentity") -> None:
+    def check_compatible(self, other: StateIdentity) -> None:
         """Block size may differ (pages are re-laid out on import); everything else must match."""
         for name in ("config_hash", "dtype", "layer_schedule"):
             mine, theirs = getattr(self, name), getattr(other, name)
@@ -60,7 +60,7 @@ class ExportedState:
         return meta, tensors
 
     @classmethod
-    def from_parts(cls, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> "ExportedState":
+    def from_parts(cls, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> ExportedState:
         groups: dict[str, dict[int, torch.Tensor]] = {"mla": {}, "kda_conv": {}, "kda_recurrent": {}, "draft": {}}
         for name, t in tensors.items():
             kind, _, layer = name.rpartition(".")

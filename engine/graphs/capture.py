@@ -4,8 +4,9 @@ per bucket and replays it after copying the real inputs into the captured buffer
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

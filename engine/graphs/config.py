@@ -17,7 +17,7 @@ class CompilationConfig:
     max_cudagraph_capture_size: int | None = None               # None: the engine's max_num_seqs
 
     @classmethod
-    def parse(cls, raw: "CompilationConfig | dict[str, Any] | str | None") -> "CompilationConfig":
+    def parse(cls, raw: CompilationConfig | dict[str, Any] | str | None) -> CompilationConfig:
         """A JSON string or dict as `vllm serve --compilation-config` takes; unknown keys are refused."""
         if raw is None or isinstance(raw, CompilationConfig):
             return raw or cls()

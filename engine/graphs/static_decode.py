@@ -10,8 +10,8 @@ scratch page and scratch KDA slot, starting fresh; their logits are dropped.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

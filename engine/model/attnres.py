@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import torch
-from engine.model.layers import cast, inference_cached, rms_norm, upcast
 from torch import nn
+
+from engine.model.layers import cast, inference_cached, rms_norm, upcast
 
 
 def attn_res(sources: list[torch.Tensor], proj_weight: torch.Tensor, norm_weight: torch.Tensor,

@@ -57,7 +57,7 @@ class HybridCacheTensors:
 
     @classmethod
     def allocate(cls, cfg: TextConfig, num_blocks: int, num_slots: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu") -> "HybridCacheTensors":
+                 dtype: torch.dtype, device: torch.device | str = "cpu") -> HybridCacheTensors:
         lac = cfg.linear_attn_config
         conv_shape = (num_slots, lac.short_conv_kernel_size - 1, 3 * cfg.kda_projection_size)
         rec_shape = (num_slots, lac.num_heads, lac.head_dim, lac.head_dim)

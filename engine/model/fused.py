@@ -19,11 +19,11 @@ biased or unknown modules) is left alone.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 from engine.model.quant import W4A8DynamicLinear, W8A8DynamicLinear
 
@@ -82,7 +82,7 @@ def _merge(members: list[nn.Module]) -> nn.Module:
             merged = nn.Linear(in_features, total, bias=False, device="meta")
             merged.weight = nn.Parameter(torch.cat([m.weight for m in members]), requires_grad=False)
         lo = 0
-        for member, size in zip(members, sizes):
+        for member, size in zip(members, sizes, strict=False):
             packed = 2 if isinstance(member, W4A8DynamicLinear) else 1     # W4A8: two rows per byte
             _rebind(member, "weight", merged.weight[lo // packed:(lo + size) // packed])
             for name in ("weight_scale", "weight_offset", "scale_bias"):
@@ -129,7 +129,7 @@ class FusedProjections:
         for n in chunks:
             spans = where[start:start + n]
             contiguous = all(s[0] == spans[0][0] for s in spans) and all(
-                a[2] == b[1] for a, b in zip(spans, spans[1:]))
+                a[2] == b[1] for a, b in zip(spans, spans[1:], strict=False))
             self.chunks.append((spans[0][0], spans[0][1], spans[-1][2]) if contiguous else spans)
             start += n
         self._float = [isinstance(g, nn.Linear) for g in self.groups]
@@ -137,7 +137,7 @@ class FusedProjections:
         self._merged_float = merged_float
         # One GEMM whose chunks tile its columns in order: one `split` makes every chunk's view.
         tiles = len(self.groups) == 1 and all(isinstance(c, tuple) for c in self.chunks) and all(
-            a[2] == b[1] for a, b in zip(self.chunks, self.chunks[1:])) and self.chunks[0][1] == 0
+            a[2] == b[1] for a, b in zip(self.chunks, self.chunks[1:], strict=False)) and self.chunks[0][1] == 0
         self._split_sizes = [hi - lo for _, lo, hi in self.chunks] if tiles else None
 
     def _members(self, x: torch.Tensor) -> list[torch.Tensor]:
@@ -146,7 +146,7 @@ class FusedProjections:
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         if x.shape[0] > FUSED_GEMM_MAX_ROWS and self._merged_float:
             return self._members(x)
-        outs = [F.linear(x, g.weight) if is_float else _apply(g, x) for g, is_float in zip(self.groups, self._float)]
+        outs = [F.linear(x, g.weight) if is_float else _apply(g, x) for g, is_float in zip(self.groups, self._float, strict=False)]
         if self._split_sizes is not None:
             return list(outs[0].split(self._split_sizes, dim=-1))
         result = []

@@ -6,13 +6,19 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shared.model_config import TextConfig
 from engine.model import choices
 from engine.model.forward_batch import ForwardBatch, HybridCacheTensors, SequenceSlice
 from engine.model.fused import fuse_linears, project
-from engine.model.kda_ops import (causal_conv_step, causal_conv_with_state, kda_chunked, kda_gate,
-                                  kda_recurrent, kda_recurrent_step_)
+from engine.model.kda_ops import (
+    causal_conv_step,
+    causal_conv_with_state,
+    kda_chunked,
+    kda_gate,
+    kda_recurrent,
+    kda_recurrent_step_,
+)
 from engine.model.layers import cast, inference_cached, l2norm, rms_norm, upcast
+from shared.model_config import TextConfig
 
 
 @dataclass(frozen=True)
@@ -228,7 +234,7 @@ def _decode_slots(idx: list[int], batch: ForwardBatch, device: torch.device) -> 
     if cached is not None and cached[0] == idx:
         return cached[1]
     ids = [batch.slices[i].kda_slot for i in idx]
-    consecutive = all(b == a + 1 for a, b in zip(ids, ids[1:]))
+    consecutive = all(b == a + 1 for a, b in zip(ids, ids[1:], strict=False))
     slots = slice(ids[0], ids[-1] + 1) if consecutive else torch.tensor(ids, device=device)
     batch._kda_decode_slots = (list(idx), slots)
     return slots

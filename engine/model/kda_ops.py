@@ -8,8 +8,9 @@ Two forms compute it: `kda_recurrent` (one token at a time, batched over sequenc
 from __future__ import annotations
 
 import torch
-from engine.model.layers import cast, upcast
 import torch.nn.functional as F
+
+from engine.model.layers import cast, upcast
 
 
 def kda_gate(raw: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,

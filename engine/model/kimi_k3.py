@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from shared.model_config import ModelConfig, TextConfig
 from engine.model.attnres import AttnResWeights, attn_res, site_query
 from engine.model.forward_batch import ForwardBatch
 from engine.model.kda import KDAOptions, KimiDeltaAttention
 from engine.model.layers import RMSNorm, SiTUMLP
 from engine.model.mla import GatedMLA, MLAOptions
 from engine.model.moe import LatentMoE
+from shared.model_config import ModelConfig, TextConfig
 
 
 @dataclass(frozen=True)

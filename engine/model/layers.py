@@ -10,7 +10,6 @@ from torch import nn
 
 from engine.model.fused import fuse_linears, project
 
-
 T = TypeVar("T")
 _ACCUMULATION_DTYPES = (torch.float32, torch.float64)
 

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from shared.model_config import TextConfig
 from engine.model import choices
 from engine.model.forward_batch import ForwardBatch, SequenceSlice
 from engine.model.fused import fuse_linears, project
 from engine.model.layers import RMSNorm, cast, inference_cached, linear_weight, upcast
+from shared.model_config import TextConfig
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ class GatedMLA(nn.Module):
         if len(decode) > 1:
             self._decode_batched(decode, q, latent, flat_pages, batch, out)
         batched = set(decode) if len(decode) > 1 else set()
-        for i, (s, start) in enumerate(zip(batch.slices, batch.token_offsets)):
+        for i, (s, start) in enumerate(zip(batch.slices, batch.token_offsets, strict=False)):
             if not s.num_new_tokens or i in batched:
                 continue
             rows = slice(start, start + s.num_new_tokens)

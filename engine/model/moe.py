@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
-from shared.model_config import TextConfig
 from engine.model.fused import EXPERT_GEMMS_ATTR, FUSED_ATTR, FUSED_GEMM_MAX_ROWS, fuse_linears, project
 from engine.model.layers import RMSNorm, SiTUMLP, cast, situ, upcast
+from shared.model_config import TextConfig
 
 
 def route(logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int, renormalize: bool,
@@ -165,7 +165,7 @@ class LatentMoE(nn.Module):
         row = h.contiguous()
         gate_up = _cat([F.linear(row, gemms[e - local.start][0]) for e, _ in chosen])
         act = situ(*gate_up.split(gate_up.shape[-1] // 2, dim=-1), self.beta, self.linear_beta)
-        out = _cat([F.linear(a, gemms[e - local.start][3]) for a, (e, _) in zip(act.split(1), chosen)])
+        out = _cat([F.linear(a, gemms[e - local.start][3]) for a, (e, _) in zip(act.split(1), chosen, strict=False)])
         # a sum over rows adds them in order, bitwise as the scatter does (test_decode_fast_paths)
         return (upcast(out) * weights[0, [slot for _, slot in chosen]].unsqueeze(1)).sum(0, keepdim=True)
 

@@ -31,7 +31,7 @@ class TPGroup:
     control: Any            # gloo group for pickled commands
 
     @classmethod
-    def join(cls, rank: int, world_size: int, port: int, device: str, timeout_s: float = 120.0) -> "TPGroup":
+    def join(cls, rank: int, world_size: int, port: int, device: str, timeout_s: float = 120.0) -> TPGroup:
         backend = _BACKENDS.get(torch.device(device).type, "gloo")
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))

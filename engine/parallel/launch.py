@@ -22,11 +22,11 @@ from engine.dtypes import torch_dtype
 from engine.model.kda import KDAOptions
 from engine.model.kimi_k3 import KimiK3ForConditionalGeneration, ModelOptions
 from engine.parallel.comm import TPGroup, rank_device
-from shared.net import free_port
 from engine.parallel.config import ParallelConfig
 from engine.parallel.runner import TPModelRunner
 from engine.parallel.shard import shard_model
 from shared.model_config import ModelConfig
+from shared.net import free_port
 
 log = logging.getLogger(__name__)
 

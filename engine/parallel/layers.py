@@ -12,11 +12,10 @@ int32 partial products are summed (all-reduce SUM, exact) before the one dequant
 from __future__ import annotations
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
-from engine.model.quant import (INT8_QMAX, W4A8DynamicLinear, W8A8DynamicLinear, _DynamicLinearBase,
-                                _exact_int_matmul)
+from engine.model.quant import INT8_QMAX, W4A8DynamicLinear, W8A8DynamicLinear, _DynamicLinearBase, _exact_int_matmul
 from engine.parallel.comm import TPGroup
 
 

@@ -26,8 +26,7 @@ from engine.model.mla import GatedMLA
 from engine.model.moe import LatentMoE
 from engine.parallel.comm import TPGroup
 from engine.parallel.config import ParallelConfig
-from engine.parallel.layers import (RowParallelLinear, VocabParallelEmbedding, VocabParallelHead, shard_in,
-                                    shard_out)
+from engine.parallel.layers import RowParallelLinear, VocabParallelEmbedding, VocabParallelHead, shard_in, shard_out
 
 
 def _range(total: int, rank: int, world: int) -> tuple[int, int]:

@@ -17,9 +17,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from engine.checkpoint.init import init_weights
-from shared.model_config import ModelConfig, TextConfig
 from engine.spec_decode.config import DraftConfig, SpecConfigError, shipped_draft
 from engine.spec_decode.draft_model import DSparkDraftModel
+from shared.model_config import ModelConfig, TextConfig
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ def load_draft(path: str | Path, target: TextConfig, dtype: torch.dtype = torch.
     model = DSparkDraftModel(cfg)
     expected = model.state_dict()
     with safe_open(str(file), framework="pt") as f:
-        names = [n for n in f.keys() if not any(n.startswith(s) or f".{s}." in n for s in SHARED_WITH_TARGET)]
+        names = [n for n in f if not any(n.startswith(s) or f".{s}." in n for s in SHARED_WITH_TARGET)]
         if not cfg.enable_confidence_head:
             names = [n for n in names if not n.startswith("confidence_head.")]
         unknown = sorted(set(names) - set(expected))

@@ -62,14 +62,14 @@ class SpeculativeConfig:
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @classmethod
-    def parse(cls, value: "str | dict[str, Any] | SpeculativeConfig | None") -> "SpeculativeConfig | None":
+    def parse(cls, value: str | dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
         """JSON text or a dict (the CLI flag / LLM kwarg) -> config; None stays None."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
         return cls.from_dict(json_object(value, "--speculative-config", SpecConfigError))
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "SpeculativeConfig":
+    def from_dict(cls, d: dict[str, Any]) -> SpeculativeConfig:
         where = "--speculative-config"
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         unknown = sorted(set(d) - names - set(_NEUTRAL_FIELDS))
@@ -102,7 +102,7 @@ class SpeculativeConfig:
         extra = {k: v for k, v in d.items() if k not in names}
         return cls(**known, extra=extra)
 
-    def with_model_path(self) -> "SpeculativeConfig":
+    def with_model_path(self) -> SpeculativeConfig:
         """`model` as a directory: a path as given, or the name of a shipped draft preset (`tiny-chat-dspark`)."""
         if Path(self.model).exists():
             return self
@@ -110,7 +110,7 @@ class SpeculativeConfig:
             return dataclasses.replace(self, model=str(shipped_draft(self.model)))
         return self                         # DraftConfig.from_dir names the missing directory
 
-    def resolve(self, draft: "DraftConfig", target_max_model_len: int) -> "SpeculativeConfig":
+    def resolve(self, draft: DraftConfig, target_max_model_len: int) -> SpeculativeConfig:
         """Fill the draft-dependent defaults and check consistency with the draft and the target."""
         n = self.num_speculative_tokens or draft.block_size
         if n > draft.block_size:
@@ -171,7 +171,7 @@ class DraftConfig:
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], where: str = "draft config") -> "DraftConfig":
+    def from_dict(cls, d: dict[str, Any], where: str = "draft config") -> DraftConfig:
         if d.get("model_type") != "k3_dspark":
             raise SpecConfigError(f"{where}.model_type: expected 'k3_dspark', got {d.get('model_type')!r}")
         d = dict(d)
@@ -203,7 +203,7 @@ class DraftConfig:
         return cfg
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "DraftConfig":
+    def from_dir(cls, path: str | Path) -> DraftConfig:
         file = Path(path) / "config.json"
         try:
             raw = json.loads(file.read_text())

@@ -23,11 +23,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from shared.model_config import ModelConfig
 from engine.model.forward_batch import ForwardBatch, HybridCacheTensors, SequenceSlice
 from engine.spec_decode.checkpoint import draft_config_for, save_draft
 from engine.spec_decode.draft_model import DraftMLA, DSparkDraftModel, apply_rope, rope_cos_sin
-from engine.model.layers import upcast
+from shared.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +101,7 @@ def build_dataset(target_dir: str | Path, cfg: DraftTrainConfig, layers: tuple[i
     prompts = prompts or training_prompts(llm.tokenizer, cfg.num_sequences, cfg.seed)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=cfg.max_new_tokens))
     data = []
-    for prompt, out in zip(prompts, outs):
+    for prompt, out in zip(prompts, outs, strict=False):
         ids = prompt + out.output.token_ids
         if len(out.output.token_ids) < 2:
             continue
@@ -243,7 +242,7 @@ def train_draft(target_dir: str | Path, out: str | Path, cfg: DraftTrainConfig =
     result = {"steps": cfg.steps, "sequences": len(data), "data_seconds": round(data_s, 1),
               "train_seconds": round(time.monotonic() - started - data_s, 1),
               "final_loss": sum(losses[-50:]) / len(losses[-50:]), "final_top1": sum(accs[-50:]) / len(accs[-50:]),
-              "final_top1_per_position": [round(float(h / max(t, 1)), 3) for h, t in zip(pos_hits, pos_total)],
+              "final_top1_per_position": [round(float(h / max(t, 1)), 3) for h, t in zip(pos_hits, pos_total, strict=False)],
               "config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}}
     path = save_draft(draft, draft_cfg, out, f"trained-seed{cfg.seed}")
     (path / "train_log.json").write_text(json.dumps({**result, "losses": losses[::10]}, indent=1))

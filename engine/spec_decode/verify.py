@@ -23,8 +23,8 @@ block there, without a bonus token (plain decoding stops on that token too).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -181,7 +181,7 @@ def _result(raw: Tensor, tokens: list[int], accepted: int, state: SamplingState)
     if n is None:
         return VerifyResult(tokens, chosen, [None] * len(tokens), accepted)
     values, ids = raw[: len(tokens)].topk(min(n, raw.shape[1]), dim=-1)
-    tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    tops = [list(zip(i, v, strict=False)) for i, v in zip(ids.tolist(), values.tolist(), strict=False)]
     return VerifyResult(tokens, chosen, tops, accepted)
 
 

@@ -17,10 +17,10 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from engine.training.tasks import FAMILIES, Instance, sample_split
 from shared.prompt.bpe_train import NUM_BYTE_RANKS, compile_pattern
 from shared.prompt.chat import THINKING_EFFORTS, render_chat
 from shared.prompt.tokenizer import KimiTokenizer
-from engine.training.tasks import FAMILIES, Instance, sample_split
 
 VOCAB_SAMPLES_PER_GROUP = 200
 VOCAB_MIN_FRACTION = 0.1          # a piece in >= 10 % of one (family, thinking) group's examples

@@ -63,7 +63,7 @@ def evaluate(answer_all: Answerer, families: Iterable[str] = FAMILIES, n: int = 
         for family in families:
             insts = eval_instances(family, n, seed)
             answers = answer_all(insts, thinking)
-            wrong = [(i.key, repr(a.tool_calls or a.content)) for i, a in zip(insts, answers) if not is_correct(i, a)]
+            wrong = [(i.key, repr(a.tool_calls or a.content)) for i, a in zip(insts, answers, strict=False) if not is_correct(i, a)]
             scores.append(FamilyScore(family, thinking, len(insts) - len(wrong), len(insts), tuple(wrong[:3])))
     return scores
 
@@ -81,8 +81,8 @@ def format_scores(scores: list[FamilyScore], where: str) -> str:
 
 def offline_answerer(model_dir: str, max_num_seqs: int = 16) -> Answerer:
     from engine.llm import LLM
-    from shared.sampling_params import SamplingParams
     from shared.prompt.parsers import parse_tool_calls, split_reasoning
+    from shared.sampling_params import SamplingParams
 
     llm = LLM(model=model_dir, max_num_seqs=max_num_seqs, max_num_batched_tokens=4096)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, skip_special_tokens=False)

@@ -31,35 +31,9 @@ WEATHER_TOOL: dict[str, Any] = {
 }
 
 CITIES = tuple(
-    c.replace("_", " ") for c in """
-Tokyo Delhi Shanghai Dhaka Cairo Beijing Mumbai Osaka Chongqing Karachi Istanbul Kinshasa Lagos Manila
-Tianjin Guangzhou Lahore Shenzhen Bangalore Paris Bogota Jakarta Chennai Lima Bangkok Seoul Nagoya
-Hyderabad London Tehran Chicago Chengdu Nanjing Wuhan Luanda Ahmedabad Riyadh Baghdad Santiago Surat
-Madrid Suzhou Pune Harbin Houston Dallas Toronto Miami Belo_Horizonte Singapore Philadelphia Atlanta
-Fukuoka Khartoum Barcelona Johannesburg Dalian Qingdao Zhengzhou Yangon Alexandria Washington Ankara
-Melbourne Sydney Guadalajara Monterrey Boston Phoenix Recife Brasilia Montreal Kabul Nairobi Hanoi
-Berlin Rome Athens Lisbon Vienna Prague Budapest Warsaw Dublin Oslo Stockholm Helsinki Copenhagen
-Amsterdam Brussels Zurich Geneva Munich Hamburg Milan Naples Turin Lyon Marseille Seville Valencia Porto
-Kyiv Minsk Riga Vilnius Tallinn Bucharest Sofia Belgrade Zagreb Sarajevo Tirana Skopje Ljubljana
-Bratislava Krakow Gdansk Edinburgh Glasgow Manchester Liverpool Leeds Cardiff Belfast Reykjavik Moscow
-Novosibirsk Kazan Tbilisi Yerevan Baku Tashkent Almaty Bishkek Dushanbe Ulaanbaatar Taipei Kaohsiung
-Busan Incheon Sapporo Kyoto Kobe Yokohama Sendai Hiroshima Macau Hong_Kong Kuala_Lumpur Penang Colombo
-Kathmandu Thimphu Male Muscat Doha Dubai Abu_Dhabi Manama Kuwait_City Amman Beirut Damascus Jerusalem
-Tunis Algiers Rabat Casablanca Tripoli Dakar Accra Abuja Kano Addis_Ababa Kampala Kigali Lusaka Harare
-Maputo Gaborone Windhoek Durban Cape_Town Antananarivo Mombasa Zanzibar Mogadishu Djibouti Asmara Bamako
-Niamey Ouagadougou Conakry Freetown Monrovia Abidjan Lome Cotonou Yaounde Douala Libreville Brazzaville
-Vancouver Calgary Edmonton Ottawa Winnipeg Quebec Halifax Seattle Portland San_Francisco Los_Angeles
-San_Diego Las_Vegas Denver Austin Detroit Cleveland Pittsburgh Baltimore Nashville Memphis New_Orleans
-Orlando Tampa Charlotte Honolulu Anchorage New_York Havana Kingston Panama Caracas Quito La_Paz Asuncion
-Montevideo Buenos_Aires Cordoba Rosario Salvador Fortaleza Manaus Curitiba Porto_Alegre Auckland
-Wellington Christchurch Perth Adelaide Brisbane Hobart Darwin Canberra Suva Apia
-""".split())
+    c.replace("_", " ") for c in ["Tokyo", "Delhi", "Shanghai", "Dhaka", "Cairo", "Beijing", "Mumbai", "Osaka", "Chongqing", "Karachi", "Istanbul", "Kinshasa", "Lagos", "Manila", "Tianjin", "Guangzhou", "Lahore", "Shenzhen", "Bangalore", "Paris", "Bogota", "Jakarta", "Chennai", "Lima", "Bangkok", "Seoul", "Nagoya", "Hyderabad", "London", "Tehran", "Chicago", "Chengdu", "Nanjing", "Wuhan", "Luanda", "Ahmedabad", "Riyadh", "Baghdad", "Santiago", "Surat", "Madrid", "Suzhou", "Pune", "Harbin", "Houston", "Dallas", "Toronto", "Miami", "Belo_Horizonte", "Singapore", "Philadelphia", "Atlanta", "Fukuoka", "Khartoum", "Barcelona", "Johannesburg", "Dalian", "Qingdao", "Zhengzhou", "Yangon", "Alexandria", "Washington", "Ankara", "Melbourne", "Sydney", "Guadalajara", "Monterrey", "Boston", "Phoenix", "Recife", "Brasilia", "Montreal", "Kabul", "Nairobi", "Hanoi", "Berlin", "Rome", "Athens", "Lisbon", "Vienna", "Prague", "Budapest", "Warsaw", "Dublin", "Oslo", "Stockholm", "Helsinki", "Copenhagen", "Amsterdam", "Brussels", "Zurich", "Geneva", "Munich", "Hamburg", "Milan", "Naples", "Turin", "Lyon", "Marseille", "Seville", "Valencia", "Porto", "Kyiv", "Minsk", "Riga", "Vilnius", "Tallinn", "Bucharest", "Sofia", "Belgrade", "Zagreb", "Sarajevo", "Tirana", "Skopje", "Ljubljana", "Bratislava", "Krakow", "Gdansk", "Edinburgh", "Glasgow", "Manchester", "Liverpool", "Leeds", "Cardiff", "Belfast", "Reykjavik", "Moscow", "Novosibirsk", "Kazan", "Tbilisi", "Yerevan", "Baku", "Tashkent", "Almaty", "Bishkek", "Dushanbe", "Ulaanbaatar", "Taipei", "Kaohsiung", "Busan", "Incheon", "Sapporo", "Kyoto", "Kobe", "Yokohama", "Sendai", "Hiroshima", "Macau", "Hong_Kong", "Kuala_Lumpur", "Penang", "Colombo", "Kathmandu", "Thimphu", "Male", "Muscat", "Doha", "Dubai", "Abu_Dhabi", "Manama", "Kuwait_City", "Amman", "Beirut", "Damascus", "Jerusalem", "Tunis", "Algiers", "Rabat", "Casablanca", "Tripoli", "Dakar", "Accra", "Abuja", "Kano", "Addis_Ababa", "Kampala", "Kigali", "Lusaka", "Harare", "Maputo", "Gaborone", "Windhoek", "Durban", "Cape_Town", "Antananarivo", "Mombasa", "Zanzibar", "Mogadishu", "Djibouti", "Asmara", "Bamako", "Niamey", "Ouagadougou", "Conakry", "Freetown", "Monrovia", "Abidjan", "Lome", "Cotonou", "Yaounde", "Douala", "Libreville", "Brazzaville", "Vancouver", "Calgary", "Edmonton", "Ottawa", "Winnipeg", "Quebec", "Halifax", "Seattle", "Portland", "San_Francisco", "Los_Angeles", "San_Diego", "Las_Vegas", "Denver", "Austin", "Detroit", "Cleveland", "Pittsburgh", "Baltimore", "Nashville", "Memphis", "New_Orleans", "Orlando", "Tampa", "Charlotte", "Honolulu", "Anchorage", "New_York", "Havana", "Kingston", "Panama", "Caracas", "Quito", "La_Paz", "Asuncion", "Montevideo", "Buenos_Aires", "Cordoba", "Rosario", "Salvador", "Fortaleza", "Manaus", "Curitiba", "Porto_Alegre", "Auckland", "Wellington", "Christchurch", "Perth", "Adelaide", "Brisbane", "Hobart", "Darwin", "Canberra", "Suva", "Apia"])
 
-WEATHER_WORDS = tuple("""
-sunny cloudy rainy windy foggy snowy stormy clear mild warm hot cold cool humid dry bright grey overcast
-light heavy rain snow showers wind breeze skies with and a little very some clouds degrees thunder hail
-drizzle sleet frost calm gusty partly mostly chilly freezing pleasant
-""".split())
+WEATHER_WORDS = tuple(["sunny", "cloudy", "rainy", "windy", "foggy", "snowy", "stormy", "clear", "mild", "warm", "hot", "cold", "cool", "humid", "dry", "bright", "grey", "overcast", "light", "heavy", "rain", "snow", "showers", "wind", "breeze", "skies", "with", "and", "a", "little", "very", "some", "clouds", "degrees", "thunder", "hail", "drizzle", "sleet", "frost", "calm", "gusty", "partly", "mostly", "chilly", "freezing", "pleasant"])
 
 
 @dataclass(frozen=True)
@@ -94,7 +68,7 @@ def add_working(a: int, b: int) -> str:
     """Column addition of non-negative a + b, the partial answer growing right to left."""
     x, y = _columns(a, b)
     lines, carry, partial = [f"{x}+{y}"], 0, ""
-    for dx, dy in zip(reversed(x), reversed(y)):
+    for dx, dy in zip(reversed(x), reversed(y), strict=False):
         s = int(dx) + int(dy) + carry
         partial = str(s % 10) + partial
         lines.append(f"{dx}+{dy}+{carry}={s} {partial}")
@@ -109,7 +83,7 @@ def sub_working(a: int, b: int) -> str:
     """Column subtraction a - b for a >= b >= 0 with borrows, the partial answer growing right to left."""
     x, y = _columns(a, b)
     lines, borrow, partial = [f"{x}-{y}"], 0, ""
-    for dx, dy in zip(reversed(x), reversed(y)):
+    for dx, dy in zip(reversed(x), reversed(y), strict=False):
         d = int(dx) - int(dy) - borrow
         new_borrow = 1 if d < 0 else 0
         partial = str(d % 10) + partial

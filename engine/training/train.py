@@ -24,14 +24,14 @@ from tqdm import tqdm
 from engine.checkpoint.create import generation_config, write_safetensors
 from engine.checkpoint.init import init_weights
 from engine.checkpoint.layout import CONFIG_FILE, GENERATION_CONFIG_FILE, keeps_fp32
-from shared.model_config import ModelConfig
 from engine.model.kimi_k3 import KimiK3ForConditionalGeneration
 from engine.presets import tiny_chat_config
-from shared.prompt.hf_files import save_tokenizer
-from shared.prompt.tokenizer import KimiTokenizer
 from engine.training.corpus import Example, Mix, build_tokenizer, sample_example
 from engine.training.dense_forward import dense_logits
+from shared.model_config import ModelConfig
 from shared.net import free_port as _free_port
+from shared.prompt.hf_files import save_tokenizer
+from shared.prompt.tokenizer import KimiTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -246,7 +246,7 @@ def _average_gradients(params: list[torch.Tensor], loss: torch.Tensor, dist, wor
     dist.all_reduce(flat)
     flat /= workers
     offset = 0
-    for p, g in zip(params, grads):
+    for p, g in zip(params, grads, strict=False):
         n = g.numel()
         p.grad = flat[offset:offset + n].view_as(g).clone()
         offset += n

@@ -48,7 +48,7 @@ def sample_random(pool: TokenPool, num_requests: int, input_len: int, output_len
     in_lens = _lengths(rng, num_requests, input_len, range_ratio, 0 if prefix_len else 1)
     out_lens = _lengths(rng, num_requests, output_len, range_ratio, 1)
     out = []
-    for i, (n_in, n_out) in enumerate(zip(in_lens, out_lens)):
+    for i, (n_in, n_out) in enumerate(zip(in_lens, out_lens, strict=False)):
         ids = prefix + rng.choice(tokens, size=int(n_in)).tolist()
         out.append(SampleRequest(pool.text(ids), len(ids), int(n_out), f"random-{i}"))
     return out

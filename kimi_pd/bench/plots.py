@@ -34,16 +34,16 @@ def _cdf(ax, values_ms: list[float], title: str) -> None:
 def write_plots(result: dict[str, Any], detail: dict[str, Any], stem: Path) -> list[Path]:
     plt = _pyplot()
     ok = [not e for e in detail["errors"]]
-    ttft = [t * 1e3 for t, good in zip(detail["ttfts"], ok) if good]
-    e2el = [t * 1e3 for t, good in zip(detail["latencies"], ok) if good]
-    itl = [g * 1e3 for gaps, good in zip(detail["itls"], ok) if good for g in gaps]
+    ttft = [t * 1e3 for t, good in zip(detail["ttfts"], ok, strict=False) if good]
+    e2el = [t * 1e3 for t, good in zip(detail["latencies"], ok, strict=False) if good]
+    itl = [g * 1e3 for gaps, good in zip(detail["itls"], ok, strict=False) if good for g in gaps]
     tpot = [(lat - t) / (n - 1) * 1e3 for lat, t, n, good in
-            zip(detail["latencies"], detail["ttfts"], detail["output_lens"], ok) if good and n > 1]
+            zip(detail["latencies"], detail["ttfts"], detail["output_lens"], ok, strict=False) if good and n > 1]
     label = result.get("label") or result.get("backend", "")
     paths = []
 
     fig, axes = plt.subplots(2, 2, figsize=(10, 7.5))
-    for ax, values, name in zip(axes.flat, (ttft, tpot, itl, e2el), ("TTFT", "TPOT", "ITL", "E2EL")):
+    for ax, values, name in zip(axes.flat, (ttft, tpot, itl, e2el), ("TTFT", "TPOT", "ITL", "E2EL"), strict=False):
         _cdf(ax, values, f"{name} CDF")
     fig.suptitle(f"latency CDFs - {label}")
     fig.tight_layout()
@@ -69,8 +69,8 @@ def write_plots(result: dict[str, Any], detail: dict[str, Any], stem: Path) -> l
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(7, 5))
-    lens = [n for n, good in zip(detail["input_lens"], ok) if good]
-    share = [c / n if n else 0.0 for c, n, good in zip(detail["cached_tokens"], detail["input_lens"], ok) if good]
+    lens = [n for n, good in zip(detail["input_lens"], ok, strict=False) if good]
+    share = [c / n if n else 0.0 for c, n, good in zip(detail["cached_tokens"], detail["input_lens"], ok, strict=False) if good]
     points = ax.scatter(lens, ttft, c=share, cmap="viridis", vmin=0, vmax=1, s=14)
     fig.colorbar(points, ax=ax, label="cached share of the prompt")
     ax.set_xlabel("prompt tokens")

@@ -79,7 +79,7 @@ async def run_requests(requests: list[SampleRequest], s: RunSettings) -> tuple[l
             bar.update(1)
             return out
 
-        outputs = await asyncio.gather(*(one(r, t) for r, t in zip(requests, offsets)))
+        outputs = await asyncio.gather(*(one(r, t) for r, t in zip(requests, offsets, strict=False)))
         duration = time.perf_counter() - start
         bar.close()
     return list(outputs), duration

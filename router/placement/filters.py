@@ -102,7 +102,7 @@ class OverloadFilter:
             return ()
         loads = [self._load(w) for w in workers]
         floor = min(loads)
-        return tuple(w for w, load in zip(workers, loads) if not self._overloaded(load, floor))
+        return tuple(w for w, load in zip(workers, loads, strict=False) if not self._overloaded(load, floor))
 
     def _load(self, w: WorkerState) -> int:
         return max(w.active_requests - w.inflight, 0) if self.unseen_only else w.active_requests

@@ -117,7 +117,7 @@ class Pipeline:
         """worker_id -> scorer name -> clamped score (unweighted)."""
         table: dict[str, dict[str, float]] = {w.worker_id: {} for w in workers}
         for ws in self.scorers:
-            for w, value in zip(workers, run_scorer(ws.scorer, ctx, workers)):
+            for w, value in zip(workers, run_scorer(ws.scorer, ctx, workers), strict=False):
                 table[w.worker_id][ws.scorer.name] = value
         return table
 

@@ -14,13 +14,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from shared.errors import InvalidRequest, InvalidSamplingParams
-from shared.sampling_params import SamplingParams
-from shared.structured_output import StructuredOutput
-from shared.prompt.chat import THINKING_EFFORTS
-from shared.prompt.tool_grammar import forced_tool_call_grammar
 from shared.openai.logprobs import chat_logprobs, completion_logprobs
 from shared.openai.requests import ChatCompletionRequest, CompletionRequest
 from shared.openai.shaping import ChatDeltaShaper, ShapedMessage, shape_chat_message
+from shared.prompt.chat import THINKING_EFFORTS
+from shared.prompt.tool_grammar import forced_tool_call_grammar
+from shared.sampling_params import SamplingParams
+from shared.structured_output import StructuredOutput
 
 __all__ = [
     "ChatDeltaShaper", "ShapedMessage", "chat_logprobs", "chat_messages", "completion_logprobs",

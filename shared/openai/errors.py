@@ -23,8 +23,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from shared.errors import EngineDead, InvalidRequest
-from shared.prompt.chat import ChatTemplateError
 from shared.openai.base import OpenAIModel, error_location
+from shared.prompt.chat import ChatTemplateError
 
 try:  # FastAPI wraps body validation errors in its own class, with a leading "body" location
     from fastapi.exceptions import RequestValidationError

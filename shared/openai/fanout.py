@@ -82,7 +82,7 @@ def merge_bodies(req: AnyRequest, subs: list[SubRequest], bodies: list[dict[str,
     n = req.n
     choices, usage = [], _Usage()
     for prompt_index in sorted({s.prompt_index for s in subs}):
-        group = [(s, b) for s, b in zip(subs, bodies) if s.prompt_index == prompt_index]
+        group = [(s, b) for s, b in zip(subs, bodies, strict=False) if s.prompt_index == prompt_index]
         usage.add_prompt(group[0][1].get("usage"))
         for _, body in group:
             usage.add_completion(body.get("usage"))
@@ -136,7 +136,7 @@ async def _merged_stream(req: AnyRequest, subs: list[SubRequest], responses: lis
     seen_prompts: set[int] = set()
     last_chunk: dict[str, Any] | None = None
     try:
-        for sub, response in zip(subs, responses):
+        for sub, response in zip(subs, responses, strict=False):
             parser = SSEParser()
             async for raw in response.body_iterator:
                 for event in parser.feed(raw if isinstance(raw, bytes) else raw.encode()):

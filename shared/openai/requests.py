@@ -11,9 +11,9 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 
 from shared.openai.base import Bool, Float, Int, OpenAIModel, RequestModel, by_kind, invalid
-from shared.sampling_params import MAX_N
 from shared.openai.ids import MAX_REQUEST_ID_CHARS, is_safe_request_id
 from shared.openai.messages import ChatMessage, Tool, ToolChoice
+from shared.sampling_params import MAX_N
 
 Stop = by_kind("a string or a list of strings", str=str, list=list[str])
 

@@ -17,6 +17,8 @@ import re
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
+from shared.openai.messages import FunctionCall, ToolCall
+from shared.openai.responses import DeltaFunctionCall, DeltaMessage, DeltaToolCall
 from shared.prompt.parsers import (
     END_OF_MSG,
     MESSAGE_CLOSE,
@@ -29,8 +31,6 @@ from shared.prompt.parsers import (
     parse_tool_calls,
     split_reasoning,
 )
-from shared.openai.messages import FunctionCall, ToolCall
-from shared.openai.responses import DeltaFunctionCall, DeltaMessage, DeltaToolCall
 
 _THINK_ENDS = (THINK_CLOSE, END_OF_MSG)
 _CONTENT_ENDS = (RESPONSE_CLOSE, TOOLS_OPEN, MESSAGE_CLOSE, END_OF_MSG)

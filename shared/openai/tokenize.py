@@ -9,12 +9,12 @@ from typing import Any
 
 from pydantic import Field
 
+from shared.errors import InvalidRequest
 from shared.model_config import VisionConfig
 from shared.openai.base import Bool, Int, RequestModel
 from shared.openai.messages import ChatMessage
 from shared.openai.requests import ChatCompletionRequest
 from shared.prompt.tokenizer import KimiTokenizer
-from shared.errors import InvalidRequest
 
 
 class TokenizeRequest(RequestModel):

@@ -64,7 +64,7 @@ class _Merger:
 
     def _add(self, idx: int, sign: int) -> None:
         word, count = self.words[idx], self.counts[idx]
-        for pair in zip(word, word[1:]):
+        for pair in zip(word, word[1:], strict=False):
             self.pair_counts[pair] += sign * count
             if sign > 0:
                 self.where.setdefault(pair, set()).add(idx)
@@ -82,7 +82,7 @@ class _Merger:
     def merge(self, pair: Pair, new_id: int) -> None:
         for idx in self.where.pop(pair, set()):
             word = self.words[idx]
-            if not any(a == pair[0] and b == pair[1] for a, b in zip(word, word[1:])):
+            if not any(a == pair[0] and b == pair[1] for a, b in zip(word, word[1:], strict=False)):
                 continue  # stale index: an earlier merge already consumed this occurrence
             self._add(idx, -1)
             self.words[idx] = _merge_word(word, pair, new_id)

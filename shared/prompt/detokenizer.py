@@ -21,8 +21,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from shared.sampling_params import SamplingParams
 from shared.prompt.tokenizer import KimiTokenizer
+from shared.sampling_params import SamplingParams
 
 StopKind = Literal["stop_string", "stop_token", "eos"]
 

@@ -63,5 +63,5 @@ def render_prompt(tokenizer: KimiTokenizer, messages: list[dict[str, Any]], imag
         counts = [num_image_tokens(vision, img.height, img.width) for img in images]
         sizes = [(img.width, img.height) for img in images]      # the header names the original size
     rendered = render_chat(tokenizer, messages, image_token_counts=counts, image_sizes=sizes, **render_options)
-    items = [ImageItem(start, n, img) for (start, n), img in zip(rendered.image_spans, images)]
+    items = [ImageItem(start, n, img) for (start, n), img in zip(rendered.image_spans, images, strict=False)]
     return PreparedPrompt(rendered.token_ids, items, thinking=bool(render_options.get("thinking")))

@@ -20,8 +20,8 @@ from typing import Any
 import tiktoken
 
 from shared.prompt.bpe_train import PAT_STR, dump_tiktoken_model, parse_tiktoken_model
-from shared.prompt.special_tokens import NAMED_SPECIAL_OFFSETS, NUM_SPECIAL_TOKENS, special_token_table
 from shared.prompt.render_memo import RenderMemo
+from shared.prompt.special_tokens import NAMED_SPECIAL_OFFSETS, NUM_SPECIAL_TOKENS, special_token_table
 from shared.prompt.token_memo import SegmentMemo
 
 GENERATED_DIR = Path(__file__).parent / "data"

@@ -12,7 +12,8 @@ import time
 import uvicorn
 from fastapi.testclient import TestClient
 
-from benchmarks.stub_worker import StubSettings, create_app as stub_app
+from benchmarks.stub_worker import StubSettings
+from benchmarks.stub_worker import create_app as stub_app
 from router.app import create_app
 from router.settings import RouterSettings
 
@@ -33,7 +34,7 @@ def serve_stub(role: str) -> tuple[str, uvicorn.Server]:
 
 
 def main(model_dir: str) -> None:
-    from kimi_pd.cli import build_parser                  # what `kimi-pd router` runs before the app
+    from kimi_pd.cli import build_parser  # what `kimi-pd router` runs before the app
     build_parser().parse_args(["router", "--model", model_dir, "--worker", "http://127.0.0.1:1"])
     (p_url, p), (d_url, d) = serve_stub("prefill"), serve_stub("decode")
     settings = RouterSettings(model=model_dir, static_prefill=(p_url,), static_decode=(d_url,),

@@ -11,8 +11,8 @@ import sys
 import httpx
 import pytest
 
-from tests.e2e.fleet import kimi_pd_up
 from tests.bench.helpers import LATENCY_KEYS, SUMMARY_KEYS, assert_valid_pngs, run_bench
+from tests.e2e.fleet import kimi_pd_up
 
 pytestmark = pytest.mark.timeout(300)
 

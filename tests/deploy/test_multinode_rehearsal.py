@@ -20,7 +20,7 @@ import redis
 
 from shared.net import free_port
 from shared.store.embedded import find_server_binary
-from tests.deploy.helpers import (HAPROXY_CFG, NGINX_CONF, as_argv, environment_of, nginx_with_routers, tool)
+from tests.deploy.helpers import HAPROXY_CFG, NGINX_CONF, as_argv, environment_of, nginx_with_routers, tool
 from tests.deploy.roles import NODE_ENV_EXAMPLE, read_env_file, role_service
 from tests.deploy.test_deploy_configs import service_argv
 from tests.e2e.fleet import eventually, metric
@@ -219,7 +219,7 @@ def test_lb_streams_pd_requests_round_robin_and_hides_admin(fleet, lb):
     short = {"model": "kimi-k3", "prompt": "hello", "max_tokens": 2}
     for _ in range(4):
         assert httpx.post(lb + "/v1/completions", json=short, timeout=60).status_code == 200
-    served = [requests_served(r) - b for r, b in zip(fleet["routers"], before)]
+    served = [requests_served(r) - b for r, b in zip(fleet["routers"], before, strict=False)]
     assert sum(served) == 5 and min(served) >= 2, f"round robin over both nodes' routers: {served}"
     for path in ("/admin/workers", "/metrics", "/v1/../admin/workers", "/dashboard", "/dashboard/state"):
         assert httpx.get(lb + path, timeout=5).status_code == 404, path

@@ -10,8 +10,21 @@ from urllib.parse import urlparse
 import pytest
 
 from tests.deploy.helpers import (
-    NGINX_CONF, NGINX_ROUTERS_EXAMPLE, NGINX_ROUTERS_PATH, ROOT, VARIABLE, as_argv, compose_command,
-    environment_of, nginx_servers, nginx_with_routers, parse_cli, read_env_file, run, strings_in, tool,
+    NGINX_CONF,
+    NGINX_ROUTERS_EXAMPLE,
+    NGINX_ROUTERS_PATH,
+    ROOT,
+    VARIABLE,
+    as_argv,
+    compose_command,
+    environment_of,
+    nginx_servers,
+    nginx_with_routers,
+    parse_cli,
+    read_env_file,
+    run,
+    strings_in,
+    tool,
 )
 from tests.deploy.roles import KIMI_PD_ROLES, NODE_ENV_EXAMPLE, ROLE_FILES, raw_role, role_file, role_service
 from tests.deploy.test_deploy_configs import service_argv

@@ -19,8 +19,8 @@ from pathlib import Path
 import httpx
 
 from kimi_pd.processes import Child, Processes
-from shared.net import free_port
 from kimi_pd.up import KIMI_PD
+from shared.net import free_port
 
 SECRET = "e2e-transfer-secret-0123456789abcdef"
 ADMIN = "e2e-admin-token"
@@ -71,7 +71,7 @@ class Fleet:
         self.env = {**os.environ, "KIMI_PD_TRANSFER_SECRET": SECRET, "KIMI_PD_ADMIN_TOKEN": ADMIN,
                     "PYTHONUNBUFFERED": "1"}
 
-    def __enter__(self) -> "Fleet":
+    def __enter__(self) -> Fleet:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -117,7 +117,7 @@ class Fleet:
             time.sleep(0.2)
         raise TimeoutError(f"{proc.name} not ready at {path} after {timeout_s} s:\n{proc.tail()}")
 
-    def static_pd(self, prefill_flags: tuple[str, ...] = (), decode_flags: tuple[str, ...] = ()) -> "Fleet":
+    def static_pd(self, prefill_flags: tuple[str, ...] = (), decode_flags: tuple[str, ...] = ()) -> Fleet:
         """One prefill worker, one decode worker and a router that always disaggregates, all ready;
         they are `self.p`, `self.d`, `self.r`."""
         p, d = self.worker("prefill", "p0", *prefill_flags), self.worker("decode", "d0", *decode_flags)

@@ -116,7 +116,7 @@ def test_loglikelihood_scores_equal_offline(fleet, offline, task_manager):
         lls.append(scores)
         accs.append(float(max(range(len(scores)), key=scores.__getitem__) == doc["answer"]))
         lengths = [len(" " + c) for c in doc["choices"]]
-        normed = [s / n for s, n in zip(scores, lengths)]
+        normed = [s / n for s, n in zip(scores, lengths, strict=False)]
         norms.append(float(max(range(len(normed)), key=normed.__getitem__) == doc["answer"]))
     result = out["results"]["kimi_pd_mc"]
     assert result["acc,none"] == pytest.approx(sum(accs) / len(accs), abs=1e-9)
@@ -135,7 +135,7 @@ def test_generate_until_completions_equal_offline(fleet, offline, task_manager):
                 for d in _docs("qa.jsonl")]
     samples = sorted(out["samples"]["kimi_pd_qa"], key=lambda s: s["doc_id"])
     assert [s["resps"][0][0] for s in samples] == expected
-    match = [float(text.strip() == d["answer"]) for text, d in zip(expected, _docs("qa.jsonl"))]
+    match = [float(text.strip() == d["answer"]) for text, d in zip(expected, _docs("qa.jsonl"), strict=False)]
     assert out["results"]["kimi_pd_qa"]["exact_match,none"] == pytest.approx(sum(match) / len(match))
 
 

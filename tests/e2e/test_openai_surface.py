@@ -63,15 +63,15 @@ def test_echo_logprobs_equal_offline_prompt_logprobs(fleet, client, offline, str
                                         logprobs=1, echo=True)
         texts = {c.index: c.text for c in got.choices}
         token_logprobs = {c.index: c.logprobs.token_logprobs for c in got.choices}
-        for c, ids in zip(sorted(got.choices, key=lambda c: c.index), prompts):
+        for c, ids in zip(sorted(got.choices, key=lambda c: c.index), prompts, strict=False):
             top = c.logprobs.top_logprobs
             assert top[0] is None and all(len(t) in (1, 2) for t in top[1:])
     assert sorted(texts) == [0, 1, 2]
-    for i, (ids, out) in enumerate(zip(prompts, expected)):
+    for i, (ids, out) in enumerate(zip(prompts, expected, strict=False)):
         assert texts[i] == PROMPTS[i] + out.output.text
         want = [None] + [e.logprob for e in out.prompt_logprobs[1:]] + out.output.logprobs
         assert len(token_logprobs[i]) == len(ids) + 1
-        assert all(_close(a, b) for a, b in zip(token_logprobs[i], want)), (token_logprobs[i], want)
+        assert all(_close(a, b) for a, b in zip(token_logprobs[i], want, strict=False)), (token_logprobs[i], want)
 
 
 def test_max_tokens_zero_with_echo_scores_the_prompt_only(fleet, offline):
@@ -108,7 +108,7 @@ def test_prompt_logprobs_on_chat_and_completions(fleet, offline, stream):
         assert got.status_code == 200, got.text
         scores = got.json()["prompt_logprobs"]
     assert scores[0] is None and len(scores) == len(rendered.prompt_token_ids)
-    for entry, want, token in zip(scores[1:], expected.prompt_logprobs[1:], rendered.prompt_token_ids[1:]):
+    for entry, want, token in zip(scores[1:], expected.prompt_logprobs[1:], rendered.prompt_token_ids[1:], strict=False):
         assert _close(entry[str(token)]["logprob"], want.logprob) and entry[str(token)]["rank"] == want.rank
         assert {int(k) for k in entry} == {token, *(i for i, _ in want.top)}
     completion = httpx.post(fleet.r.url + "/v1/completions", timeout=60, json={

@@ -65,7 +65,7 @@ def complete(router_url: str, prompt: list[int]) -> httpx.Response:
 def test_pd_across_tp_sizes_equals_colocated(fleet, colocated, pair):
     router, prefill, decode = ((fleet.wide_prefill, fleet.p2, fleet.d1) if pair.startswith("tp2")
                                else (fleet.wide_decode, fleet.p1, fleet.d2))
-    for prompt, expected in zip(PROMPTS, colocated):
+    for prompt, expected in zip(PROMPTS, colocated, strict=False):
         got = complete(router.url, prompt)
         assert got.status_code == 200, got.text
         assert got.headers["x-kimi-pd-decision"] == "prefill-decode"

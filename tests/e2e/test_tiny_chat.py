@@ -32,7 +32,7 @@ GOAL_GAP = ("shipped tiny-chat (2800 steps, 19 CPU-min per worker) is below 95 %
 def _recording(answer_all, into: dict):
     def wrapped(insts, thinking):
         answers = answer_all(insts, thinking)
-        for inst, answer in zip(insts, answers):
+        for inst, answer in zip(insts, answers, strict=False):
             into[(inst.key, thinking)] = answer
         return answers
     return wrapped
@@ -41,6 +41,7 @@ def _recording(answer_all, into: dict):
 @pytest.fixture(scope="module")
 def offline_scores_and_answers():
     import torch
+
     from engine.presets import shipped_checkpoint
     answers: dict = {}
     threads = torch.get_num_threads()

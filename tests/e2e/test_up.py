@@ -11,7 +11,6 @@ import pytest
 
 from tests.e2e.fleet import kimi_pd_up
 
-
 pytestmark = pytest.mark.timeout(240)
 
 

@@ -44,7 +44,7 @@ def test_concurrent_streams_equal_offline(async_engine, tiny_dir):
         return await asyncio.gather(*(collect(async_engine, f"r{i}", p) for i, p in enumerate(prompts)))
 
     results = asyncio.run(main())
-    for outs, want in zip(results, expected):
+    for outs, want in zip(results, expected, strict=False):
         assert outs[-1].finished and outs[-1].output.token_ids == want
         assert [t for o in outs for t in o.new_token_ids] == want            # one delta per step, in order
         assert "".join(o.new_text for o in outs) == outs[-1].output.text
@@ -133,7 +133,6 @@ def test_caller_cancelled_while_its_command_is_queued_leaves_the_engine_alive(as
 
 def test_engine_thread_does_not_spin_while_nothing_can_be_admitted(tiny_dir):
     import resource
-    import time
     eng = AsyncEngine(EngineConfig(model=str(tiny_dir), **{**SETTINGS, "max_num_seqs": 1}))
     try:
         async def main():

@@ -160,7 +160,7 @@ def test_min_tokens_masks_eos_when_sampling():
 def run_steps(logits: torch.Tensor, rows: list[SamplingState], steps: int) -> list[list[int]]:
     """Sample `steps` times, appending each row's token to its output; returns each row's tokens."""
     for _ in range(steps):
-        for row, token in zip(rows, sample(logits, rows, {EOS}).token_ids):
+        for row, token in zip(rows, sample(logits, rows, {EOS}).token_ids, strict=False):
             row.output_token_ids.append(token)
     return [row.output_token_ids for row in rows]
 
@@ -203,9 +203,9 @@ def test_sampling_matches_distribution(kwargs, expected):
     counts = [0] * 4
     for _ in range(draws):
         counts[sample(PROBS.log(), rows, {EOS}).token_ids[0]] += 1
-    chi2 = sum((c - draws * p) ** 2 / (draws * p) for c, p in zip(counts, expected) if p > 0)
+    chi2 = sum((c - draws * p) ** 2 / (draws * p) for c, p in zip(counts, expected, strict=False) if p > 0)
     assert chi2 < CHI2_3DOF_P999, (counts, expected)
-    assert all(c == 0 for c, p in zip(counts, expected) if p == 0)
+    assert all(c == 0 for c, p in zip(counts, expected, strict=False) if p == 0)
 
 
 # ---- logprobs -------------------------------------------------------------------------------------
@@ -230,7 +230,7 @@ def test_top_logprobs_sorted_and_per_row_n():
     order = raw[0].argsort(descending=True)[:3].tolist()
     assert [t for t, _ in out.top_logprobs[0]] == order
     assert [lp for _, lp in out.top_logprobs[0]] == pytest.approx(raw[0, order].tolist())
-    assert all(a[1] >= b[1] for a, b in zip(out.top_logprobs[0], out.top_logprobs[0][1:]))
+    assert all(a[1] >= b[1] for a, b in zip(out.top_logprobs[0], out.top_logprobs[0][1:], strict=False))
     assert out.top_logprobs[1] is None
     assert out.top_logprobs[2] == []
 

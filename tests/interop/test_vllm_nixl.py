@@ -22,8 +22,7 @@ from tests.interop.vllm_fleet import ADMIN, SERVED, VllmFleet, metric
 
 pytestmark = pytest.mark.timeout(2400)          # first module: may build the venv (minutes) + start 3 vLLMs
 NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
-WORDS = ("router worker prefill decode cache block token transfer state prompt answer question number the a of "
-         "to and in is it that was for on are with as be at by this had not but from or have an they").split()
+WORDS = ["router", "worker", "prefill", "decode", "cache", "block", "token", "transfer", "state", "prompt", "answer", "question", "number", "the", "a", "of", "to", "and", "in", "is", "it", "that", "was", "for", "on", "are", "with", "as", "be", "at", "by", "this", "had", "not", "but", "from", "or", "have", "an", "they"]
 AUTH = {"authorization": f"Bearer {ADMIN}"}
 
 

@@ -133,7 +133,7 @@ class VllmFleet:
         self.ports = ListenPorts()
         self.launches: dict[str, tuple[dict, tuple[str, ...]]] = {}
 
-    def __enter__(self) -> "VllmFleet":
+    def __enter__(self) -> VllmFleet:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -16,10 +16,10 @@ import torch
 from engine.checkpoint.create import create_checkpoint
 from engine.core.engine import EngineConfig, LLMEngine
 from engine.core.state_export import ExportedState
-from shared.sampling_params import SamplingParams
 from kv_transfer.interface import KVTransferParams, make_receiver, make_sender
 from kv_transfer.payload import ModelIdentity, TransferPayload
 from prefill_worker.handoff import to_payload
+from shared.sampling_params import SamplingParams
 from tests.kv_transfer.helpers import FreeLog, assert_same, config, eventually, metrics, serving
 
 pytestmark = pytest.mark.timeout(120)

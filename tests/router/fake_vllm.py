@@ -116,7 +116,7 @@ class Servers:
     def __init__(self, *fakes: FakeVllm) -> None:
         self.fakes, self.servers = fakes, []
 
-    def __enter__(self) -> "Servers":
+    def __enter__(self) -> Servers:
         for fake in self.fakes:
             sock = socket.socket()
             sock.bind(("127.0.0.1", 0))

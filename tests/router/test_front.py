@@ -12,7 +12,8 @@ import httpx
 import pytest
 import uvicorn
 
-from benchmarks.stub_worker import StubSettings, create_app as stub_app
+from benchmarks.stub_worker import StubSettings
+from benchmarks.stub_worker import create_app as stub_app
 from router.app import create_app
 from router.front import front_protocol_class
 from router.settings import RouterSettings

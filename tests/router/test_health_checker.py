@@ -42,7 +42,7 @@ class SlowWorker:
         finally:
             writer.close()
 
-    async def __aenter__(self) -> "SlowWorker":
+    async def __aenter__(self) -> SlowWorker:
         self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
         return self

@@ -102,7 +102,7 @@ def test_upstream_mooncake_gets_a_router_made_transfer_id_and_the_prefill_bootst
                 assert resp.status_code == 200 and resp.headers["x-kimi-pd-decision"] == "prefill-decode"
     sent_p, sent_d = kv_params(p), kv_params(d)
     assert len(sent_p) == len(sent_d) == 2
-    for prefill, decode in zip(sent_p, sent_d):
+    for prefill, decode in zip(sent_p, sent_d, strict=False):
         tid = prefill["transfer_id"]
         assert prefill == {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": tid}
         assert decode == mooncake_decode_params(tid, "engine-of-p", f"http://127.0.0.1:{p.port}")
@@ -228,6 +228,7 @@ def test_vllm_timing_histograms_become_interval_observations():
 
 def test_router_flags_for_vllm():
     import argparse
+
     from router.cli import add_router_args, settings_from_args
     parser = argparse.ArgumentParser()
     add_router_args(parser)

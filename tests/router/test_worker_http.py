@@ -7,8 +7,15 @@ import asyncio
 import pytest
 
 from router.upstream import classify
-from router.worker_http import (ConnectFailed, Disconnected, InvalidRequest, Origin, ProtocolError, ReadTimeout,
-                                WorkerClient)
+from router.worker_http import (
+    ConnectFailed,
+    Disconnected,
+    InvalidRequest,
+    Origin,
+    ProtocolError,
+    ReadTimeout,
+    WorkerClient,
+)
 from shared.net import free_port as _free_port
 
 OK_BODY = b'{"ok": true}'
@@ -31,7 +38,7 @@ class RawServer:
     def __init__(self, behaviour) -> None:
         self.behaviour, self.connections, self.requests = behaviour, 0, []
 
-    async def __aenter__(self) -> "RawServer":
+    async def __aenter__(self) -> RawServer:
         async def handle(reader, writer):
             self.connections += 1
             try:

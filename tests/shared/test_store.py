@@ -19,6 +19,7 @@ import pytest_asyncio
 import redis.asyncio as aioredis
 
 from shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from shared.net import free_port
 from shared.store import (
     EmbeddedValkey,
     InMemoryStore,
@@ -27,7 +28,6 @@ from shared.store import (
     StoreUnavailable,
     make_store,
 )
-from shared.net import free_port
 from shared.store.embedded import EmbeddedValkeyError, find_server_binary
 from shared.workers import LoadReport, WorkerInfo
 

@@ -12,9 +12,9 @@ from safetensors.torch import load_file, save_file
 from engine.checkpoint.create import create_checkpoint, generated_state_dict
 from engine.checkpoint.layout import INDEX_FILE, QUANT_DESCRIPTION_FILE
 from engine.checkpoint.loader import CheckpointError, load_checkpoint
-from shared.model_config import ConfigError, ModelConfig
 from engine.model.sequence_runner import SequenceRunner
 from engine.presets import preset_config
+from shared.model_config import ConfigError, ModelConfig
 
 
 @pytest.fixture(scope="module")

@@ -185,7 +185,7 @@ def test_streamed_deltas_concatenate_to_the_final_text(tiny_dir):
 def test_top_logprobs_reported(tiny_dir):
     llm = make_llm(tiny_dir)
     out = llm.generate([prompt_ids(6, 95)], SamplingParams(temperature=0.0, max_tokens=3, logprobs=3))[0].output
-    for token, lp, top in zip(out.token_ids, out.logprobs, out.top_logprobs):
+    for token, lp, top in zip(out.token_ids, out.logprobs, out.top_logprobs, strict=False):
         assert len(top) == 3 and top[0][0] == token and top[0][1] == pytest.approx(lp)
         assert [x[1] for x in top] == sorted((x[1] for x in top), reverse=True)
 

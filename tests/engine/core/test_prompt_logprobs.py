@@ -30,7 +30,7 @@ def test_scores_equal_the_logprobs_of_generated_tokens(llm):
     pl = scored.prompt_logprobs
     assert len(pl) == 15 and pl[0] is None
     assert [e.token_id for e in pl[1:]] == (prompt + gen.output.token_ids)[1:]
-    for entry, logprob in zip(pl[9:], gen.output.logprobs):
+    for entry, logprob in zip(pl[9:], gen.output.logprobs, strict=False):
         assert entry.rank == 1                               # greedy tokens are the most likely
         assert math.isclose(entry.logprob, logprob, abs_tol=TOL)
         assert entry.top[0][0] == entry.token_id and len(entry.top) == 3
@@ -84,7 +84,7 @@ def test_prompt_logprobs_travel_with_an_exported_state(tiny_dir, llm):
 def _close(a, b) -> bool:
     if len(a) != len(b):
         return False
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         if x is None or y is None:
             if x is not y:
                 return False

@@ -19,8 +19,13 @@ from engine import LLM, SamplingParams
 from engine.graphs.config import CompilationConfig
 from engine.graphs.decode import EagerReplay, enable_decode_replay
 from engine.model.fused import FusedProjections, fuse_linears, is_fused, project
-from engine.model.quant import W4A8DynamicLinear, W8A8DynamicLinear, quantize_int8_per_channel
-from engine.model.quant import pack_int4, quantize_int4_per_channel
+from engine.model.quant import (
+    W4A8DynamicLinear,
+    W8A8DynamicLinear,
+    pack_int4,
+    quantize_int4_per_channel,
+    quantize_int8_per_channel,
+)
 from tests.engine.core.helpers import record_step_logits
 
 pytestmark = pytest.mark.timeout(300)
@@ -61,8 +66,8 @@ def run(model_dir, fused: bool, dtype: str, static: bool = False):
 
 
 def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    assert len(a) == len(b) and all(x.shape == y.shape for x, y in zip(a, b))
-    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+    assert len(a) == len(b) and all(x.shape == y.shape for x, y in zip(a, b, strict=False))
+    return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=False))
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["eager", "static-decode"])
@@ -153,7 +158,7 @@ def test_mixed_kinds_fuse_per_kind_and_chunks_match():
         assert torch.equal(got[0], torch.cat(expected[:2], -1))
         assert torch.equal(got[2], torch.cat(expected[3:], -1))
         assert torch.equal(got[1], expected[2])
-        assert [torch.equal(m(x), e) for m, e in zip(members, expected)] == [True] * 5   # views, same values
+        assert [torch.equal(m(x), e) for m, e in zip(members, expected, strict=False)] == [True] * 5   # views, same values
 
 
 def test_unfusable_members_are_left_alone():

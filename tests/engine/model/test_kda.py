@@ -4,8 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model.kda_ops import (causal_conv_step, causal_conv_with_state, kda_chunked, kda_gate,
-                                  kda_recurrent)
+from engine.model.kda_ops import causal_conv_step, causal_conv_with_state, kda_chunked, kda_gate, kda_recurrent
 from engine.model.layers import l2norm
 from tests.engine.oracles import fla_attnres_naive, fla_gate_functions, fla_kda_naive, kda_float64_loop
 

@@ -11,13 +11,13 @@ from torch import nn
 
 from engine.model.quant import (
     FLOAT,
-    _exact_int_matmul,
     MODELSLIM_CONFIG_FILENAME,
     W4A8_DYNAMIC,
     W8A8_DYNAMIC,
     QuantDescription,
     W4A8DynamicLinear,
     W8A8DynamicLinear,
+    _exact_int_matmul,
     apply_quant_description,
     dynamic_quant_per_token_int8,
     pack_int4,

@@ -10,9 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from shared.model_config import ConfigError, VisionConfig
 from engine.model.image_processing import preprocess_image
-from shared.prompt.images import num_image_tokens, resized_size
 from engine.model.vision import (
     MMProjector,
     MoonViT,
@@ -21,6 +19,8 @@ from engine.model.vision import (
     rope_2d_cos_sin,
 )
 from engine.presets import tiny_config
+from shared.model_config import ConfigError, VisionConfig
+from shared.prompt.images import num_image_tokens, resized_size
 
 # bf16 vs fp32 on the post_norm'd output (RMS ~1 per token): measured ~0.7% relative error.
 BF16_REL_TOL = 2e-2
@@ -124,7 +124,7 @@ def test_preprocess_normalises_to_minus_one_one(cfg: VisionConfig) -> None:
 def test_batched_equals_individual(cfg, model) -> None:
     images = [preprocess_image(_pixels(h, w, seed=h), cfg) for h, w in [(50, 90), (112, 168), (1, 1), (300, 97)]]
     batched = _encode(model, images)
-    for image, out in zip(images, batched):
+    for image, out in zip(images, batched, strict=False):
         assert torch.equal(out, _encode(model, [image])[0])
 
 
@@ -153,7 +153,7 @@ def test_bf16_close_to_fp32(model) -> None:
     torch.manual_seed(3)
     images = [torch.randn(3, 112, 168), torch.randn(3, 224, 224)]
     tower16, proj16 = copy.deepcopy(model[0]).bfloat16(), copy.deepcopy(model[1]).bfloat16()
-    for ref, low in zip(_encode(model, images), encode_images(tower16, proj16, images)):
+    for ref, low in zip(_encode(model, images), encode_images(tower16, proj16, images), strict=False):
         assert low.dtype == torch.bfloat16 and low.shape == ref.shape
         err = ref - low.float()
         assert err.norm() / ref.norm() < BF16_REL_TOL

@@ -51,7 +51,7 @@ def plain_llm(tiny_dir):
 @pytest.fixture(scope="module")
 def free(plain_llm):
     """Unconstrained greedy outputs of every prompt."""
-    return dict(zip(NAMES, tokens(plain_llm.generate([PROMPTS[n] for n in NAMES], GREEDY))))
+    return dict(zip(NAMES, tokens(plain_llm.generate([PROMPTS[n] for n in NAMES], GREEDY)), strict=False))
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,7 @@ def cases(plain_llm, free):
 
 @pytest.fixture(scope="module")
 def plain(plain_llm, free, cases):
-    outs = dict(zip(NAMES, tokens(plain_llm.generate([PROMPTS[n] for n in NAMES], [cases[n] for n in NAMES]))))
+    outs = dict(zip(NAMES, tokens(plain_llm.generate([PROMPTS[n] for n in NAMES], [cases[n] for n in NAMES])), strict=False))
     changed = [n for n in NAMES if n != "free" and outs[n] != free[n]]
     assert changed == NAMES[:-1]                   # every constraint changes the output: the tests can fail
     return outs
@@ -136,7 +136,7 @@ def _references(plain: dict[str, list[int]]) -> dict[tuple[int, ...], list[int]]
 
 def _check_outputs(outs, cases) -> None:
     """What plain decoding guarantees holds under speculation too (grammar outputs validate...)."""
-    by_name = dict(zip(NAMES, outs))
+    by_name = dict(zip(NAMES, outs, strict=False))
     jsonschema.validate(json.loads(by_name["json"].output.text), SCHEMA)
     assert re.fullmatch(REGEX, by_name["regex"].output.text)
     assert by_name["choice"].output.text in CHOICES
@@ -160,7 +160,7 @@ def test_constrained_greedy_speculation_equals_plain(short_spec_llm, fresh, free
     elif mode == "unconstrained_oracle":
         oracle_drafts(llm, _references(free), wrong_at=lambda step: None)
     outs = llm.generate([PROMPTS[n] for n in NAMES], [cases[n] for n in NAMES])
-    assert dict(zip(NAMES, tokens(outs))) == plain
+    assert dict(zip(NAMES, tokens(outs), strict=False)) == plain
     _check_outputs(outs, cases)
     drafts, _, accepted = _delta(llm, before)
     assert drafts > 0
@@ -238,7 +238,7 @@ def test_seeded_constrained_sampling_never_emits_a_masked_token(tiny_dir, draft7
     hot = {n: replace(cases[n], temperature=1.0, seed=40 + i) for i, n in enumerate(NAMES)}
     outs = llm.generate([PROMPTS[n] for n in NAMES], [hot[n] for n in NAMES])
     _check_outputs(outs, hot)
-    by_name = dict(zip(NAMES, outs))
+    by_name = dict(zip(NAMES, outs, strict=False))
     for n in ("bad_word_1", "bad_word_2"):
         toks = by_name[n].output.token_ids
         for ids in bad_words_token_ids(hot[n].bad_words, llm.tokenizer.encode):
@@ -261,7 +261,7 @@ def test_constrained_speculation_across_preemption_equals_plain(tiny_dir, draft7
     budget = dict(enable_prefix_caching=False, max_num_seqs=2, num_snapshot_slots=0,
                   cache_memory_bytes=2 * 8 * 12800 + 15 * (768 + 2 * 4 * 24 * 4))
     tight = make_llm(tiny_dir, speculative_config=spec(draft7), **budget)
-    oracle_drafts(tight, {tuple(p): p + r for p, r in zip(prompts, reference)}, wrong_at=lambda s: (s * 3) % 9)
+    oracle_drafts(tight, {tuple(p): p + r for p, r in zip(prompts, reference, strict=False)}, wrong_at=lambda s: (s * 3) % 9)
     outs = tight.generate(prompts, params)
     assert tokens(outs) == reference
     assert re.fullmatch("[a-z]{1,20}", outs[0].output.text)

@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from shared.model_config import ModelConfig
 from engine.spec_decode.checkpoint import load_draft
 from engine.spec_decode.config import DraftConfig, SpecConfigError
+from shared.model_config import ModelConfig
 
 LAYER_TENSORS = {"input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_a_proj.weight",
                  "self_attn.q_a_layernorm.weight", "self_attn.q_b_proj.weight", "self_attn.kv_a_proj_with_mqa.weight",

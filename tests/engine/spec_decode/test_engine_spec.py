@@ -17,7 +17,7 @@ def plain(tiny_dir):
 
 
 def references(plain_tokens):
-    return {tuple(p): p + out for p, out in zip(PROMPTS, plain_tokens)}
+    return {tuple(p): p + out for p, out in zip(PROMPTS, plain_tokens, strict=False)}
 
 
 @pytest.mark.parametrize("draft_name", ["draft7", "draft5"])
@@ -92,7 +92,7 @@ def test_preemption_mid_speculation_equals_plain(tiny_dir, draft7):
     budget = dict(enable_prefix_caching=False, max_num_seqs=2, num_snapshot_slots=0,
                   cache_memory_bytes=2 * 8 * 12800 + 15 * (768 + 2 * 4 * 24 * 4))
     tight = make_llm(tiny_dir, speculative_config=spec(draft7), **budget)
-    oracle_drafts(tight, {tuple(p): p + r for p, r in zip(prompts, reference)}, wrong_at=lambda s: (s * 3) % 9)
+    oracle_drafts(tight, {tuple(p): p + r for p, r in zip(prompts, reference, strict=False)}, wrong_at=lambda s: (s * 3) % 9)
     assert tokens(tight.generate(prompts, params)) == reference
     assert tight.engine.scheduler.num_preemptions > 0
     assert tight.engine.spec_stats.num_drafts > 0
@@ -135,7 +135,7 @@ def test_rejected_pages_freed_and_kda_close_to_plain(tiny_dir, draft7, plain):
         if req is None:
             break
         assert len(req.blocks) == -(-req.num_computed_tokens // se.config.block_size)
-        for got, want in zip(kda_state(se, req.kda_slot), plain_states[req.num_computed_tokens]):
+        for got, want in zip(kda_state(se, req.kda_slot), plain_states[req.num_computed_tokens], strict=False):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
         compared += 1
     assert compared >= 3
@@ -194,11 +194,11 @@ def test_logprobs_and_penalties_under_speculation_equal_plain(tiny_dir, draft7, 
                             frequency_penalty=0.5)
     want = make_llm(tiny_dir).generate(PROMPTS[:2], params)
     llm = make_llm(tiny_dir, speculative_config=spec(draft7))
-    penalised_refs = {tuple(p): p + w.output.token_ids for p, w in zip(PROMPTS[:2], want)}
+    penalised_refs = {tuple(p): p + w.output.token_ids for p, w in zip(PROMPTS[:2], want, strict=False)}
     oracle_drafts(llm, penalised_refs, wrong_at=lambda step: (step * 5) % 8)
     got = llm.generate(PROMPTS[:2], params)
     assert tokens(got) == tokens(want) != plain[:2]
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=False):
         torch.testing.assert_close(torch.tensor(g.output.logprobs), torch.tensor(w.output.logprobs), atol=1e-4, rtol=0)
         assert [[t for t, _ in top] for top in g.output.top_logprobs] == \
                [[t for t, _ in top] for top in w.output.top_logprobs]
@@ -223,7 +223,7 @@ def test_probabilistic_drafts_are_seeded_and_reproducible(tiny_dir, draft7):
     first = make_llm(tiny_dir, speculative_config=cfg)
     outs = tokens(first.generate(PROMPTS[:3], hot))
     alone = [tokens(make_llm(tiny_dir, speculative_config=cfg).generate([p], [sp]))[0]
-             for p, sp in zip(PROMPTS[:3], hot)]
+             for p, sp in zip(PROMPTS[:3], hot, strict=False)]
     assert outs == alone
     assert first.engine.spec_stats.num_drafts > 0
     first.engine.check_integrity()

@@ -21,7 +21,7 @@ def record_proposals(llm) -> dict[int, list[int]]:
 
     def propose(reqs):
         blocks = original(reqs)
-        for r, b in zip(reqs, blocks):
+        for r, b in zip(reqs, blocks, strict=False):
             seen[r.num_verified] = b.token_ids
         return blocks
 
@@ -78,6 +78,7 @@ def test_pd_constrained_requests_speculate_like_colocated(tiny_dir, draft7):
     matcher adopts it and verification masks every draft position; == plain colocated greedy."""
     pytest.importorskip("xgrammar")
     from dataclasses import replace
+
     from shared.structured_output import StructuredOutput
     from tests.engine.core.helpers import bannable_word
     schema = StructuredOutput("json", json.dumps({"type": "object", "properties": {"n": {"type": "integer"}},

@@ -1,8 +1,6 @@
 """Verification maths: rejection sampling keeps the target's distribution; KDA rollback is exact."""
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 
@@ -10,9 +8,9 @@ from engine.model.forward_batch import ForwardBatch, HybridCacheTensors, Sequenc
 from engine.model.kda import KDAOptions, KimiDeltaAttention
 from engine.presets import preset_config
 from engine.sampler import SamplingState, sampling_probs
-from shared.sampling_params import SamplingParams
 from engine.spec_decode.verify import sample_draft, verify
 from engine.token_constraints import apply_token_constraints
+from shared.sampling_params import SamplingParams
 
 # Chi-square critical values at significance 0.001 (df -> value); the test is deterministic (fixed seeds),
 # the threshold says how unlikely a correct sampler is to fail it with other seeds.
@@ -156,6 +154,7 @@ def grammars(tiny_dir):
 
 def _choice(grammars, *words):
     import json
+
     from shared.structured_output import StructuredOutput
     return grammars[1].matcher(StructuredOutput("choice", json.dumps(list(words))))
 

@@ -10,12 +10,12 @@ from engine.checkpoint.create import create_checkpoint
 from engine.checkpoint.loader import load_checkpoint
 from engine.llm import LLM
 from engine.presets import shipped_checkpoint
-from shared.sampling_params import SamplingParams
-from shared.prompt.tokenizer import KimiTokenizer
 from engine.training.corpus import history
 from engine.training.dense_forward import dense_logits
 from engine.training.tasks import FAMILIES, eval_instances
 from kimi_pd.cli import main
+from shared.prompt.tokenizer import KimiTokenizer
+from shared.sampling_params import SamplingParams
 
 MAX_SHIPPED_BYTES = 30 * 2**20
 

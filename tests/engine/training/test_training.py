@@ -9,12 +9,20 @@ import pytest
 import torch
 
 from engine.model.sequence_runner import SequenceRunner
-from shared.prompt.parsers import parse_tool_calls, split_reasoning
 from engine.training.corpus import build_tokenizer, render_example
 from engine.training.dense_forward import dense_logits
-from engine.training.tasks import (FAMILIES, add_working, eval_instances, is_held_out, make_reverse, make_sub,
-                                   sample_split, signed_diff_working)
+from engine.training.tasks import (
+    FAMILIES,
+    add_working,
+    eval_instances,
+    is_held_out,
+    make_reverse,
+    make_sub,
+    sample_split,
+    signed_diff_working,
+)
 from engine.training.train import BatchStream, TrainConfig, make_batch, masked_loss, new_model, setup_determinism
+from shared.prompt.parsers import parse_tool_calls, split_reasoning
 
 SMALL = TrainConfig(hidden_size=32, num_layers=4, tokens_per_step=768, steps=12, lr=1e-2, warmup_steps=2,
                     kda_chunk_size=8, pool_batches=4, workers=1)

@@ -7,8 +7,6 @@ import math
 import pytest
 
 from shared.errors import InvalidRequest, InvalidSamplingParams
-from shared.prompt.chat import render_chat
-from shared.prompt.tokenizer import KimiTokenizer
 from shared.openai.convert import (
     chat_logprobs,
     chat_messages,
@@ -19,6 +17,8 @@ from shared.openai.convert import (
 )
 from shared.openai.errors import error_from_exception
 from shared.openai.models import ChatCompletionRequest, CompletionRequest
+from shared.prompt.chat import render_chat
+from shared.prompt.tokenizer import KimiTokenizer
 
 PNG = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5E"
        "rkJggg==")
@@ -141,6 +141,7 @@ def test_reasoning_effort_none_turns_thinking_off_and_medium_is_accepted():
 
 def test_the_effort_text_lists_exactly_the_accepted_values():
     import re
+
     from shared.prompt.chat import THINKING_EFFORT_BODY, THINKING_EFFORTS
     assert tuple(re.findall(r"`(\w+)`", THINKING_EFFORT_BODY.split("\n")[0])[1:]) == THINKING_EFFORTS
 

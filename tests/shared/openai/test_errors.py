@@ -8,7 +8,6 @@ import pytest
 from fastapi.exceptions import RequestValidationError
 
 from shared.errors import EngineDead, InvalidSamplingParams, InvalidTokenIds, PromptTooLong, RequestTooLarge
-from shared.prompt.chat import ChatTemplateError
 from shared.openai.errors import (
     INTERNAL_ERROR_MESSAGE,
     BadRequest,
@@ -19,6 +18,7 @@ from shared.openai.errors import (
     error_from_exception,
     error_response,
 )
+from shared.prompt.chat import ChatTemplateError
 
 
 def mapped(exc: BaseException) -> tuple[int, str, str | None, str | int | None]:

@@ -1,8 +1,8 @@
 """The prefill and decode legs of vLLM's P/D protocol, built from the client's request."""
 from __future__ import annotations
 
-from shared.openai.convert import to_sampling_params
 from shared.kv_transfer_params import KVTransferParams
+from shared.openai.convert import to_sampling_params
 from shared.openai.legs import decode_body, prefill_body
 from shared.openai.models import ChatCompletionRequest, CompletionRequest
 

@@ -67,7 +67,7 @@ def splits(text: str, rng: random.Random) -> list[list[str]]:
     ways = [[text[:i], text[i:]] for i in range(len(text) + 1)] + [list(text)]
     for _ in range(30):
         cuts = sorted(rng.sample(range(len(text) + 1), k=min(len(text) + 1, rng.randint(2, 12))))
-        ways.append([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])])
+        ways.append([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=False)])
     return ways
 
 

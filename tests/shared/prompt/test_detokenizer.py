@@ -5,8 +5,8 @@ import random
 import pytest
 
 from shared.prompt.detokenizer import DetokenizerStep, IncrementalDetokenizer, StopReason
-from shared.sampling_params import SamplingParams
 from shared.prompt.tokenizer import KimiTokenizer
+from shared.sampling_params import SamplingParams
 
 TOK = KimiTokenizer.generated()
 EOS = TOK.eos_id
