@@ -1,4 +1,4 @@
-"""Kimi Delta Attention maths as pure tensor functions (MODEL.md section 3).
+"""Kimi Delta Attention maths as pure tensor functions (docs/model.md, KDA).
 
 State layout (engine/model/choices.py): recurrent state `S[h]` is key-major `[K, V]`, fp32. The
 recurrence per token, per head, is `S <- diag(exp(g)) S; S <- S + beta k (v - S^T k)^T; o = S^T q`.

@@ -1,7 +1,7 @@
 """ModelSlim W4A8 checkpoints on Ascend: int4 packing, reference W8A8/W4A8 linears, description file.
 
-On-disk layout (msModelSlim ``ascendv1_saver``, read by vLLM-Ascend ``--quantization ascend``; MODEL.md
-section 10). A quantized linear ``P`` is stored as exactly these tensors:
+On-disk layout (msModelSlim ``ascendv1_saver``, read by vLLM-Ascend ``--quantization ascend``;
+docs/model.md, W4A8 and W8A8). A quantized linear ``P`` is stored as exactly these tensors:
 
 * ``W8A8_DYNAMIC``: ``P.weight`` int8 ``[out, in]``; ``P.weight_scale`` and ``P.weight_offset`` fp32
   ``[out, 1]`` (offset is all zeros: symmetric). No ``input_scale``/``input_offset``/``deq_scale``/

@@ -1,4 +1,4 @@
-"""`kimi-pd checkpoint train-draft`: distil a DSpark draft from its target (DSPARK.md 3.2-3.4).
+"""`kimi-pd checkpoint train-draft`: distil a DSpark draft from its target (docs/dspark.md, Training a draft).
 
 Data is the target's own behaviour: prompts (the task families the target was trained on when
 `engine.training` is present, else the shipped tokenizer corpus) are answered greedily by the target

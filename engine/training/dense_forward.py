@@ -48,7 +48,7 @@ def dense_logits(model: KimiK3ForConditionalGeneration, input_ids: torch.Tensor,
 
 def _layer(layer: DecoderLayer, h: torch.Tensor, blocks: list[torch.Tensor], b: int, t: int,
            chunk: int) -> torch.Tensor:
-    """`DecoderLayer.forward` with the dense mixers (same block wiring, MODEL.md 5.2)."""
+    """`DecoderLayer.forward` with the dense mixers (same block wiring, docs/model.md, Layer wiring)."""
     prefix_sum: torch.Tensor | None = h
     x = layer._mix(h, blocks, layer.self_attention_res_proj, layer.self_attention_res_norm) if blocks else h
     if layer.layer_id % layer.block_size == 0:

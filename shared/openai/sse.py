@@ -1,7 +1,7 @@
 """Server-sent events: framing for the OpenAI streams, and an incremental parser for relays.
 
 A stream is `data: {chunk}` events then `data: [DONE]`. A stream that fails after it started sends
-an `event: error` frame whose data is an OpenAI error body, then `[DONE]` (DESIGN.md), never a
+an `event: error` frame whose data is an OpenAI error body, then `[DONE]` (docs/http.md, Errors and headers), never a
 silent end; the official OpenAI client raises an `APIError` on it. Stock vLLM instead sends
 `data: {"error": ...}` (or, in older versions, `{"object": "error", ...}`); `SSEEvent.error`
 recognises all three.

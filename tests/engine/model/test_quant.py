@@ -366,7 +366,7 @@ def test_description_rejects_disagreeing_fused_shards() -> None:
 # checkpoint transform + model swap
 # ---------------------------------------------------------------------------------------------
 
-TINY_LINEARS = {                         # module path -> (in, out); mirrors MODEL.md section 15 names
+TINY_LINEARS = {                         # module path -> (in, out); the tiny preset's names (docs/model.md)
     f"{L}.0.self_attn.q_proj": (64, 32),
     f"{L}.0.self_attn.f_a_proj": (64, 16),
     f"{L}.0.self_attn.o_proj": (32, 64),
