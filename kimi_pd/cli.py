@@ -163,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     actions = ckpt.add_subparsers(dest="action", required=True)
     for add_action in (_add_create, _add_train_draft, _add_train, _add_eval, _add_quantize):
         add_action(actions)
-    for add_command in (_add_generate, _add_router, _add_up, _add_bench, _add_workers):
+    for add_command in (_add_generate, _add_router, _add_up, _add_bench, _add_plan, _add_workers):
         add_command(sub)
     return parser
 
@@ -273,6 +273,19 @@ def _add_bench(sub: _Subparsers) -> None:
                            allow_abbrev=False)
     add_bench_args(bench)
     bench.set_defaults(func=_bench)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from kimi_pd.planner.cli import run_plan
+    return run_plan(args)
+
+
+def _add_plan(sub: _Subparsers) -> None:
+    from kimi_pd.planner.cli import add_plan_args
+    plan = sub.add_parser("plan", help="size the prefill and decode pools for a workload and SLO (simulated)",
+                          allow_abbrev=False)
+    add_plan_args(plan)
+    plan.set_defaults(func=_plan)
 
 
 def _add_workers(sub: _Subparsers) -> None:
