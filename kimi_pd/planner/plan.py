@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from kimi_pd.planner.costs import CostModel
@@ -135,29 +135,48 @@ def plan(reqs: Sequence[Request], costs: CostModel, slo: SLO, max_workers: int =
     search = Search(reqs, costs, slo, max_workers, seed)
     by_threshold = {t: search.disaggregated(t) for t in thresholds}
     pd = search.cheapest(list(by_threshold.values()))
-    colo = search.colocated()
-    answer = verdict(pd, colo, search)
+    colo, colo_search = best_colocated(reqs, costs, slo, max_workers, seed)
+    answer = verdict(describe(pd, search), describe(colo, colo_search))
     return {"slo": asdict(slo), "max_workers": max_workers, "answer": answer,
-            "disaggregated": describe(pd, search), "colocated": describe(colo, search),
+            "disaggregated": describe(pd, search), "colocated": describe(colo, colo_search),
             "by_threshold": {str(t): describe(f, search) for t, f in by_threshold.items()},
-            "simulations": len(search.runs)}
+            "simulations": len(search.runs) + len(colo_search.runs)}
 
 
-def verdict(pd: Fleet | None, colo: Fleet | None, search: Search) -> str:
+def chunk_options(costs: CostModel) -> tuple[int, ...]:
+    """Chunked-prefill budgets a colocated fleet is given the benefit of: smaller chunks lengthen a
+    decode step less (TPOT) but stretch the prefill over more steps (TTFT)."""
+    return tuple(sorted({costs.chunk_tokens, max(64, costs.chunk_tokens // 4), max(64, costs.chunk_tokens // 16)},
+                        reverse=True))
+
+
+def best_colocated(reqs: Sequence[Request], costs: CostModel, slo: SLO, max_workers: int,
+                   seed: int) -> tuple[Fleet | None, Search]:
+    """The cheapest colocated fleet over the chunk budgets, and the search (costs) that found it."""
+    found = []
+    for chunk in chunk_options(costs):
+        search = Search(reqs, replace(costs, chunk_tokens=chunk), slo, max_workers, seed)
+        fleet = search.colocated()
+        found.append((math.inf if fleet is None else search.cost(fleet), -chunk, fleet, search))
+    _, _, fleet, search = min(found, key=lambda f: (f[0], f[1]))
+    return fleet, search
+
+
+def verdict(pd: dict[str, Any] | None, colo: dict[str, Any] | None) -> str:
+    """Disaggregated when it costs less; at equal cost, whichever has the lower p99 TTFT."""
     if pd is None and colo is None:
         return "infeasible"
-    if colo is None or (pd is not None and search.cost(pd) < search.cost(colo)):
+    if colo is None or (pd is not None and pd["cost"] < colo["cost"]):
         return "disaggregated"
-    if pd is None or search.cost(colo) < search.cost(pd):
+    if pd is None or colo["cost"] < pd["cost"]:
         return "colocated"
-    better_tail = search.run(pd)["ttft_p99_s"] <= search.run(colo)["ttft_p99_s"]
-    return "disaggregated" if better_tail else "colocated"
+    return "disaggregated" if pd["ttft_p99_s"] <= colo["ttft_p99_s"] else "colocated"
 
 
 def describe(fleet: Fleet | None, search: Search) -> dict[str, Any] | None:
     if fleet is None:
         return None
     result = search.run(fleet)
+    own = {k: v for k, v in result.items() if k not in ("prefill", "decode", "threshold")}
     return {"prefill": fleet.prefill, "decode": fleet.decode, "threshold": fleet.threshold,
-            "cost": search.cost(fleet), **{k: v for k, v in result.items() if k not in ("prefill", "decode",
-                                                                                         "threshold")}}
+            "cost": search.cost(fleet), "chunk_tokens": search.costs.chunk_tokens, **own}

@@ -10,7 +10,7 @@ import pytest
 
 from kimi_pd.cli import main
 from kimi_pd.planner.costs import CostModel, interpolate, load_costs, save_costs, scaled_costs
-from kimi_pd.planner.plan import SLO, lower_bounds, plan, smallest
+from kimi_pd.planner.plan import SLO, chunk_options, lower_bounds, plan, smallest, verdict
 from kimi_pd.planner.simulate import Fleet, percentile, simulate
 from kimi_pd.planner.workload import Request, at_rate, load_trace, replicated, span_s
 
@@ -138,6 +138,24 @@ def test_more_workers_never_hurt_on_the_trace():
 
 def replace_batch(costs: CostModel, n: int) -> CostModel:
     return CostModel.from_json(costs.to_json() | {"max_batch": n})
+
+
+@pytest.mark.parametrize(("pd", "colo", "want"), [
+    (None, None, "infeasible"),
+    ({"cost": 5, "ttft_p99_s": 1.0}, None, "disaggregated"),
+    (None, {"cost": 5, "ttft_p99_s": 1.0}, "colocated"),
+    ({"cost": 4, "ttft_p99_s": 9.0}, {"cost": 5, "ttft_p99_s": 1.0}, "disaggregated"),
+    ({"cost": 6, "ttft_p99_s": 0.1}, {"cost": 5, "ttft_p99_s": 1.0}, "colocated"),
+    ({"cost": 5, "ttft_p99_s": 0.5}, {"cost": 5, "ttft_p99_s": 1.0}, "disaggregated"),
+    ({"cost": 5, "ttft_p99_s": 2.0}, {"cost": 5, "ttft_p99_s": 1.0}, "colocated"),
+])
+def test_verdict(pd, colo, want):
+    assert verdict(pd, colo) == want
+
+
+@pytest.mark.parametrize(("chunk", "want"), [(2048, (2048, 512, 128)), (1024, (1024, 256, 64)), (128, (128, 64))])
+def test_colocated_gets_smaller_chunk_budgets_tried(chunk, want):
+    assert chunk_options(CostModel.from_json(COSTS.to_json() | {"chunk_tokens": chunk})) == want
 
 
 def test_lower_bounds():
