@@ -163,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     actions = ckpt.add_subparsers(dest="action", required=True)
     for add_action in (_add_create, _add_train_draft, _add_train, _add_eval, _add_quantize):
         add_action(actions)
-    for add_command in (_add_generate, _add_router, _add_up, _add_bench, _add_plan, _add_workers):
+    for add_command in (_add_generate, _add_router, _add_up, _add_bench, _add_plan, _add_signal,
+                        _add_workers):
         add_command(sub)
     return parser
 
@@ -286,6 +287,19 @@ def _add_plan(sub: _Subparsers) -> None:
                           allow_abbrev=False)
     add_plan_args(plan)
     plan.set_defaults(func=_plan)
+
+
+def _signal(args: argparse.Namespace) -> int:
+    from kimi_pd.planner.exporter import run_signal
+    return run_signal(args)
+
+
+def _add_signal(sub: _Subparsers) -> None:
+    from kimi_pd.planner.exporter import add_signal_args
+    sig = sub.add_parser("autoscale-signal", help="desired pool sizes from the store's load, as Prometheus "
+                         "metrics for an HPA or KEDA", allow_abbrev=False)
+    add_signal_args(sig)
+    sig.set_defaults(func=_signal)
 
 
 def _add_workers(sub: _Subparsers) -> None:
