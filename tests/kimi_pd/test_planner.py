@@ -153,7 +153,8 @@ def test_verdict(pd, colo, want):
     assert verdict(pd, colo) == want
 
 
-@pytest.mark.parametrize(("chunk", "want"), [(2048, (2048, 512, 128)), (1024, (1024, 256, 64)), (128, (128, 64))])
+@pytest.mark.parametrize(("chunk", "want"), [(2048, (2048, 512)), (1024, (1024, 256)), (512, (512, 256)),
+                                             (128, (256, 128))])
 def test_colocated_gets_smaller_chunk_budgets_tried(chunk, want):
     assert chunk_options(CostModel.from_json(COSTS.to_json() | {"chunk_tokens": chunk})) == want
 
