@@ -31,19 +31,26 @@ def _prompt(n: int, salt: int) -> list[int]:
     return [(salt * 7919 + 13 * j) % 500 + 10 for j in range(n)]
 
 
-def prefill_seconds(engine, rid: str, prompt: list[int]) -> tuple[float, int, int]:
-    """Seconds to the first token, cached tokens, and the exported state's bytes."""
+def first_token_seconds(engine, rid: str, prompt: list[int]) -> tuple[float, int]:
+    """Seconds to the first token of `prompt` alone on the engine, and its cached tokens."""
     from shared.sampling_params import SamplingParams
     start = time.perf_counter()
+    engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=1))
+    while True:
+        for out in engine.step():
+            if out.request_id == rid and out.finished:
+                return time.perf_counter() - start, out.num_cached_tokens
+
+
+def state_bytes(engine, rid: str, prompt: list[int]) -> int:
+    """Bytes of the state a prefill worker would hand over for `prompt`."""
+    from shared.sampling_params import SamplingParams
     engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=1), export_state=True)
     while rid not in engine.held:
         engine.step()
-    took = time.perf_counter() - start
     state = engine.export_state(rid)
-    nbytes = sum(t.numel() * t.element_size() for t in state.to_parts()[1].values())
-    cached = engine.requests[rid].num_cached_tokens
     engine.release_export(rid)
-    return took, cached, nbytes
+    return sum(t.numel() * t.element_size() for t in state.to_parts()[1].values())
 
 
 def decode_step_seconds(engine, batch: int, steps: int = 6) -> float:
@@ -94,15 +101,17 @@ def measure(model: str, lengths: tuple[int, ...] = PREFILL_LENGTHS,
     """The cost model of one worker serving `model` here, and the raw points it came from."""
     engine = _engine(model, max(batches))
     try:
-        prefill_seconds(engine, "warm", _prompt(64, 999))                       # first-call costs
-        rows, states = [], {}
-        for n in lengths:
-            took, _, nbytes = prefill_seconds(engine, f"p{n}", _prompt(n, n))
+        first_token_seconds(engine, "warm", _prompt(64, 999))                   # first-call costs
+        rows = []
+        for n in lengths:                                                        # median of 3 distinct prompts
+            took = statistics.median(first_token_seconds(engine, f"p{n}-{k}", _prompt(n, 10 * n + k))[0]
+                                     for k in range(3))
             rows.append([n, n / took])
-            states[n] = nbytes
+        states = {n: state_bytes(engine, f"s{n}", _prompt(n, 7 * n + 1)) for n in (min(lengths), max(lengths))}
         longest = max(lengths)
-        half = _prompt(longest, longest)[: longest // 2] + _prompt(longest // 2, 7)
-        hit_s, cached, _ = prefill_seconds(engine, "hit", half)
+        first_token_seconds(engine, "cold", _prompt(longest, 77))
+        half = _prompt(longest, 77)[: longest // 2] + _prompt(longest - longest // 2, 78)
+        hit_s, cached = first_token_seconds(engine, "hit", half)
         steps = [[b, decode_step_seconds(engine, b)] for b in batches]
         max_batch = engine.config.max_num_seqs
     finally:

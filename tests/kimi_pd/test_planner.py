@@ -199,3 +199,17 @@ def test_kimi_pd_plan_command(tmp_path, capsys):
     pd = out["disaggregated"]
     assert f"{pd['prefill']} prefill + {pd['decode']} decode" in capsys.readouterr().out
     assert main(["plan", "--trace", str(TRACE), "--costs", str(tmp_path / "costs.json")]) == 2   # no SLO given
+
+
+def test_measure_builds_a_cost_model_from_the_engine():
+    """Small sizes (the machine is small): positive speeds and steps, the state size fitted exactly on
+    its two lengths, and a half-cached prompt reporting its cached half."""
+    from kimi_pd.planner.measure import measure
+    model = Path(__file__).resolve().parents[2] / "engine" / "presets_data" / "tiny-chat"
+    costs, raw = measure(str(model), lengths=(64, 128), batches=(1, 2))
+    assert [x for x, _ in costs.prefill_tokens_per_s] == [64, 128] and all(y > 0 for _, y in costs.prefill_tokens_per_s)
+    assert [x for x, _ in costs.decode_step_s] == [1, 2] and all(y > 0 for _, y in costs.decode_step_s)
+    for n, nbytes in raw["state_bytes"].items():
+        assert costs.state_fixed_bytes + costs.state_bytes_per_token * n == nbytes
+    assert raw["half_hit"]["cached_tokens"] == 64
+    assert costs.transfer_bytes_per_s > 1e6 and costs.max_batch == 2
