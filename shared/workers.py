@@ -26,7 +26,8 @@ def _is_int(value: Any, lo: int, hi: int | None = None) -> bool:
 
 
 def _is_number(value: Any, lo: float, hi: float = math.inf) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and lo <= value <= hi
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and lo <= value <= hi)
 
 
 def valid_worker_url(url: object) -> bool:

@@ -27,7 +27,8 @@ def settings_from_args(args: argparse.Namespace, model_dir: str) -> WorkerSettin
                           max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                           enable_prefix_caching=args.enable_prefix_caching, block_size=args.block_size,
                           device=args.device, dtype=args.dtype, cache_memory_bytes=args.cache_memory,
-                          kda_chunk_size=args.kda_chunk_size, export_lease_s=None,  # the transfer lease is the one clock
+                          kda_chunk_size=args.kda_chunk_size,
+                          export_lease_s=None,                      # the transfer lease is the one clock
                           model_id=args.served_model_name, speculative_config=speculative,
                           tensor_parallel_size=args.tensor_parallel_size,
                           enable_expert_parallel=args.enable_expert_parallel,

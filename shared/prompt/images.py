@@ -116,7 +116,8 @@ def decode_image_part(part: dict[str, Any]) -> Image.Image:
     """A PIL image from an OpenAI content part: {"type": "image", "image": PIL} or a data: URL."""
     if part.get("type") == "image" and "image" in part:
         return part["image"]
-    url = (part.get("image_url") or {}).get("url", "") if isinstance(part.get("image_url"), dict) else part.get("image_url", "")
+    image_url = part.get("image_url")
+    url = image_url.get("url", "") if isinstance(image_url, dict) else part.get("image_url", "")
     if not isinstance(url, str) or not url.startswith("data:") or ";base64," not in url:
         raise ValueError("images must be given as data: URLs with base64 content (no network fetches)")
     return load_image(base64.b64decode(url.split(";base64,", 1)[1], validate=True))
