@@ -129,6 +129,8 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     server's `http.disconnect` and cancels the caller (no polling, no second task for the work:
     both cost CPU on every request of the hot path). Call it once the body has been read."""
     task = asyncio.current_task()
+    if task is None:  # only a coroutine running outside any task (never under an ASGI server)
+        raise RuntimeError("until_disconnect must be awaited inside a task")
     server = request.scope.get("extensions", {}).get(DISCONNECT_EXTENSION)
     if server is not None and server.task is task:
         try:

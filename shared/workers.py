@@ -94,6 +94,7 @@ class LoadReport:
     capacity_tokens: int = 0
     draining: bool = False
     ts: float = 0.0
+    engine_busy_s: float = 0.0            # how long the engine has been inside one command or step: stuck if large
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -107,6 +108,7 @@ class LoadReport:
         for f in fields(cls):
             value = getattr(report, f.name)
             ok = {"cache_usage": lambda v: _is_number(v, 0.0, 1.0), "ts": lambda v: _is_number(v, 0.0),
+                  "engine_busy_s": lambda v: _is_number(v, 0.0),
                   "draining": lambda v: isinstance(v, bool), "extra": lambda v: isinstance(v, dict)}.get(
                 f.name, lambda v: _is_int(v, 0))(value)
             _check(ok, f"load.{f.name}")

@@ -56,7 +56,7 @@ def rendezvous(request_id: str, worker_id: str) -> int:
 
 @PICKERS.register("max-score")
 @dataclass(frozen=True)
-class MaxScorePicker:
+class MaxScorePicker(Picker):
     """Highest total; ties (within TIE_EPSILON) go to the fewest active requests, then to the
     highest rendezvous hash of the request id, so cold requests spread instead of all landing
     on the first worker. Raises ValueError on an empty list."""

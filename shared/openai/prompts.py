@@ -18,5 +18,6 @@ def prepare_chat(req: ChatCompletionRequest, tokenizer: KimiTokenizer, vision: V
 
 
 def prepare_completion(req: CompletionRequest, tokenizer: KimiTokenizer) -> PreparedPrompt:
-    ids = tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
+    prompt = req.single_prompt
+    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     return PreparedPrompt(ids, cache_salt=req.cache_salt)

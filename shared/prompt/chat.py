@@ -440,9 +440,10 @@ class _CallBook:
                 raise ChatTemplateError(f"{where} (tool) is a result beyond the assistant's {len(self.calls)} calls")
             position = free[0]
         else:
-            position = call_targets(self.calls).get(str(call_id))
-            if position is None:
+            found = call_targets(self.calls).get(str(call_id))
+            if found is None:
                 raise ChatTemplateError(f"{where} (tool) answers unknown tool_call_id {call_id!r}")
+            position = found
             if position in self.answered:
                 raise ChatTemplateError(f"{where} (tool) is a second result for tool_call_id {call_id!r}")
         self.answered.append(position)
@@ -496,9 +497,10 @@ def _call_positions(tool_calls: Any) -> dict[str, int]:
 
 def _sorted_run(run: list[tuple[str, Any]], positions: dict[str, int]) -> list[tuple[str, Any]]:
     keys = [_optional_str(message.get("tool_call_id")) for _, message in run]
-    if not all(key is not None and key in positions for key in keys):
+    bound = [key for key in keys if key is not None and key in positions]
+    if len(bound) != len(keys):
         return run  # an unbound result is reported, with its own label, while rendering
-    order = sorted(range(len(run)), key=lambda i: positions[keys[i]])
+    order = sorted(range(len(run)), key=lambda i: positions[bound[i]])
     return [run[i] for i in order]
 
 
