@@ -14,6 +14,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -37,6 +38,7 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._dead: BaseException | None = None
         self._stalled = False
+        self._busy_since: float | None = None              # monotonic start of the command or step now running
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
 
@@ -93,11 +95,18 @@ class AsyncEngine:
         return await asyncio.wrap_future(future)
 
     def stats(self) -> dict[str, Any]:
-        """A racy but safe snapshot for health and load reports (reads only counters)."""
+        """A racy but safe snapshot for health and load reports (reads only counters: never waits on the
+        engine thread, so a stuck engine still reports, with `busy_s` saying for how long)."""
         e = self.engine
         return {"running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting), "held": len(e.held),
                 "cache_usage": e.cache.usage, "capacity_tokens": e.capacity_tokens,
-                "preemptions": e.scheduler.num_preemptions, "dead": self._dead is not None}
+                "preemptions": e.scheduler.num_preemptions, "dead": self._dead is not None,
+                "busy_s": self.busy_s()}
+
+    def busy_s(self) -> float:
+        """How long the engine thread has been inside its current command or step (0 when it waits)."""
+        since = self._busy_since
+        return 0.0 if since is None else max(0.0, time.monotonic() - since)
 
     @property
     def is_dead(self) -> bool:
@@ -127,7 +136,11 @@ class AsyncEngine:
         self.engine.expire_leases()
         if self._stop.is_set() or not self.engine.has_unfinished():
             return
-        outputs = self.engine.step()
+        self._busy_since = time.monotonic()
+        try:
+            outputs = self.engine.step()
+        finally:
+            self._busy_since = None
         # waiting work that cannot be admitted (held states, full cache): wait for a command or a lease
         self._stalled = not outputs and not self.engine.scheduler.running
         for out in outputs:
@@ -148,11 +161,14 @@ class AsyncEngine:
     def _run_one(self, fn: Callable[[], Any], future: concurrent.futures.Future) -> None:
         if not future.set_running_or_notify_cancel():          # the caller gave up before we got to it
             return
+        self._busy_since = time.monotonic()
         try:
             result = fn()
         except BaseException as exc:                           # noqa: BLE001 - delivered to the caller
             future.set_exception(exc)
             return
+        finally:
+            self._busy_since = None
         future.set_result(result)
         if isinstance(result, RequestOutput) and result.finished:  # an abort's final output
             self._publish(result.request_id, result)
