@@ -63,7 +63,7 @@ def test_echo_logprobs_equal_offline_prompt_logprobs(fleet, client, offline, str
                                         logprobs=1, echo=True)
         texts = {c.index: c.text for c in got.choices}
         token_logprobs = {c.index: c.logprobs.token_logprobs for c in got.choices}
-        for c, ids in zip(sorted(got.choices, key=lambda c: c.index), prompts, strict=False):
+        for c in sorted(got.choices, key=lambda c: c.index):
             top = c.logprobs.top_logprobs
             assert top[0] is None and all(len(t) in (1, 2) for t in top[1:])
     assert sorted(texts) == [0, 1, 2]
@@ -108,7 +108,8 @@ def test_prompt_logprobs_on_chat_and_completions(fleet, offline, stream):
         assert got.status_code == 200, got.text
         scores = got.json()["prompt_logprobs"]
     assert scores[0] is None and len(scores) == len(rendered.prompt_token_ids)
-    for entry, want, token in zip(scores[1:], expected.prompt_logprobs[1:], rendered.prompt_token_ids[1:], strict=False):
+    for entry, want, token in zip(scores[1:], expected.prompt_logprobs[1:], rendered.prompt_token_ids[1:],
+                                  strict=False):
         assert _close(entry[str(token)]["logprob"], want.logprob) and entry[str(token)]["rank"] == want.rank
         assert {int(k) for k in entry} == {token, *(i for i, _ in want.top)}
     completion = httpx.post(fleet.r.url + "/v1/completions", timeout=60, json={
@@ -154,7 +155,8 @@ def test_n_sequences_prefill_the_prompt_once_through_pd(fleet, client, offline, 
         offline.tokenizer.encode("Another prompt for four streamed sequences. " * 5)[:41]
     params = SamplingParams(temperature=0.9, seed=21, n=4, max_tokens=4, ignore_eos=True)
     expected = [o.text for o in offline.generate(prompt, params)[0].outputs]
-    before = {m: metric(fleet.p.url, f"kimi_pd_worker_{m}") for m in ("prompt_tokens_total", "cached_prompt_tokens_total")}
+    before = {m: metric(fleet.p.url, f"kimi_pd_worker_{m}")
+              for m in ("prompt_tokens_total", "cached_prompt_tokens_total")}
     kwargs = dict(model="kimi-k3", prompt=prompt, n=4, temperature=0.9, seed=21, max_tokens=4,
                   extra_body={"ignore_eos": True})
     if stream:
@@ -367,7 +369,8 @@ def test_chat_skip_special_tokens_default_strips_them_and_false_keeps_them(clien
     strip = SpecialTokenStrip(offline.tokenizer.special_tokens)
     answers = {}
     for skip in (None, True, False):        # None: the field unset (vLLM's default, true)
-        extra = {"ignore_eos": True, "reasoning_effort": effort, **({} if skip is None else {"skip_special_tokens": skip})}
+        extra = {"ignore_eos": True, "reasoning_effort": effort,
+                 **({} if skip is None else {"skip_special_tokens": skip})}
         kwargs = dict(model="kimi-k3", messages=messages, max_tokens=16, temperature=0, extra_body=extra)
         if stream:
             deltas = [c.choices[0].delta for c in client.chat.completions.create(stream=True, **kwargs) if c.choices]
@@ -376,7 +379,8 @@ def test_chat_skip_special_tokens_default_strips_them_and_false_keeps_them(clien
         else:
             m = client.chat.completions.create(**kwargs).choices[0].message
             got = (getattr(m, "reasoning_content", None) or "", m.content or "")
-        want = shape_chat_message(text, thinking=thinking, tools_requested=False, strip=strip if skip is not False else None)
+        want = shape_chat_message(text, thinking=thinking, tools_requested=False,
+                                  strip=strip if skip is not False else None)
         assert got == (want.reasoning_content or "", want.content or ""), skip
         answers[skip] = got
     assert answers[None] == answers[True] != answers[False]
