@@ -2,7 +2,7 @@
 
 Each keeps the input order and never adds a worker. The pipeline runs them in sequence and reports
 which one emptied the set. Registry names: role, model, healthy, circuit-not-open, not-draining,
-not-overloaded.
+not-stuck, not-overloaded, not-backlogged.
 """
 from __future__ import annotations
 
@@ -74,6 +74,24 @@ class CircuitFilter(Filter):
 class DrainingFilter(Filter):
     def __call__(self, ctx: RoutingContext, workers: Sequence[WorkerState]) -> Workers:
         return tuple(w for w in workers if not w.is_draining)
+
+
+@FILTERS.register("not-stuck")
+@dataclass(frozen=True)
+class StuckFilter(Filter):
+    """Drops a worker whose engine has been inside one command or step for more than `after_s` (its own
+    report, `LoadReport.engine_busy_s`): its heartbeats go on, so it stays registered, but a new request
+    would wait behind whatever holds it. Never drops the last ones: if every engine is stuck, queueing
+    on one beats a certain 503."""
+
+    after_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.after_s <= 0:
+            raise ValueError("not-stuck needs after_s > 0")
+
+    def __call__(self, ctx: RoutingContext, workers: Sequence[WorkerState]) -> Workers:
+        return tuple(w for w in workers if w.load is None or w.load.engine_busy_s <= self.after_s) or tuple(workers)
 
 
 @FILTERS.register("not-overloaded")

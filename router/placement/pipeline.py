@@ -149,7 +149,7 @@ def decide_disaggregation(ctx: RoutingContext, decode_worker: WorkerState, thres
 
 
 DEFAULT_FILTERS: tuple[str, ...] = ("model", "role", "healthy", "circuit-not-open", "not-draining",
-                                    "not-overloaded")
+                                    "not-stuck", "not-overloaded")
 DEFAULT_WEIGHTS: dict[str, float] = {"prefix": 1.0, "load": 1.0, "kv_usage": 0.5}
 
 
