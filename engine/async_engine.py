@@ -22,8 +22,10 @@ from engine.core.engine import EngineConfig, LLMEngine
 from engine.core.inputs import EngineInput
 from engine.core.outputs import RequestOutput
 from engine.core.state_export import ExportedState
-from shared.errors import EngineDead
+from engine.structured_output import GrammarBudget
+from shared.errors import EngineDead, InvalidRequest
 from shared.sampling_params import SamplingParams
+from shared.structured_output import StructuredOutput
 
 log = logging.getLogger(__name__)
 _DONE = object()
@@ -31,8 +33,12 @@ IDLE_POLL_S = 0.05          # how long the engine thread waits for a command whe
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None,
+                 grammar_budget: GrammarBudget | None = None) -> None:
         self.engine = engine or LLMEngine(config)
+        self.grammar_budget = grammar_budget or GrammarBudget()
+        # one compile at a time, beside the engine thread: a costly grammar delays other grammars, not steps
+        self._grammar_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self._commands: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future]] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
@@ -47,6 +53,8 @@ class AsyncEngine:
                        export_state: bool = False,
                        imported: ExportedState | None = None) -> AsyncIterator[RequestOutput]:
         """Yield this request's outputs as steps produce them; the last one has `finished=True`."""
+        if params.structured_output is not None:
+            await self.prepare_grammar(params.structured_output)
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, outputs)
@@ -71,6 +79,22 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             if not finished:
                 self.abort_nowait(request_id)
+
+    async def prepare_grammar(self, spec: StructuredOutput) -> None:
+        """Compile `spec` into the engine's grammar cache off the engine thread, within the budget: a spec
+        over the size limit, or not compiled in time, is an InvalidRequest (400). A compile that had started
+        when time ran out runs on and is cached, so the same spec sent again is served."""
+        self.grammar_budget.check_size(spec)
+        grammars = self.engine.grammars
+        if grammars.is_cached(spec):
+            return
+        future = self._grammar_pool.submit(grammars.compiled, spec)
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(future), self.grammar_budget.compile_timeout_s)
+        except TimeoutError:
+            raise InvalidRequest(f"structured_outputs: the {spec.kind} did not compile within "
+                                 f"{self.grammar_budget.compile_timeout_s:g} s (this server's limit); "
+                                 "simplify it", param="structured_outputs") from None
 
     async def abort(self, request_id: str) -> None:
         await self.call(lambda: self.engine.abort(request_id))
@@ -116,6 +140,7 @@ class AsyncEngine:
         self._stop.set()
         self._commands.put((lambda: None, concurrent.futures.Future()))
         self._thread.join(timeout)
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
         if not self._thread.is_alive():
             self.engine.close()
 

@@ -69,4 +69,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="largest request body; larger ones get a 413 before being parsed")
     p.add_argument("--header-timeout", type=float, default=10.0,
                    help="seconds a connection has to send a request's headers (slowloris guard)")
+    p.add_argument("--max-structured-output-bytes", type=parse_bytes, default="64KiB",
+                   help="largest JSON schema / regex / grammar a request may send (400 above)")
+    p.add_argument("--structured-output-compile-timeout", type=float, default=10.0,
+                   help="seconds a request's grammar may take to compile, off the engine thread (400 after)")
     p.add_argument("--log-level", default="info")

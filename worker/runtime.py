@@ -44,7 +44,7 @@ class WorkerRuntime:
     def build(cls, settings: WorkerSettings, role: Role) -> WorkerRuntime:
         role.validate(settings.transfer_secret)
         settings.validate()
-        engine = AsyncEngine(engine=LLMEngine(settings.engine))
+        engine = AsyncEngine(engine=LLMEngine(settings.engine), grammar_budget=settings.grammar_budget)
         runtime = cls(settings, role, engine, WorkerMetrics())
         spec, stats = engine.engine.spec, engine.engine.spec_stats
         if spec is not None and stats is not None:             # both or neither: the engine speculates

@@ -307,6 +307,18 @@ def test_bad_structured_outputs_are_400s(fleet):
         assert resp.json()["error"]["param"].split(".")[0] in ("structured_outputs", "response_format")
 
 
+def test_a_grammar_over_the_workers_budget_is_a_400_and_harms_nothing(fleet, client):
+    """A 100 KB regex (the default limit is 64 KiB): refused by name before any engine compiles it."""
+    huge = "(" + "|".join(f"word{i}" for i in range(12_000)) + ")"
+    resp = httpx.post(fleet.r.url + "/v1/completions", timeout=20,
+                      json={"prompt": "x", "max_tokens": 3, "structured_outputs": {"regex": huge}})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == "structured_outputs" and "over this server's limit of 65536 bytes" in error["message"]
+    done = client.completions.create(model="kimi-k3", prompt=PROMPTS[0], max_tokens=3, temperature=0)
+    assert done.choices[0].finish_reason == "length"
+
+
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                            "required": ["city"]}}}
