@@ -100,7 +100,10 @@ async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
 
 
 def bearer_token(request: Request) -> str:
-    return request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+    """The credentials of an `Authorization: Bearer ...` header; the scheme is case-insensitive (RFC 9110),
+    so `bearer` works as clients send it. A header without a scheme is taken whole, as before."""
+    scheme, _, credentials = request.headers.get("authorization", "").strip().partition(" ")
+    return credentials.strip() if scheme.lower() == "bearer" else scheme
 
 
 def install_error_handlers(app: FastAPI, on_error: Callable[[Request, int], None] | None = None) -> None:
