@@ -12,6 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from shared.errors import EngineError
 from shared.openai.errors import BadRequest, OpenAIError, error_from_exception
@@ -22,6 +23,7 @@ T = TypeVar("T")
 HANDLED_ERRORS = (RequestValidationError, ValidationError, json.JSONDecodeError, OpenAIError, EngineError,
                   HTTPException, ValueError, TimeoutError, Exception)
 MAX_JSON_DEPTH = 64               # no OpenAI request nests deeper; deeper ones could exhaust recursion later
+BODY_TIMEOUT_S = 30.0             # a whole request body must arrive within this (slow-body clients hold memory)
 
 
 class BodyTooLarge(OpenAIError):
@@ -34,9 +36,16 @@ class ClientDisconnected(OpenAIError):
     code = "client_disconnected"
 
 
-async def read_body(request: Request, max_bytes: int) -> bytes:
+class BodyTimeout(OpenAIError):
+    status = 408
+    code = "request_timeout"
+
+
+async def read_body(request: Request, max_bytes: int, timeout_s: float = BODY_TIMEOUT_S) -> bytes:
     """The raw body, refused with a 413 as soon as it exceeds `max_bytes` (declared or streamed), so
-    an oversized upload is never buffered whole."""
+    an oversized upload is never buffered whole, and with a 408 when it has not all arrived within
+    `timeout_s` (headers have their own deadline: `shared.http_server`). A client that leaves mid-body
+    is a ClientDisconnected, not a server error."""
     declared = header(request, b"content-length") or ""
     if declared.isdigit() and int(declared) > max_bytes:
         raise BodyTooLarge(f"the request body is larger than {max_bytes} bytes")
@@ -45,12 +54,19 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
         if len(body) > max_bytes:
             raise BodyTooLarge(f"the request body is larger than {max_bytes} bytes")
         return body
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise BodyTooLarge(f"the request body is larger than {max_bytes} bytes")
-        chunks.append(chunk)
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > max_bytes:
+                    raise BodyTooLarge(f"the request body is larger than {max_bytes} bytes")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise BodyTimeout(f"the request body did not arrive within {timeout_s:g} s") from None
+    except ClientDisconnect:
+        raise ClientDisconnected("the client closed the connection before sending the whole body") from None
     return b"".join(chunks)
 
 
