@@ -11,7 +11,6 @@ from torch import nn
 
 from engine.model.quant import (
     FLOAT,
-    MODELSLIM_CONFIG_FILENAME,
     W4A8_DYNAMIC,
     W8A8_DYNAMIC,
     QuantDescription,
@@ -28,6 +27,7 @@ from engine.model.quant import (
     unpack_int4,
     w4a8_scale_bias,
 )
+from engine.model.quant_description import MODELSLIM_CONFIG_FILENAME
 
 L = "language_model.model.layers"
 
