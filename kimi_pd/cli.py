@@ -141,7 +141,21 @@ def _up(args: argparse.Namespace) -> int:
         SpeculativeConfig.parse(args.speculative_config)            # refuse a bad config before starting anything
         extra = ["--speculative-config", args.speculative_config]
     return up(model, args.port, args.prefill_workers, args.decode_workers, args.redis_url, Path(args.log_dir), [],
-              extra)
+              extra, _autoscale(args))
+
+
+def _autoscale(args: argparse.Namespace):
+    """The --autoscale settings, or None (refused before anything starts when the bounds are wrong)."""
+    if not args.autoscale:
+        return None
+    from kimi_pd.planner.exporter import parse_bounds
+    from kimi_pd.planner.pools import AutoscaleSettings
+    prefill, decode = parse_bounds(args.prefill_bounds), parse_bounds(args.decode_bounds)
+    if not (prefill.minimum <= args.prefill_workers <= prefill.maximum
+            and decode.minimum <= args.decode_workers <= decode.maximum):
+        raise ValueError("--prefill-workers/--decode-workers must lie within --prefill-bounds/--decode-bounds")
+    return AutoscaleSettings(prefill, decode, interval_s=args.autoscale_interval_s,
+                             down_window_s=args.scale_down_window_s, down_step_s=args.scale_down_step_s)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -265,6 +279,14 @@ def _add_up(sub: _Subparsers) -> None:
     upp.add_argument("--speculative-config", default=None,
                      help="DSpark JSON (see the worker flag); decode workers speculate, prefill workers "
                           "write the draft's prompt context rows into the state they hand over")
+    upp.add_argument("--autoscale", action="store_true",
+                     help="pools follow the load within --prefill-bounds/--decode-bounds (docs/planner.md)")
+    upp.add_argument("--prefill-bounds", default="1:4", help="MIN:MAX prefill workers under --autoscale")
+    upp.add_argument("--decode-bounds", default="1:4", help="MIN:MAX decode workers under --autoscale")
+    upp.add_argument("--autoscale-interval-s", type=float, default=2.0)
+    upp.add_argument("--scale-down-window-s", type=float, default=30.0,
+                     help="scale in only below the highest count asked for in this window")
+    upp.add_argument("--scale-down-step-s", type=float, default=15.0, help="at most one worker retired per this")
     upp.set_defaults(func=_up)
 
 

@@ -8,10 +8,12 @@ restarted. The damping lives in the signal (`kimi_pd.planner.signal.Damper`).
 """
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kimi_pd.planner.signal import POOLS
+from kimi_pd.planner.exporter import Signal
+from kimi_pd.planner.signal import POOLS, Bounds, Targets
 
 
 @dataclass
@@ -45,3 +47,47 @@ class PoolScaler:
                 done.append("-" + name)
         self.log.extend(done)
         return done
+
+
+@dataclass(frozen=True)
+class AutoscaleSettings:
+    """`kimi-pd up --autoscale`: pool bounds, targets and damping (see kimi_pd.planner.signal)."""
+
+    prefill: Bounds = Bounds(1, 4)
+    decode: Bounds = Bounds(1, 4)
+    targets: Targets = Targets()
+    interval_s: float = 2.0
+    down_window_s: float = 30.0
+    down_step_s: float = 15.0
+
+
+class LocalAutoscaler:
+    """Reads the fleet's store every `interval_s` and applies the damped decision to the pools."""
+
+    def __init__(self, settings: AutoscaleSettings, redis_url: str, scaler: PoolScaler,
+                 report: Callable[[str], None]) -> None:
+        from shared.store.factory import make_store
+        self.settings, self.scaler, self.report = settings, scaler, report
+        self.loop = asyncio.new_event_loop()                  # the store's client lives on this one loop
+        self.store = make_store(redis_url)
+        self.signal = Signal(self.store, {"prefill": settings.prefill, "decode": settings.decode},
+                             settings.targets, settings.down_window_s, settings.down_step_s)
+        self.next_at = 0.0
+
+    def tick(self, now: float) -> list[str]:
+        if now < self.next_at:
+            return []
+        self.next_at = now + self.settings.interval_s
+        try:
+            desired = self.loop.run_until_complete(self.signal.refresh(now))
+        except Exception as exc:                              # noqa: BLE001 - a store outage: keep the pools
+            self.report(f"kimi-pd: autoscale: store unreadable, pools unchanged: {exc}")
+            return []
+        done = self.scaler.apply(desired)
+        if done:
+            self.report(f"kimi-pd: autoscale {' '.join(done)} (desired {desired})")
+        return done
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.store.close())
+        self.loop.close()
