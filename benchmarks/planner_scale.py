@@ -2,7 +2,7 @@
 64-512 workers on the traces scaled up.
 
 Run: `python -m benchmarks.planner_scale [--costs benchmarks/planner_reference_costs.json]
-[--copies 16 64 128] [--limit 2000] [--skip-scale]`.
+[--copies 8 32 64] [--limit 200] [--skip-scale]`.
 
 Check (`check`): for each trace at its own rate, `plan()` sizes the fleet for the SLO; then the same
 trace goes through the router's registry and placement pipeline (benchmarks.placement_replay) on the
@@ -74,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--costs", type=Path, default=COSTS)
     p.add_argument("--trace-dir", type=Path, default=TRACES)
     p.add_argument("--traces", nargs="+", default=["conversation", "synthetic"])
-    p.add_argument("--copies", type=int, nargs="+", default=[16, 64, 128])
-    p.add_argument("--limit", type=int, default=500, help="requests of the trace per tenant in the scale runs")
+    p.add_argument("--copies", type=int, nargs="+", default=[8, 32, 64])
+    p.add_argument("--limit", type=int, default=200, help="requests of the trace per tenant in the scale runs")
     p.add_argument("--ttft-p90", type=float, default=6.0)
     p.add_argument("--ttft-p99", type=float, default=20.0, help="long-context traces: a lone 85k-token prompt "
                    "(the conversation trace's p99) takes 8 s at the reference speed")
