@@ -23,8 +23,8 @@ CACHE_BYTES = 256 << 20
 
 def _engine(model: str, max_num_seqs: int):
     from engine.core.engine import EngineConfig, LLMEngine
-    return LLMEngine(EngineConfig(model=model, max_num_seqs=max_num_seqs, max_num_batched_tokens=4096,
-                                  cache_memory_bytes=CACHE_BYTES))
+    return LLMEngine(EngineConfig(model=model, max_num_seqs=max_num_seqs, max_num_batched_tokens=512,
+                                  cache_memory_bytes=CACHE_BYTES, num_snapshot_slots=256))
 
 
 def _prompt(n: int, salt: int) -> list[int]:
