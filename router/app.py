@@ -1,8 +1,8 @@
 """The router service: OpenAI endpoints in front of the P/D fleet, /health, /ready, /metrics, admin, /dashboard.
 
-Clients created once in the lifespan (router.worker_http for the request path, httpx for health and admin
+Clients created once in the lifespan (router.transport.worker_http for the request path, httpx for health and admin
 calls, the store, background loops) and kept on app.state; routes only compose them. The two
-OpenAI POST endpoints are served through `router.fast_path` (past FastAPI's routing layers).
+OpenAI POST endpoints are served through `router.transport.fast_path` (past FastAPI's routing layers).
 """
 from __future__ import annotations
 
@@ -23,16 +23,17 @@ from router import health_checker
 from router.connectors import ALIASES as CONNECTOR_ALIASES
 from router.connectors import CONNECTORS
 from router.dashboard import install as install_dashboard
-from router.fast_path import FastPathApp
 from router.kv_events_relay import KVEventsRelay
 from router.metrics import RouterMetrics
-from router.orchestrator import Orchestrator, Trace
+from router.orchestrator import Orchestrator
 from router.placement.pipeline import build_pipeline
 from router.prompt_source import foreign_detokenize, foreign_tokenize, load_prompt_source
 from router.registry import WorkerRegistry
+from router.request.trace import Trace
 from router.sampling_check import SamplingCheck
 from router.settings import RouterSettings
-from router.upstream import UpstreamError, make_session
+from router.transport.fast_path import FastPathApp
+from router.transport.upstream import UpstreamError, make_session
 from shared.http import (
     ClientDisconnected,
     bearer_token,
@@ -251,7 +252,8 @@ def _ready_state(registry: WorkerRegistry) -> dict:
     usable = [s for s in registry.states() if s.healthy and not s.is_draining]
     roles = {s.info.role for s in usable}
     ready = "both" in roles or {"prefill", "decode"} <= roles or "decode" in roles
-    return {"ready": ready, "workers": {r: sum(s.info.role == r for s in usable) for r in ("prefill", "decode", "both")},
+    workers = {r: sum(s.info.role == r for s in usable) for r in ("prefill", "decode", "both")}
+    return {"ready": ready, "workers": workers,
             "store": "none" if registry.store is None else "ok" if registry.store_ok else "unavailable"}
 
 

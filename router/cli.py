@@ -84,7 +84,7 @@ def run_router(args: argparse.Namespace, model_dir: str | None) -> int:
     import uvicorn
 
     from router.app import create_app
-    from router.front import front_protocol_class
+    from router.transport.front import front_protocol_class
     settings = settings_from_args(args, model_dir)
     app = create_app(settings)
     # the two OpenAI POST routes are served by the protocol itself (router/front.py); the rest by the app

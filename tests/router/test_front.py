@@ -1,4 +1,4 @@
-"""router.front: the router's own HTTP protocol for the two OpenAI POST routes, served by uvicorn as
+"""router.transport.front: the router's own HTTP protocol for the two OpenAI POST routes, served by uvicorn as
 `kimi-pd router` serves it, in front of stub workers on loopback. Same answers as the ASGI path,
 the body bound before parsing, OpenAI errors, keep-alive, chunked streams, a leaving client cancels."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ import uvicorn
 from benchmarks.stub_worker import StubSettings
 from benchmarks.stub_worker import create_app as stub_app
 from router.app import create_app
-from router.front import front_protocol_class
+from router.transport.front import front_protocol_class
 from router.settings import RouterSettings
 
 MAX_BYTES = 4096

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from benchmarks.stub_worker import StubSettings, create_app, token_text
-from router.upstream import error_body
+from router.transport.upstream import error_body
 from shared.kv_transfer_params import KVTransferParams
 from shared.openai.legs import decode_body, prefill_body, wire_body
 from shared.openai.requests import ChatCompletionRequest, CompletionRequest

@@ -1,13 +1,13 @@
-"""router.worker_http against raw loopback servers: every way a worker call can fail maps to the
-failure the orchestrator acts on (router.upstream.classify), and keep-alive reuse works."""
+"""router.transport.worker_http against raw loopback servers: every way a worker call can fail maps to the
+failure the orchestrator acts on (router.transport.upstream.classify), and keep-alive reuse works."""
 from __future__ import annotations
 
 import asyncio
 
 import pytest
 
-from router.upstream import classify
-from router.worker_http import (
+from router.transport.upstream import classify
+from router.transport.worker_http import (
     ConnectFailed,
     Disconnected,
     InvalidRequest,

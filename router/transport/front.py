@@ -26,7 +26,7 @@ import re
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from router.fast_path import FastPathApp
+from router.transport.fast_path import FastPathApp
 from shared.http import DISCONNECT_EXTENSION, BodyTooLarge
 from shared.http_server import protocol_class
 

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import orjson
 
-from router.worker_http import (
+from router.transport.worker_http import (
     KEEPALIVE_S,
     ConnectFailed,
     Disconnected,
@@ -46,7 +46,8 @@ class UpstreamError(Exception):
         return True if self.status < 500 else None
 
 
-# what a failed call to a worker can raise: router.worker_http on the request path, httpx on admin/health calls
+# what a failed call to a worker can raise: router.transport.worker_http on the request path,
+# httpx on admin/health calls
 TRANSPORT_ERRORS = (WorkerHTTPError, asyncio.TimeoutError, httpx.HTTPError)
 JSON_HEADERS = {"content-type": "application/json"}
 
@@ -84,7 +85,7 @@ def leg_timeout(connect_s: float, read_s: float) -> LegTimeout:
 
 
 def make_session() -> WorkerClient:
-    """The pooled client of the request path (router.worker_http: httptools parser, keep-alive, raw
+    """The pooled client of the request path (router.transport.worker_http: httptools parser, keep-alive, raw
     bytes: bodies are relayed, never re-encoded)."""
     return WorkerClient(KEEPALIVE_S)
 

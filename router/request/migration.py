@@ -4,10 +4,11 @@ Decode legs are asked for `return_token_ids`: each chunk carries the ids of the 
 delivers. `RelayedStream` parses each complete SSE event, records those ids (the tokens the client
 has seen), the response id and whether a finish reason passed, and forwards the event as it came
 unless the client must see it changed: without the ids unless the client asked for them, under the
-first worker's response id, and without the role chunk of a continuation. When the worker dies, `continuation_body` is the
-request for another decode worker: the same request plus `kimi_pd_resume` (delivered tokens and the
-seeded generator's offset), which that worker prefills (its prefix cache holds most of the prompt)
-and continues from - greedy, token for token what the first worker would have produced.
+first worker's response id, and without the role chunk of a continuation. When the worker dies,
+`continuation_body` is the request for another decode worker: the same request plus `kimi_pd_resume`
+(delivered tokens and the seeded generator's offset), which that worker prefills (its prefix cache
+holds most of the prompt) and continues from - greedy, token for token what the first worker would
+have produced.
 """
 from __future__ import annotations
 

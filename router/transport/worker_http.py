@@ -9,7 +9,7 @@ of idle connections (LIFO, dropped after `keepalive_s` idle, before a worker's o
 closes them), TCP_NODELAY on every socket, a connect bound and an idle-read bound.
 
 Failures are typed so the caller can tell whether the worker ever saw the request
-(`router.upstream.classify` maps them):
+(`router.transport.upstream.classify` maps them):
 
 - `ConnectFailed`: no connection (refused, unreachable, connect timeout): the request was never sent;
 - `Disconnected`: the connection closed or reset before any byte of a response (a pooled connection
@@ -21,6 +21,7 @@ Failures are typed so the caller can tell whether the worker ever saw the reques
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import ssl
 from collections import deque
@@ -160,10 +161,8 @@ class _Connection(asyncio.Protocol):
         self.transport = transport
         sock = transport.get_extra_info("socket")
         if sock is not None:
-            try:
+            with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)      # no Nagle stall on small writes
-            except OSError:
-                pass
 
     def data_received(self, data: bytes) -> None:
         self.got_bytes = True
