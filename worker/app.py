@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
-from typing import Any
+from typing import Any, cast
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from engine.core.inputs import Resume
 from shared.http import bearer_token, install_error_handlers, read_json_body, read_json_object, until_disconnect
-from shared.kv_transfer_params import KVTransferParams
+from shared.kv_transfer_params import KVTransferParams, LegKind
 from shared.openai import tokenize as tokenize_api
 from shared.openai.convert import to_sampling_params
 from shared.openai.errors import ModelNotFound, OpenAIError, Unauthorized, error_from_exception
@@ -58,7 +58,8 @@ def create_app(runtime: WorkerRuntime) -> FastAPI:
     app.add_api_route("/health", _health, methods=["GET"])
     app.add_api_route("/metrics", _metrics, methods=["GET"])
     app.add_api_route("/admin/drain", _drain, methods=["POST"])
-    app.add_api_route("/internal/kv/release", _release, methods=["POST"])
+    for path, kind, handle in runtime.role.routes(runtime.settings.transfer_secret):
+        app.add_api_route(path, _leg_route(kind, handle), methods=["POST"])
     return app
 
 
@@ -174,12 +175,13 @@ async def _completion_one(request: Request, req: CompletionRequest) -> Response:
 
 async def _serve(request: Request, rt: WorkerRuntime, endpoint: str, req, params, prepared,
                  stream_fn: Callable, whole_fn: Callable) -> Response:
-    result = LegResult(new_request_id(endpoint, req.request_id or header_request_id(request.headers.get("x-request-id"))))
+    client_id = req.request_id or header_request_id(request.headers.get("x-request-id"))
+    result = LegResult(new_request_id(endpoint, client_id))
     ktp = KVTransferParams.parse(req.kv_transfer_params)
     spec = req.kimi_pd_resume
     resume = Resume(list(spec.token_ids), spec.seed_offset) if spec is not None else None
     outputs = run_leg(rt, prepared, params, ktp, result, resume)
-    streaming = req.stream and (ktp is None or ktp.leg != "prefill")
+    streaming = req.stream and rt.streams(ktp)
     if streaming:
         # errors before the first token are plain 4xx/5xx; a client gone by then cancels the request
         first = await until_disconnect(request, _first_or_error(outputs))
@@ -209,14 +211,15 @@ async def _first_or_error(outputs: AsyncIterator) -> Any:
         raise OpenAIError("the request ended without output") from None
 
 
-async def _prepend(first, rest: AsyncIterator) -> AsyncIterator:
+async def _prepend(first: Any, rest: AsyncGenerator) -> AsyncGenerator:
     async with aclosing(rest):
         yield first
         async for item in rest:
             yield item
 
 
-async def _guarded_stream(rt: WorkerRuntime, endpoint: str, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+async def _guarded_stream(rt: WorkerRuntime, endpoint: str, chunks: AsyncGenerator[bytes, None]
+                         ) -> AsyncGenerator[bytes, None]:
     """Relay chunks; a failure after the stream started becomes an SSE error event, then [DONE]."""
     try:
         async for chunk in chunks:
@@ -229,7 +232,7 @@ async def _guarded_stream(rt: WorkerRuntime, endpoint: str, chunks: AsyncIterato
         status, body = error_from_exception(exc)
         rt.metrics.requests.labels(endpoint=endpoint, outcome="server_error").inc()
         detail = body.error
-        yield sse_error(status, detail.message, detail.type, detail.code)
+        yield sse_error(status, detail.message, detail.type, cast(str | None, detail.code))   # ours: never an int
         yield SSE_DONE
     finally:
         await chunks.aclose()
@@ -260,8 +263,9 @@ async def _health(request: Request) -> JSONResponse:
 async def _metrics(request: Request) -> Response:
     rt = _rt(request)
     rt.metrics.sample_engine(rt.engine.stats())
-    if rt.spec_metrics is not None:
-        rt.spec_metrics.observe(rt.engine.engine.spec_stats.drain())
+    spec_stats = rt.engine.engine.spec_stats
+    if rt.spec_metrics is not None and spec_stats is not None:
+        rt.spec_metrics.observe(spec_stats.drain())
     return Response(generate_latest(rt.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -271,13 +275,14 @@ def _check_admin(request: Request) -> None:
         raise Unauthorized("admin and internal endpoints need the admin token", code="invalid_admin_token")
 
 
-async def _release(request: Request) -> JSONResponse:
-    """Router -> prefill worker: free a published state no decode worker will pull (client gone)."""
-    _check_admin(request)
-    rt = _rt(request)
-    request_id = (await read_json_object(request, _rt(request).settings.max_request_bytes)).get("request_id")
-    freed = isinstance(request_id, str) and rt.release(request_id)
-    return JSONResponse({"released": freed})
+def _leg_route(kind: LegKind, handle: Callable) -> Callable:
+    """An internal route a leg adds (e.g. the prefill's `/internal/kv/release`): admin token, JSON object."""
+    async def route(request: Request) -> JSONResponse:
+        _check_admin(request)
+        rt = _rt(request)
+        body = await read_json_object(request, rt.settings.max_request_bytes)
+        return JSONResponse(await handle(rt.legs[kind], body))
+    return route
 
 
 async def _drain(request: Request) -> JSONResponse:
