@@ -53,7 +53,8 @@ class DraftMLA(nn.Module):
     def __init__(self, cfg: DraftConfig) -> None:
         super().__init__()
         d, nh = cfg.hidden_size, cfg.num_attention_heads
-        self.num_heads, self.nope, self.rope, self.v_dim = nh, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.num_heads, self.nope = nh, cfg.qk_nope_head_dim
+        self.rope, self.v_dim = cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_lora, self.theta = cfg.kv_lora_rank, cfg.rope_theta
         self.scale = (self.nope + self.rope) ** -0.5
         self.q_a_proj = nn.Linear(d, cfg.q_lora_rank, bias=False)
