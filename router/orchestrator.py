@@ -35,6 +35,7 @@ from router.transport.fast_path import EventStreamResponse
 from router.transport.worker_http import WorkerClient
 from shared.openai.requests import SamplingRequest
 from shared.prompt.prepare import PreparedPrompt
+from shared.workers import Role
 
 __all__ = ["Orchestrator", "Trace", "trace_headers"]
 
@@ -78,7 +79,7 @@ class Orchestrator:
         self.fleet.record_sent(ctx, decode)
         return await self._call_decode(trace, req, decode, Route(ctx, states))
 
-    def _context(self, trace: Trace, prepared: PreparedPrompt, states: list[WorkerState], role: str
+    def _context(self, trace: Trace, prepared: PreparedPrompt, states: list[WorkerState], role: Role
                  ) -> RoutingContext:
         return build_context(trace.request_id, prepared.token_ids, states, self.registry.index,
                              model=self.s.served_model_name, role=role, now=time.time(),

@@ -92,7 +92,8 @@ class RelayedStream:
     def _track(self, body: dict[str, Any]) -> tuple[bool, bool]:
         """Record the chunk's token ids and finish, strip the ids unless the client asked for them:
         (whether the body changed, whether it is a role-only chunk)."""
-        choices = body.get("choices") if isinstance(body.get("choices"), list) else []
+        listed = body.get("choices")
+        choices: list[Any] = listed if isinstance(listed, list) else []
         role_only = changed = False
         for choice in choices:
             if not isinstance(choice, dict):
@@ -135,7 +136,8 @@ def continuation_body(body: dict[str, Any], stream: RelayedStream, first_token_a
 
 
 def _has_content(choice: dict[str, Any]) -> bool:
-    delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
+    given = choice.get("delta")
+    delta: dict[str, Any] = given if isinstance(given, dict) else {}
     return bool(choice.get("text") or delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"))
 
 

@@ -25,8 +25,9 @@ import contextlib
 import socket
 import ssl
 from collections import deque
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
+from typing import cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -102,16 +103,19 @@ class WorkerResponse:
     __slots__ = ("status", "headers", "_conn")
 
     def __init__(self, conn: _Connection, status: int, headers: dict[str, str]) -> None:
-        self.status, self.headers, self._conn = status, headers, conn
+        self.status, self.headers = status, headers
+        self._conn: _Connection | None = conn
 
     async def read(self) -> bytes:
         conn, parts = self._conn, []
+        assert conn is not None, "read after release or close"
         while (chunk := await conn.next_body()) is not None:
             parts.append(chunk)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
-    async def iter_any(self) -> AsyncIterator[bytes]:
+    async def iter_any(self) -> AsyncGenerator[bytes, None]:
         conn = self._conn
+        assert conn is not None, "read after release or close"
         while True:
             chunk = await conn.next_body()
             if chunk is None:
@@ -136,7 +140,7 @@ class _Connection(asyncio.Protocol):
 
     def __init__(self, pool: WorkerClient, origin: Origin) -> None:
         self.pool, self.origin = pool, origin
-        self.transport: asyncio.Transport | None = None
+        self.transport: asyncio.Transport               # set by connection_made, before any use
         self.parser = httptools.HttpResponseParser(self)
         self.loop = asyncio.get_running_loop()
         self.lost = False
@@ -157,8 +161,8 @@ class _Connection(asyncio.Protocol):
         self.last_read = 0.0
 
     # ---- asyncio.Protocol ----
-    def connection_made(self, transport: asyncio.Transport) -> None:
-        self.transport = transport
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)        # a stream connection
         sock = transport.get_extra_info("socket")
         if sock is not None:
             with contextlib.suppress(OSError):
