@@ -6,10 +6,10 @@ import os
 
 from router.kv_events_relay import parse_kv_events_flag
 from router.settings import RouterSettings
+from shared.env import ADMIN_TOKEN_ENV, CLIENT_KEYS_ENV
 from shared.store.factory import REDIS_URL_ENV
 
-API_KEYS_ENV = "KIMI_PD_API_KEYS"          # comma-separated client keys (optional)
-ADMIN_TOKEN_ENV = "KIMI_PD_ADMIN_TOKEN"
+API_KEYS_ENV = CLIENT_KEYS_ENV            # comma-separated client keys (optional)
 WORKER_API_KEY_ENV = "KIMI_PD_WORKER_API_KEY"  # the key workers expect (their KIMI_PD_API_KEY), if any
 
 

@@ -13,7 +13,6 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
 import msgpack
 import redis.asyncio as aioredis
@@ -24,6 +23,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared.kv_events import KVEventBatch, decode_batch, encode_batch
+from shared.redact import redact_url
 from shared.store.base import (
     DEFAULT_EVENTS_MAXLEN,
     DEFAULT_READ_LIMIT,
@@ -76,14 +76,6 @@ def _pack(obj: Any) -> bytes:
 
 def _unpack(data: bytes) -> Any:
     return msgpack.unpackb(data, strict_map_key=False)
-
-
-def redact_url(url: str) -> str:
-    """`url` without credentials or query, for logs and errors."""
-    parts = urlsplit(url)
-    if parts.scheme == "unix":
-        return f"unix://{parts.path}"
-    return f"{parts.scheme}://{parts.hostname}:{parts.port or 6379}"
 
 
 class _Keys:
