@@ -18,9 +18,9 @@ from router.transport.worker_http import (
     KEEPALIVE_S,
     ConnectFailed,
     Disconnected,
-    InvalidRequest,
     Origin,
     ReadTimeout,
+    UnsendableRequest,
     WorkerClient,
     WorkerHTTPError,
 )
@@ -49,7 +49,6 @@ class UpstreamError(Exception):
 # what a failed call to a worker can raise: router.transport.worker_http on the request path,
 # httpx on admin/health calls
 TRANSPORT_ERRORS = (WorkerHTTPError, asyncio.TimeoutError, httpx.HTTPError)
-JSON_HEADERS = {"content-type": "application/json"}
 
 # the worker closed the connection (or reset it) before any response: a pooled keep-alive connection
 # it was closing as we reused it, or a worker that died on receipt; nothing was answered
@@ -59,7 +58,7 @@ DISCONNECTED = (Disconnected, httpx.RemoteProtocolError)
 def classify(exc: BaseException, leg: str, replay_safe: bool = False) -> UpstreamError:
     """Client-facing messages name the leg, never internal addresses (those go to the log)."""
     log.warning("%s worker call failed: %s: %s", leg, type(exc).__name__, exc)
-    if isinstance(exc, (httpx.LocalProtocolError, httpx.UnsupportedProtocol, httpx.InvalidURL, InvalidRequest)):
+    if isinstance(exc, (httpx.LocalProtocolError, httpx.UnsupportedProtocol, httpx.InvalidURL, UnsendableRequest)):
         # the request could not be built or sent: the router's problem, never the worker's
         return UpstreamError("request", f"the {leg} request could not be sent", 500, worker_fault=False)
     if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout, ConnectFailed)):

@@ -16,7 +16,7 @@ Failures are typed so the caller can tell whether the worker ever saw the reques
   the worker was closing as it was reused, or a worker that died on receipt);
 - `ReadTimeout`: no bytes for longer than the read bound;
 - `ProtocolError`: a malformed response, or one cut off mid-body;
-- `InvalidRequest`: the request could not be built (a bad URL or header): the router's own fault.
+- `UnsendableRequest`: the request could not be built (a bad URL or header): the router's own fault.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ class WorkerHTTPError(Exception):
     """A call to a worker failed in transport (never an HTTP status: those are answers)."""
 
 
-class InvalidRequest(WorkerHTTPError):
+class UnsendableRequest(WorkerHTTPError):
     """The request could not be built or sent (bad URL, illegal header): the router's fault."""
 
 
@@ -81,9 +81,9 @@ class Origin:
             parts = urlsplit(url)
             port = parts.port
         except ValueError as exc:
-            raise InvalidRequest(f"bad worker URL {url!r}: {exc}") from None
+            raise UnsendableRequest(f"bad worker URL {url!r}: {exc}") from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise InvalidRequest(f"bad worker URL {url!r}: give http[s]://host[:port]")
+            raise UnsendableRequest(f"bad worker URL {url!r}: give http[s]://host[:port]")
         default = 443 if parts.scheme == "https" else 80
         return cls(parts.scheme, parts.hostname, port or default, parts.path.rstrip("/"))
 
@@ -91,7 +91,7 @@ class Origin:
 def _check_header(value: str) -> bytes:
     raw = value.encode("latin-1")
     if b"\r" in raw or b"\n" in raw or b"\0" in raw:
-        raise InvalidRequest("a header value holds a line break")
+        raise UnsendableRequest("a header value holds a line break")
     return raw
 
 
