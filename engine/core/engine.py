@@ -110,13 +110,7 @@ class LLMEngine:
         text = self.model.config.text_config
         self.max_model_len = min(config.max_model_len or text.max_position_embeddings, text.max_position_embeddings)
         dtype_bytes = torch.finfo(torch_dtype(config.dtype)).bits // 8
-        self.spec = SpeculativeConfig.parse(config.speculative_config)
-        draft_cfg = None
-        if self.spec is not None:
-            self.spec = self.spec.with_model_path()
-            draft_cfg = DraftConfig.from_dir(self.spec.model)
-            draft_cfg.check_target(text)
-            self.spec = self.spec.resolve(draft_cfg, self.max_model_len)
+        self.spec, draft_cfg = self._speculative_config(text)
         num_spec = (self.spec.num_speculative_tokens or 0) if self.spec else 0       # resolved: never None
         self.cache_config = budget_cache(text, config.cache_memory_bytes, config.block_size, config.max_num_seqs,
                                          config.num_snapshot_slots if config.num_snapshot_slots is not None
@@ -153,6 +147,16 @@ class LLMEngine:
         log.info("engine ready: %d MLA pages x %d tokens (%d tokens), %d+%d KDA slots",
                  self.cache_config.num_blocks, config.block_size, self.capacity_tokens,
                  self.cache_config.num_working_slots, self.cache_config.num_snapshot_slots)
+
+    def _speculative_config(self, text) -> tuple[SpeculativeConfig | None, DraftConfig | None]:
+        """`--speculative-config` resolved against its draft and this target (None: no speculation)."""
+        spec = SpeculativeConfig.parse(self.config.speculative_config)
+        if spec is None:
+            return None, None
+        spec = spec.with_model_path()
+        draft_cfg = DraftConfig.from_dir(spec.model)
+        draft_cfg.check_target(text)
+        return spec.resolve(draft_cfg, self.max_model_len), draft_cfg
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks, if any (idempotent; a TP=1 engine holds no processes)."""

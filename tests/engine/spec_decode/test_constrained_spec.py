@@ -100,7 +100,7 @@ def fresh(request):
 
     yield get
     for llm in used:
-        llm.engine.__dict__.pop("_propose", None)
+        llm.engine.speculation.__dict__.pop("propose", None)
 
 
 def _delta(llm, before):
@@ -112,12 +112,12 @@ def _delta(llm, before):
 def oracle_drafts(llm, references: dict[tuple[int, ...], list[int]], wrong_at) -> None:
     """Draft the known continuation (padded past its end with token 0, so short structured outputs are
     drafted too), corrupted at `wrong_at(step)` (None: exact)."""
-    engine = llm.engine
+    speculation = llm.engine.speculation          # the engine's speculative step (engine/spec_decode/step.py)
     counter = iter(range(10**9))
 
-    def propose(candidates):
+    def propose(candidates, verify_s=None):
         for req in candidates:
-            k = engine.num_drafts_for(req)
+            k = speculation.num_drafts_for(req)
             if k:
                 v = req.num_computed_tokens
                 drafts = (references[tuple(req.prompt_token_ids)][v + 1: v + 1 + k] + [0] * k)[:k]
@@ -127,7 +127,7 @@ def oracle_drafts(llm, references: dict[tuple[int, ...], list[int]], wrong_at) -
                 req.spec_token_ids = drafts
         return len(candidates)
 
-    engine._propose = propose
+    speculation.propose = propose
 
 
 def _references(plain: dict[str, list[int]]) -> dict[tuple[int, ...], list[int]]:
