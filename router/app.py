@@ -57,7 +57,7 @@ _ids = itertools.count()
 _INSTANCE = secrets.token_hex(4)               # router replicas never mint the same internal id
 
 
-def create_app(settings: RouterSettings) -> FastAPI:
+def create_app(settings: RouterSettings) -> FastPathApp:
     settings.validate()
 
     @asynccontextmanager
@@ -107,7 +107,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
                               ("/admin/workers/{worker_id:path}/drain", _drain_worker, ["POST"])):
         app.add_api_route(path, fn, methods=methods)
     # /dashboard (page) and /dashboard/state (admin token)
-    install_dashboard(app, _check_admin, lambda registry: _ready_state(cast(WorkerRegistry, registry)))
+    install_dashboard(app, _check_admin, _ready_state)
     app.fast_routes = {"/v1/chat/completions": _chat, "/v1/completions": _completions}
     return app
 

@@ -87,7 +87,7 @@ def run_router(args: argparse.Namespace, model_dir: str | None) -> int:
     from router.transport.front import front_protocol_class
     settings = settings_from_args(args, model_dir)
     app = create_app(settings)
-    # the two OpenAI POST routes are served by the protocol itself (router/front.py); the rest by the app
+    # the two OpenAI POST routes are served by the protocol itself (router/transport/front.py); the rest by the app
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level, access_log=False,
                 timeout_graceful_shutdown=30,
                 http=front_protocol_class(args.header_timeout, app, settings.max_request_bytes))

@@ -186,7 +186,7 @@ async def _guarded_stream(rt: WorkerRuntime, endpoint: str, chunks: AsyncGenerat
         await chunks.aclose()
 
 
-async def _until_done_or_disconnect(request: Request, outputs: AsyncIterator) -> Any:
+async def _until_done_or_disconnect(request: Request, outputs: AsyncGenerator) -> Any:
     """Run to the final output; if the client goes away first, stop (the engine request is aborted)."""
     async def consume():
         last = None

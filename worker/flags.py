@@ -42,7 +42,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="split the routed experts whole across the tensor-parallel ranks")
     p.add_argument("--compilation-config", default=None,
-                   help='JSON, vLLM\'s fields: {"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2, 4, 8]}')
+                   help='JSON, vLLM\'s fields: {"cudagraph_mode": "FULL_DECODE_ONLY", '
+                        '"cudagraph_capture_sizes": [1, 2, 4, 8]}')
     p.add_argument("--enforce-eager", action="store_true", help="never capture decode graphs")
     p.add_argument("--tokenizer-mode", default="kimi_k3", choices=["auto", "kimi_k3"])
     p.add_argument("--reasoning-parser", default="kimi_k3", choices=ACCEPTED_PARSERS)
@@ -52,11 +53,13 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-transport", default="tcp", choices=["tcp", "mooncake", "torch-dist"])
     p.add_argument("--kv-host", default="127.0.0.1")
     p.add_argument("--kv-port", type=int, default=0)
-    p.add_argument("--kv-streams", type=int, default=2, help="parallel TCP streams per pull (2 x 8 MiB chunks measured best on 2 cores)")
+    p.add_argument("--kv-streams", type=int, default=2,
+                   help="parallel TCP streams per pull (2 x 8 MiB chunks measured best on 2 cores)")
     p.add_argument("--kv-lease-s", type=float, default=30.0)
     p.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"])
     p.add_argument("--redis-url", default=os.environ.get(REDIS_URL_ENV) or None,
-                   help=f"state store (registration, load, KV events; default ${REDIS_URL_ENV}, which keeps a password off argv)")
+                   help=f"state store (registration, load, KV events; default ${REDIS_URL_ENV}, "
+                        "which keeps a password off argv)")
     p.add_argument("--internal-auth", action=argparse.BooleanOptionalAction, default=None,
                    help="OpenAI endpoints need the internal token (KIMI_PD_ADMIN_TOKEN) or the API key; "
                         "default: on when the fleet has client keys ($KIMI_PD_API_KEYS) or $KIMI_PD_INTERNAL_AUTH=1")
@@ -66,4 +69,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="largest request body; larger ones get a 413 before being parsed")
     p.add_argument("--header-timeout", type=float, default=10.0,
                    help="seconds a connection has to send a request's headers (slowloris guard)")
+    p.add_argument("--max-structured-output-bytes", type=parse_bytes, default="64KiB",
+                   help="largest JSON schema / regex / grammar a request may send (400 above)")
+    p.add_argument("--structured-output-compile-timeout", type=float, default=10.0,
+                   help="seconds a request's grammar may take to compile, off the engine thread (400 after)")
     p.add_argument("--log-level", default="info")

@@ -18,6 +18,7 @@ from engine.core.outputs import RequestOutput
 from shared.kv_transfer_params import KVTransferParams, LegKind
 from shared.prompt.prepare import PreparedPrompt
 from shared.sampling_params import SamplingParams
+from shared.workers import Role as RoleName
 from worker.settings import TRANSFER_SECRET_ENV
 
 
@@ -79,7 +80,7 @@ class LegFactory(Protocol):
 
 @dataclass(frozen=True)
 class Role:
-    name: str                              # registered in the store and shown in /health
+    name: RoleName                         # registered in the store and shown in /health
     legs: tuple[LegFactory, ...]
     transfer_required: bool                # True: refuse to start without a transfer secret
 

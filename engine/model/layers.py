@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +43,7 @@ def cast(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """`w * (x_f32 * rsqrt(mean(x_f32^2) + eps))`, cast back to x's dtype (MODEL.md section 2).
+    """`w * (x_f32 * rsqrt(mean(x_f32^2) + eps))`, cast back to x's dtype (docs/model.md, Shared building blocks).
 
     For inference in fp32/fp64 with a weight of x's dtype, torch's `rms_norm` is that formula, bitwise
     (test_decode_fast_paths), in one call instead of seven (a decode step makes ~75). Training keeps
@@ -56,6 +56,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     if weight is not None:
         y = y * upcast(weight)
     return cast(y, x.dtype)
+
+
+class NormWeight(nn.Module):
+    """A norm's weight alone (checkpoint key `<norm>.weight`): its user applies `rms_norm` with its own eps."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
 
 
 class RMSNorm(nn.Module):
@@ -108,7 +116,13 @@ class SiTUMLP(nn.Module):
         fuse_linears(self, (self.gate_proj, self.up_proj), (1, 1))
 
 
-def linear_weight(module: nn.Module) -> torch.Tensor:
+class Dequantizable(Protocol):
+    """A quantized linear (engine/model/quant.py) that can give back its float weight."""
+
+    def dequantized_weight(self) -> torch.Tensor: ...
+
+
+def linear_weight(module: nn.Linear | Dequantizable) -> torch.Tensor:
     """The float weight `[out, in]` of a plain or quantized linear (absorbed MLA needs it)."""
     if isinstance(module, nn.Linear):
         return module.weight

@@ -1,4 +1,4 @@
-"""Draft checkpoints in the `k3_dspark` layout: `config.json` + `model.safetensors` (DSPARK.md 3.1, 3.3).
+"""Draft checkpoints in the `k3_dspark` layout: `config.json` + `model.safetensors` (docs/dspark.md 3.1, 3.3).
 
 `create_draft_checkpoint` sizes a random draft for a given target (tests, and the start point of
 `train-draft`); `load_draft` validates names, shapes and the fit to the target, and returns the
