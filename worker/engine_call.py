@@ -8,7 +8,6 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from typing import cast
 
 from engine.async_engine import AsyncEngine
 from engine.core.inputs import EngineInput, Resume
@@ -33,8 +32,8 @@ class EngineCall:
                        resume: Resume | None = None) -> AsyncGenerator[RequestOutput, None]:
         """The engine's outputs, observed for metrics. `aclosing`: when our consumer stops early, the
         engine stream is closed at once, which aborts the request."""
-        stream = cast(AsyncGenerator[RequestOutput, None], self.engine.generate(
-            result.request_id, engine_input(prepared, resume), params, imported=imported, export_state=export_state))
+        stream = self.engine.generate(result.request_id, engine_input(prepared, resume), params, imported=imported,
+                                      export_state=export_state)
         async with aclosing(stream) as outputs:
             async for out in outputs:
                 yield self.observe(result, out)
