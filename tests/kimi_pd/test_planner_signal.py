@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
+import subprocess
+import sys
+import time
 
+import httpx
 import pytest
 
 from kimi_pd.planner.exporter import Signal, parse_bounds
@@ -18,8 +23,11 @@ from kimi_pd.planner.signal import (
     raw_desired,
     render_metrics,
 )
+from shared.net import free_port
 from shared.store.base import WorkerRecord
+from shared.store.embedded import EmbeddedValkey
 from shared.store.memory import InMemoryStore
+from shared.store.redis_store import RedisStore
 from shared.workers import LoadReport, WorkerInfo
 
 
@@ -93,3 +101,32 @@ def test_metrics_text_and_the_exporter_reading_a_store():
     assert 'kimi_pd_planner_busy{pool="prefill"} 7' in text
     assert render_metrics({"prefill": 0, "decode": 1}, {"prefill": PoolLoad(0, 0), "decode": PoolLoad(1, 0)}).count(
         "# TYPE") == 3
+
+
+def test_the_autoscale_signal_command_serves_the_desired_counts(tmp_path):
+    """`kimi-pd autoscale-signal` against a real store: a loaded decode pool shows as desired workers
+    on GET /metrics within a few readings (what the HPAs of deploy/k8s read)."""
+    with EmbeddedValkey() as valkey:
+        async def register() -> None:
+            store = RedisStore(valkey.url)
+            await store.register(record("d0", "decode").info, ttl_s=60)
+            await store.heartbeat("d0", LoadReport(running=8, waiting=10), ttl_s=60)
+            await store.close()
+
+        asyncio.run(register())
+        port = free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "kimi_pd", "autoscale-signal", "--redis-url", valkey.url,
+                                 "--port", str(port), "--interval-s", "0.2", "--decode-bounds", "1:5"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        try:
+            deadline, text = time.monotonic() + 30, ""
+            while time.monotonic() < deadline and f'{DESIRED_METRIC}{{pool="decode"}} 3' not in text:
+                with contextlib.suppress(httpx.HTTPError):
+                    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2).text
+                time.sleep(0.2)
+            assert f'{DESIRED_METRIC}{{pool="decode"}} 3' in text, text     # 18 busy / 6 a worker
+            assert f'{DESIRED_METRIC}{{pool="prefill"}} 1' in text          # idle: the lower bound
+            assert httpx.get(f"http://127.0.0.1:{port}/other", timeout=2).status_code == 404
+        finally:
+            proc.terminate()
+            proc.wait(10)
