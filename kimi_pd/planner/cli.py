@@ -49,12 +49,12 @@ def run_plan(args: argparse.Namespace) -> int:
     slo = SLO(args.ttft_p90, args.ttft_p99, args.tpot_p90, args.tpot_p99)
     if all(v is None for v in (slo.ttft_p90_s, slo.ttft_p99_s, slo.tpot_p90_s, slo.tpot_p99_s)):
         raise ValueError("give at least one SLO (--ttft-p90, --ttft-p99, --tpot-p90, --tpot-p99)")
-    reqs = load_trace(args.trace, args.limit)
+    costs = _costs(args)
+    reqs = load_trace(args.trace, args.limit, costs.block_tokens)    # the trace's blocks are the cost file's
     if args.copies > 1:
         reqs = replicated(reqs, args.copies)
     if args.rate != 1.0:
         reqs = at_rate(reqs, args.rate)
-    costs = _costs(args)
     out = {"workload": {"trace": args.trace.name, "rate": args.rate, "copies": args.copies, **summary(reqs)},
            "costs": costs.to_json(),
            **plan(reqs, costs, slo, args.max_workers, tuple(args.thresholds), args.seed)}
