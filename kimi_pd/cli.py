@@ -141,7 +141,21 @@ def _up(args: argparse.Namespace) -> int:
         SpeculativeConfig.parse(args.speculative_config)            # refuse a bad config before starting anything
         extra = ["--speculative-config", args.speculative_config]
     return up(model, args.port, args.prefill_workers, args.decode_workers, args.redis_url, Path(args.log_dir), [],
-              extra)
+              extra, _autoscale(args))
+
+
+def _autoscale(args: argparse.Namespace):
+    """The --autoscale settings, or None (refused before anything starts when the bounds are wrong)."""
+    if not args.autoscale:
+        return None
+    from kimi_pd.planner.exporter import parse_bounds
+    from kimi_pd.planner.pools import AutoscaleSettings
+    prefill, decode = parse_bounds(args.prefill_bounds), parse_bounds(args.decode_bounds)
+    if not (prefill.minimum <= args.prefill_workers <= prefill.maximum
+            and decode.minimum <= args.decode_workers <= decode.maximum):
+        raise ValueError("--prefill-workers/--decode-workers must lie within --prefill-bounds/--decode-bounds")
+    return AutoscaleSettings(prefill, decode, interval_s=args.autoscale_interval_s,
+                             down_window_s=args.scale_down_window_s, down_step_s=args.scale_down_step_s)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -163,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     actions = ckpt.add_subparsers(dest="action", required=True)
     for add_action in (_add_create, _add_train_draft, _add_train, _add_eval, _add_quantize):
         add_action(actions)
-    for add_command in (_add_generate, _add_router, _add_up, _add_bench, _add_workers):
+    for add_command in (_add_generate, _add_router, _add_up, _add_bench, _add_plan, _add_signal,
+                        _add_workers):
         add_command(sub)
     return parser
 
@@ -264,6 +279,14 @@ def _add_up(sub: _Subparsers) -> None:
     upp.add_argument("--speculative-config", default=None,
                      help="DSpark JSON (see the worker flag); decode workers speculate, prefill workers "
                           "write the draft's prompt context rows into the state they hand over")
+    upp.add_argument("--autoscale", action="store_true",
+                     help="pools follow the load within --prefill-bounds/--decode-bounds (docs/planner.md)")
+    upp.add_argument("--prefill-bounds", default="1:4", help="MIN:MAX prefill workers under --autoscale")
+    upp.add_argument("--decode-bounds", default="1:4", help="MIN:MAX decode workers under --autoscale")
+    upp.add_argument("--autoscale-interval-s", type=float, default=2.0)
+    upp.add_argument("--scale-down-window-s", type=float, default=30.0,
+                     help="scale in only below the highest count asked for in this window")
+    upp.add_argument("--scale-down-step-s", type=float, default=15.0, help="at most one worker retired per this")
     upp.set_defaults(func=_up)
 
 
@@ -273,6 +296,32 @@ def _add_bench(sub: _Subparsers) -> None:
                            allow_abbrev=False)
     add_bench_args(bench)
     bench.set_defaults(func=_bench)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from kimi_pd.planner.cli import run_plan
+    return run_plan(args)
+
+
+def _add_plan(sub: _Subparsers) -> None:
+    from kimi_pd.planner.cli import add_plan_args
+    plan = sub.add_parser("plan", help="size the prefill and decode pools for a workload and SLO (simulated)",
+                          allow_abbrev=False)
+    add_plan_args(plan)
+    plan.set_defaults(func=_plan)
+
+
+def _signal(args: argparse.Namespace) -> int:
+    from kimi_pd.planner.exporter import run_signal
+    return run_signal(args)
+
+
+def _add_signal(sub: _Subparsers) -> None:
+    from kimi_pd.planner.exporter import add_signal_args
+    sig = sub.add_parser("autoscale-signal", help="desired pool sizes from the store's load, as Prometheus "
+                         "metrics for an HPA or KEDA", allow_abbrev=False)
+    add_signal_args(sig)
+    sig.set_defaults(func=_signal)
 
 
 def _add_workers(sub: _Subparsers) -> None:

@@ -105,6 +105,16 @@ class Supervisor:
     def restarts(self, name: str) -> int:
         return self._children[name].restarts
 
+    def retire(self, name: str) -> None:
+        """Stop supervising `name` and SIGTERM it (a worker drains, then exits); never restarted.
+        The process stays in `processes`, so stopping the fleet still waits for it."""
+        s = self._children.pop(name)
+        s.child.signal_group(signal.SIGTERM)
+        self.report(f"kimi-pd: retiring {name} (pid {s.child.popen.pid}): drains, then exits")
+
+    def names(self) -> list[str]:
+        return list(self._children)
+
     def poll(self) -> None:
         """One supervision round: notice exits, schedule restarts, start those that are due."""
         now = self._clock()

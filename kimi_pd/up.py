@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 
+from kimi_pd.planner.pools import AutoscaleSettings, LocalAutoscaler, PoolScaler
 from kimi_pd.processes import Processes, Supervisor
 from shared.net import free_port
 from shared.redact import redact_url
@@ -61,12 +62,39 @@ def wait_ready(url: str, fleet: Processes, timeout_s: float) -> None:
     raise RuntimeError(f"the router at {url} was not ready within {timeout_s:.0f} s")
 
 
+def start_pools(supervisor: Supervisor, common: list[str], env: dict[str, str], log_dir: Path, num_prefill: int,
+                num_decode: int, autoscale: AutoscaleSettings | None, redis_url: str) -> LocalAutoscaler | None:
+    """The prefill and decode workers, named `<role>-<i>`; with `autoscale`, what grows and shrinks them."""
+    def spawn_worker(role: str, name: str) -> None:
+        supervisor.spawn(name, [*KIMI_PD, role, *common, "--port", str(free_port()), "--worker-id", name],
+                         env, log_dir / f"{name}.log")
+
+    scaler = PoolScaler(spawn_worker, supervisor.retire)
+    for role, count in (("prefill", num_prefill), ("decode", num_decode)):
+        for _ in range(count):
+            scaler.start(role)
+    if autoscale is None:
+        return None
+    return LocalAutoscaler(autoscale, redis_url, scaler, lambda line: print(line, file=sys.stderr, flush=True))
+
+
+def restart_store(store: EmbeddedValkey) -> None:
+    print("kimi-pd: the embedded store exited; restarting it (empty, workers register again)",
+          file=sys.stderr, flush=True)
+    try:
+        store.restart()
+    except EmbeddedValkeyError as exc:             # e.g. its port still taken: next round
+        print(f"kimi-pd: store restart failed, retrying: {exc}", file=sys.stderr, flush=True)
+
+
 def up(model_dir: str, port: int, num_prefill: int, num_decode: int, redis_url: str | None, log_dir: Path,
-       extra_worker_args: list[str], speculative_args: list[str] | None = None) -> int:
+       extra_worker_args: list[str], speculative_args: list[str] | None = None,
+       autoscale: AutoscaleSettings | None = None) -> int:
     """speculative_args (`--speculative-config JSON`) go to every worker: decode workers speculate; prefill
-    workers run the draft's context projection so the prompt's draft rows travel with the state."""
+    workers run the draft's context projection so the prompt's draft rows travel with the state.
+    autoscale: the pools start at the given counts, then follow the load within its bounds."""
     check_port_free(port)
-    fleet, store = Processes(), None
+    fleet, store, autoscaler = Processes(), None, None
     supervisor = Supervisor(fleet, report=lambda line: print(line, file=sys.stderr, flush=True))
     stopping = {"flag": False}
 
@@ -86,11 +114,7 @@ def up(model_dir: str, port: int, num_prefill: int, num_decode: int, redis_url: 
                "KIMI_PD_ADMIN_TOKEN": os.environ.get("KIMI_PD_ADMIN_TOKEN") or secrets.token_hex(16),
                REDIS_URL_ENV: redis_url}                   # through the environment: no password in `ps`
         common = ["--model", model_dir, *extra_worker_args, *(speculative_args or [])]
-        for role, count in (("prefill", num_prefill), ("decode", num_decode)):
-            for i in range(count):
-                name = f"{role}-{i}"
-                supervisor.spawn(name, [*KIMI_PD, role, *common, "--port", str(free_port()), "--worker-id", name],
-                            env, log_dir / f"{name}.log")
+        autoscaler = start_pools(supervisor, common, env, log_dir, num_prefill, num_decode, autoscale, redis_url)
         supervisor.spawn("router", [*KIMI_PD, "router", "--model", model_dir, "--port", str(port)],
                     env, log_dir / "router.log")
         url = f"http://127.0.0.1:{port}"
@@ -103,16 +127,15 @@ def up(model_dir: str, port: int, num_prefill: int, num_decode: int, redis_url: 
               flush=True)
         while not stopping["flag"]:
             supervisor.poll()
+            if autoscaler is not None:
+                autoscaler.tick(time.monotonic())
             if store is not None and not store.running:
-                print("kimi-pd: the embedded store exited; restarting it (empty, workers register again)",
-                      file=sys.stderr, flush=True)
-                try:
-                    store.restart()
-                except EmbeddedValkeyError as exc:             # e.g. its port still taken: next round
-                    print(f"kimi-pd: store restart failed, retrying: {exc}", file=sys.stderr, flush=True)
+                restart_store(store)
             time.sleep(0.2)
         return 0
     finally:
         fleet.stop()
+        if autoscaler is not None:
+            autoscaler.close()
         if store is not None:
             store.stop()
