@@ -52,9 +52,11 @@ def relayed(lines: list[str]) -> tuple[list[int], str, list[dict]]:
     return ids, text, [c["usage"] for c in chunks if c.get("usage")]
 
 
-def test_decode_worker_killed_mid_stream_is_migrated(tmp_path, e2e_model):
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 7}], ids=["greedy", "seeded"])
+def test_decode_worker_killed_mid_stream_is_migrated(tmp_path, e2e_model, sampling):
     """P/D stream; its decode worker is SIGKILLed: the router resumes it on the other decode worker
-    from the tokens already relayed, and the client's stream equals the uninterrupted greedy answer."""
+    from the tokens already relayed, and the client's stream equals the uninterrupted answer, greedy or
+    seeded (the continuing worker skips one draw of the seed per delivered token)."""
     with Fleet(tmp_path, e2e_model) as f:
         p, d1, d2 = f.worker("prefill", "p0"), f.worker("decode", "d1"), f.worker("decode", "d2")
         for proc in (p, d1, d2):
@@ -62,8 +64,8 @@ def test_decode_worker_killed_mid_stream_is_migrated(tmp_path, e2e_model):
         r = f.router("r", "--prefill", p.url, "--decode", d1.url, "--decode", d2.url, "--disagg-threshold", "0")
         f.wait(r, "/ready")
         body = {"model": "kimi-k3", "messages": [{"role": "user", "content": "Tell a long story."}],
-                "max_tokens": 400, "ignore_eos": True, "temperature": 0, "stream": True, "return_token_ids": True,
-                "stream_options": {"include_usage": True}}
+                "max_tokens": 400, "ignore_eos": True, "stream": True, "return_token_ids": True,
+                "stream_options": {"include_usage": True}, **sampling}
         lines, killed = stream_and_kill(r.url, body, {d1.url: d1, d2.url: d2})
         assert "event: error" not in lines, lines[-5:]
         assert lines[-1] == "data: [DONE]" or lines[-2] == "data: [DONE]"
@@ -79,9 +81,9 @@ def test_decode_worker_killed_mid_stream_is_migrated(tmp_path, e2e_model):
 
 
 def test_decode_worker_killed_while_generating_a_whole_answer_is_retried(tmp_path, e2e_model):
-    """P/D, not streamed: the decode worker answers only at the end, so its death lands before any byte of
-    the answer. The router asks the other decode worker, decode-only, and the client gets the same 200 an
-    uninterrupted run gives; the prefill state the dead worker held is freed by its lease."""
+    """P/D, not streamed, seeded: the decode worker answers only at the end, so its death lands before any
+    byte of the answer. The router asks the other decode worker, decode-only, and the client gets the same
+    200 an uninterrupted run gives; the prefill state the dead worker held is freed by its lease."""
     with Fleet(tmp_path, e2e_model) as f:
         p = f.worker("prefill", "p0", "--kv-lease-s", "5")
         d1, d2 = f.worker("decode", "d1"), f.worker("decode", "d2")
@@ -90,7 +92,7 @@ def test_decode_worker_killed_while_generating_a_whole_answer_is_retried(tmp_pat
         r = f.router("r", "--prefill", p.url, "--decode", d1.url, "--decode", d2.url, "--disagg-threshold", "0")
         f.wait(r, "/ready")
         body = {"model": "kimi-k3", "messages": [{"role": "user", "content": "Tell a long story."}],
-                "max_tokens": 300, "ignore_eos": True, "temperature": 0, "return_token_ids": True}
+                "max_tokens": 300, "ignore_eos": True, "temperature": 1.0, "seed": 11, "return_token_ids": True}
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             answer = pool.submit(httpx.post, r.url + "/v1/chat/completions", json=body, timeout=120)
             busy = eventually(lambda: next((d for d in (d1, d2) if metric(d.url, "kimi_pd_worker_running") >= 1),
