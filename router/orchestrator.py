@@ -114,4 +114,4 @@ class Orchestrator:
         trace.decode_worker = opened.worker.worker_id
         trace.outcome = "cancelled"                  # until the relay says otherwise; it records the request
         relay = self.relay.stream(trace, bool(req.return_token_ids), body, opened, route)
-        return EventStreamResponse(relay, headers=trace_headers(trace))
+        return EventStreamResponse(relay, headers=trace_headers(trace, self.fleet.s.shows_placement))

@@ -209,4 +209,5 @@ class DecodeLeg:
         elapsed = time.perf_counter() - trace.start
         fleet.metrics.ttft.observe(elapsed)
         fleet.metrics.e2e.observe(elapsed)
-        return Response(dumps(body), media_type="application/json", headers=trace_headers(trace))
+        return Response(dumps(body), media_type="application/json",
+                        headers=trace_headers(trace, fleet.s.shows_placement))
