@@ -52,6 +52,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--connect-timeout", type=float, default=2.0)
     p.add_argument("--prefill-timeout", type=float, default=120.0)
     p.add_argument("--idle-timeout", type=float, default=60.0)
+    p.add_argument("--placement-headers", action=argparse.BooleanOptionalAction, default=None,
+                   help="name the prefill/decode workers of each answer in x-kimi-pd-*-worker headers "
+                        "(default: only when no client API keys are set)")
     p.add_argument("--health-check-interval", type=float, default=2.0)
     p.add_argument("--health-check-timeout", type=float, default=2.0,
                    help="seconds a worker has to answer one /health probe (two misses in a row: unhealthy)")
@@ -76,6 +79,7 @@ def settings_from_args(args: argparse.Namespace, model_dir: str | None) -> Route
                           prefill_timeout_s=args.prefill_timeout, idle_timeout_s=args.idle_timeout,
                           health_check_s=args.health_check_interval,
                           health_timeout_s=args.health_check_timeout, refresh_s=args.refresh_interval, api_keys=keys,
+                          placement_headers=args.placement_headers,
                           admin_token=os.environ.get(ADMIN_TOKEN_ENV) or None,
                           worker_api_key=os.environ.get(WORKER_API_KEY_ENV) or None)
 

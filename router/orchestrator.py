@@ -107,10 +107,11 @@ class Orchestrator:
         """Open the decode leg (the decode pool's protocol only); relay a stream, or read the whole answer."""
         body = decode_body(self.fleet, trace, req)
         route.tried |= self.fleet.other_pools(route.states, trace.kv_connector)
-        opened = await self.decode.open(trace, body, bool(req.stream), decode, route)
-        trace.decode_worker = opened.worker.worker_id
+        trace.decode_worker = decode.worker_id
         if not req.stream:
-            return await self.decode.whole(trace, body, opened, route)
+            return await self.decode.whole(trace, body, decode, route)
+        opened, body = await self.decode.open_stream(trace, body, decode, route)
+        trace.decode_worker = opened.worker.worker_id
         trace.outcome = "cancelled"                  # until the relay says otherwise; it records the request
         relay = self.relay.stream(trace, bool(req.return_token_ids), body, opened, route)
-        return EventStreamResponse(relay, headers=trace_headers(trace))
+        return EventStreamResponse(relay, headers=trace_headers(trace, self.fleet.s.shows_placement))

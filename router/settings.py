@@ -36,6 +36,10 @@ class RouterSettings:
     static_cache_tokens: int = 0                  # KV cache of each static worker (0: ask its /metrics)
     prefill_tokens_per_s: float = 20000.0         # starting guess per worker; the ledger calibrates it
     api_keys: tuple[str, ...] = field(default=(), repr=False)
+    # x-kimi-pd-prefill-worker / -decode-worker on answers name the workers a request went to (worker ids,
+    # which for static workers are their URLs): for tests and tracing on a trusted network. None: only when
+    # no client keys are set, so a fleet that authenticates clients never shows them its internal addresses.
+    placement_headers: bool | None = None
     worker_api_key: str | None = field(default=None, repr=False)   # sent to workers that require a key
     admin_token: str | None = field(default=None, repr=False)
     # placement (router/placement): expected completion time, in seconds of prefill work, with a
@@ -54,6 +58,10 @@ class RouterSettings:
             return item if isinstance(item, str) else (item[0], dict(item[1]))
         scorers = {name: (w if isinstance(w, (int, float)) else (w[0], dict(w[1]))) for name, w in self.scorer_weights}
         return {"filters": tuple(spec(f) for f in self.placement_filters), "scorers": scorers}
+
+    @property
+    def shows_placement(self) -> bool:
+        return (not self.api_keys) if self.placement_headers is None else self.placement_headers
 
     @property
     def served_model_names(self) -> tuple[str, ...]:

@@ -3,7 +3,7 @@ chosen decode worker; a worker that cannot be reached is replaced by another bef
 
 Retry rules: a connect failure is retried anywhere; a leg carrying transfer parameters is never
 replayed after the worker may have consumed them (only decode-only bodies are replay-safe); a whole
-(non-streamed) answer whose worker died answering is asked again, decode-only, of another worker.
+(non-streamed) answer whose worker died before answering is asked again, decode-only, of another worker.
 A stream is handed to the relay (router/request/relay.py), which migrates it if its worker dies.
 """
 from __future__ import annotations
@@ -23,6 +23,12 @@ from router.transport.upstream import TRANSPORT_ERRORS, UpstreamError, classify,
 from router.transport.worker_http import WorkerResponse
 from shared.openai.legs import wire_body
 from shared.openai.requests import SamplingRequest
+
+
+def _worth_another_worker(err: UpstreamError) -> bool:
+    """A whole answer lost to the worker (it died, broke the answer or failed with a 5xx) is asked of another;
+    a client's 4xx, a request the router could not send, or a leg that already used its whole time is not."""
+    return err.worker_fault and err.status >= 500 and err.reason != "timeout"
 
 
 @dataclass
@@ -58,26 +64,52 @@ class DecodeLeg:
     def __init__(self, fleet: Fleet) -> None:
         self.fleet = fleet
 
-    async def whole(self, trace: Trace, body: dict, opened: Opened, route: Route) -> Response:
-        """A non-streamed answer; nothing reached the client yet, so a worker that died answering
-        costs a retry (decode-only, on another worker), not the answer."""
+    async def whole(self, trace: Trace, body: dict, worker: WorkerState, route: Route) -> Response:
+        """A non-streamed answer. Nothing reaches the client before the whole answer, and a worker sends its
+        headers only with it, so a worker that dies at any point (while the state is pulled, while it
+        generates, while it answers) costs a retry, decode-only on another worker, never the answer. The
+        transfer parameters are never replayed: the dead worker may have consumed them."""
         fleet = self.fleet
         for attempt in range(fleet.s.max_attempts):
             try:
-                return await self._read_whole(trace, opened)
+                opened = await self.open(trace, body, False, worker, route)      # counts its own failures
+                trace.decode_worker = opened.worker.worker_id
+                try:
+                    return await self._read_whole(trace, opened)
+                except UpstreamError as err:
+                    fleet.metrics.leg_failures.labels(leg="decode", reason=err.reason).inc()
+                    raise
             except UpstreamError as err:
-                fleet.metrics.leg_failures.labels(leg="decode", reason=err.reason).inc()
-                if err.status < 500 or attempt + 1 >= fleet.s.max_attempts:
+                if not _worth_another_worker(err) or attempt + 1 >= fleet.s.max_attempts:
                     raise
                 try:
-                    retry = {k: v for k, v in body.items() if k != "kv_transfer_params"}   # decode-only
-                    opened = await self.open(trace, retry, False, fleet.pick(route.ctx, route.states, route.tried),
-                                             route)
-                except (UpstreamError, NoWorkerAvailable):
+                    worker = fleet.pick(route.ctx, route.states, route.tried)
+                except NoWorkerAvailable:
                     fleet.metrics.migrations.labels(outcome="failed").inc()
                     raise err from None
+                body = {k: v for k, v in body.items() if k != "kv_transfer_params"}     # decode-only
                 fleet.metrics.migrations.labels(outcome="ok").inc()
-                trace.decode_worker = opened.worker.worker_id
+                trace.decode_worker = worker.worker_id
+        raise AssertionError("unreachable")
+
+    async def open_stream(self, trace: Trace, body: dict, worker: WorkerState, route: Route) -> tuple[Opened, dict]:
+        """Open a streamed decode leg. A worker that dies before its first byte reached the client is replaced,
+        decode-only (never replaying the transfer parameters), as a whole answer's would be; after that the
+        relay migrates. Returns the opened leg and the body it was opened with (what a migration resumes)."""
+        fleet = self.fleet
+        for attempt in range(fleet.s.max_attempts):
+            try:
+                return await self.open(trace, body, True, worker, route), body
+            except UpstreamError as err:
+                if not _worth_another_worker(err) or attempt + 1 >= fleet.s.max_attempts:
+                    raise
+                try:
+                    worker = fleet.pick(route.ctx, route.states, route.tried)
+                except NoWorkerAvailable:
+                    fleet.metrics.migrations.labels(outcome="failed").inc()
+                    raise err from None
+                body = {k: v for k, v in body.items() if k != "kv_transfer_params"}     # decode-only
+                fleet.metrics.migrations.labels(outcome="ok").inc()
         raise AssertionError("unreachable")
 
     async def open(self, trace: Trace, body: dict, stream: bool, worker: WorkerState, route: Route) -> Opened:
@@ -177,4 +209,5 @@ class DecodeLeg:
         elapsed = time.perf_counter() - trace.start
         fleet.metrics.ttft.observe(elapsed)
         fleet.metrics.e2e.observe(elapsed)
-        return Response(dumps(body), media_type="application/json", headers=trace_headers(trace))
+        return Response(dumps(body), media_type="application/json",
+                        headers=trace_headers(trace, fleet.s.shows_placement))

@@ -117,18 +117,21 @@ class RelayedStream:
         delivered that the router cannot name in tokens)."""
         return not self.finished and not self.untracked
 
-    def seed_offset(self, first_token_adopted: bool) -> int:
-        """Generator draws made for the delivered tokens: one per token a decode worker sampled (a P/D
-        leg's first token was sampled by the prefill worker)."""
-        return max(0, len(self.token_ids) - (1 if first_token_adopted else 0))
+    @property
+    def seed_offset(self) -> int:
+        """Generator draws a fresh engine must skip to continue a seeded stream: one per delivered token,
+        whichever worker sampled it. On one engine token k is sampled with the seed's k-th draw; a P/D
+        leg's first token took the prefill worker's first draw, but the worker that continues starts its
+        generator from the seed, so it skips that draw too."""
+        return len(self.token_ids)
 
 
-def continuation_body(body: dict[str, Any], stream: RelayedStream, first_token_adopted: bool) -> dict[str, Any]:
+def continuation_body(body: dict[str, Any], stream: RelayedStream) -> dict[str, Any]:
     """The decode-only request that continues `stream` on another worker."""
     out = {k: v for k, v in body.items() if k not in ("kv_transfer_params", "kimi_pd_resume")}
     out.update(stream=True, return_token_ids=True)
     if stream.token_ids:
-        resume = {"token_ids": list(stream.token_ids), "seed_offset": stream.seed_offset(first_token_adopted)}
+        resume = {"token_ids": list(stream.token_ids), "seed_offset": stream.seed_offset}
         if is_safe_request_id(stream.response_id):
             resume["response_id"] = stream.response_id
         out["kimi_pd_resume"] = resume

@@ -34,7 +34,6 @@ class Relay:
                      ) -> AsyncGenerator[bytes, None]:
         """Relay the stream, migrating it on a mid-stream failure while another worker can continue."""
         stream = RelayedStream(keep_token_ids=keep_token_ids)
-        adopted = trace.kv_transfer_params is not None      # a P/D leg's first token came from the prefill worker
         trace.outcome = "cancelled"
         try:
             while True:
@@ -47,7 +46,7 @@ class Relay:
                     log.warning("decode stream %s failed mid-stream on %s (%s): %s", trace.request_id,
                                 opened.worker.worker_id, err.reason, err)
                     self.fleet.metrics.leg_failures.labels(leg="decode", reason=err.reason).inc()
-                    moved = await self._migrate(trace, body, stream, adopted, route) if stream.resumable else None
+                    moved = await self._migrate(trace, body, stream, route) if stream.resumable else None
                     if moved is None:
                         for piece in self._end_cut(trace, stream, err):
                             yield piece
@@ -68,10 +67,9 @@ class Relay:
         return [sse_error(502, f"the decode worker failed mid-stream: {err.reason}", "upstream_error",
                           "decode_failed"), SSE_DONE]
 
-    async def _migrate(self, trace: Trace, body: dict, stream: RelayedStream, adopted: bool, route: Route
-                       ) -> Opened | None:
+    async def _migrate(self, trace: Trace, body: dict, stream: RelayedStream, route: Route) -> Opened | None:
         """Open the continuation on another decode worker, or None if none can."""
-        fleet, continuation = self.fleet, continuation_body(body, stream, adopted)
+        fleet, continuation = self.fleet, continuation_body(body, stream)
         try:
             opened = await self.decode.open(trace, continuation, True,
                                             fleet.pick(route.ctx, route.states, route.tried), route)

@@ -26,9 +26,12 @@ class Trace:
     outcome: str | None = None                       # a stream's outcome, set when its relay ends
 
 
-def trace_headers(trace: Trace) -> dict[str, str]:
-    """Where a request went: for clients' tracing and for tests (worker ids, never secrets)."""
+def trace_headers(trace: Trace, workers: bool) -> dict[str, str]:
+    """Where a request went: its id and decision always; the workers it went to (ids, which for static
+    workers are internal URLs) only when `workers` (RouterSettings.shows_placement)."""
     headers = {"x-request-id": trace.request_id, "x-kimi-pd-decision": trace.decision}
+    if not workers:
+        return headers
     if trace.prefill_worker:
         headers["x-kimi-pd-prefill-worker"] = trace.prefill_worker
     if trace.decode_worker:

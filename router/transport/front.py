@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from router.transport.fast_path import FastPathApp
-from shared.http import DISCONNECT_EXTENSION, BodyTooLarge
+from shared.http import BODY_TIMEOUT_S, DISCONNECT_EXTENSION, BodyTooLarge
 from shared.http_server import protocol_class
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ class Exchange:
     shutdown, the header deadline and connection loss work as for any request."""
 
     __slots__ = ("body", "size", "too_large", "response_complete", "disconnected", "keep_alive",
-                 "message_event", "task", "expect_continue")
+                 "message_event", "task", "expect_continue", "body_timer")
 
     def __init__(self, keep_alive: bool, expect_continue: bool) -> None:
         self.body: list[bytes] = []
@@ -65,6 +65,7 @@ class Exchange:
         self.expect_continue = expect_continue
         self.message_event = asyncio.Event()       # set by uvicorn's connection_lost
         self.task: asyncio.Task | None = None
+        self.body_timer: asyncio.TimerHandle | None = None     # the body deadline, until the body is complete
 
     async def receive(self) -> dict:
         """ASGI receive for the handler: the body is already read, so only a disconnect can come."""
@@ -85,6 +86,7 @@ class HotRoutes(_Protocol):
 
     front_app: FastPathApp                      # set on the class `front_protocol_class` makes
     max_body_bytes: int
+    body_timeout_s: float = BODY_TIMEOUT_S       # a hot request's whole body must arrive within this
 
     hot: Exchange | None = None
 
@@ -108,6 +110,7 @@ class HotRoutes(_Protocol):
         scope["extensions"] = {DISCONNECT_EXTENSION: exchange}
         self.hot, self.cycle = exchange, cast(Any, exchange)      # the exchange duck-types uvicorn's cycle
         self._handler = handler
+        exchange.body_timer = self.loop.call_later(self.body_timeout_s, self._body_late, exchange)
         declared = next((v for k, v in self.headers if k == b"content-length"), None)
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             self._refuse_body(exchange)
@@ -134,14 +137,28 @@ class HotRoutes(_Protocol):
             super().on_message_complete()
             return
         self.hot = None
+        if exchange.body_timer is not None:
+            exchange.body_timer.cancel()
+            exchange.body_timer = None
         if exchange.too_large:
             return
         body = exchange.body[0] if len(exchange.body) == 1 else b"".join(exchange.body)
         exchange.body = []
         self._start(exchange, self._serve(exchange, self._handler, cast(dict, self.scope), body))
 
+    def _body_late(self, exchange: Exchange) -> None:
+        """A hot request's body is still incomplete after `body_timeout_s`: close the connection (what it
+        sent so far is dropped), as the header deadline does for late headers."""
+        exchange.body_timer = None
+        if self.hot is exchange and not self.transport.is_closing():
+            log.info("closing a connection whose request body did not arrive within %g s", self.body_timeout_s)
+            self.transport.close()
+
     def connection_lost(self, exc: Exception | None) -> None:
         exchange = self.hot if self.hot is not None else self.cycle
+        if isinstance(exchange, Exchange) and exchange.body_timer is not None:
+            exchange.body_timer.cancel()
+            exchange.body_timer = None
         if isinstance(exchange, Exchange) and not exchange.response_complete:
             exchange.disconnected = True
             exchange.message_event.set()
@@ -234,13 +251,15 @@ class HotRoutes(_Protocol):
             self.transport.close()
 
 
-def front_protocol_class(header_timeout_s: float, app: FastPathApp, max_body_bytes: int) -> type:
+def front_protocol_class(header_timeout_s: float, app: FastPathApp, max_body_bytes: int,
+                         body_timeout_s: float = BODY_TIMEOUT_S) -> type:
     """The uvicorn `http=` protocol for the router (httptools only; with h11 the app's own fast path
     in `FastPathApp.__call__` still applies)."""
     base = protocol_class(header_timeout_s)
     if not hasattr(base, "on_url"):                # h11: no parser callbacks to hook
         return base
-    return type(f"Router{base.__name__}", (HotRoutes, base), {"front_app": app, "max_body_bytes": max_body_bytes})
+    return type(f"Router{base.__name__}", (HotRoutes, base),
+                {"front_app": app, "max_body_bytes": max_body_bytes, "body_timeout_s": body_timeout_s})
 
 
 async def _close_body(response: Response) -> None:

@@ -2,6 +2,7 @@
 store goes away and comes back. Afterwards no prefill state is left held."""
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import signal
 import time
@@ -51,9 +52,11 @@ def relayed(lines: list[str]) -> tuple[list[int], str, list[dict]]:
     return ids, text, [c["usage"] for c in chunks if c.get("usage")]
 
 
-def test_decode_worker_killed_mid_stream_is_migrated(tmp_path, e2e_model):
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 7}], ids=["greedy", "seeded"])
+def test_decode_worker_killed_mid_stream_is_migrated(tmp_path, e2e_model, sampling):
     """P/D stream; its decode worker is SIGKILLed: the router resumes it on the other decode worker
-    from the tokens already relayed, and the client's stream equals the uninterrupted greedy answer."""
+    from the tokens already relayed, and the client's stream equals the uninterrupted answer, greedy or
+    seeded (the continuing worker skips one draw of the seed per delivered token)."""
     with Fleet(tmp_path, e2e_model) as f:
         p, d1, d2 = f.worker("prefill", "p0"), f.worker("decode", "d1"), f.worker("decode", "d2")
         for proc in (p, d1, d2):
@@ -61,8 +64,8 @@ def test_decode_worker_killed_mid_stream_is_migrated(tmp_path, e2e_model):
         r = f.router("r", "--prefill", p.url, "--decode", d1.url, "--decode", d2.url, "--disagg-threshold", "0")
         f.wait(r, "/ready")
         body = {"model": "kimi-k3", "messages": [{"role": "user", "content": "Tell a long story."}],
-                "max_tokens": 400, "ignore_eos": True, "temperature": 0, "stream": True, "return_token_ids": True,
-                "stream_options": {"include_usage": True}}
+                "max_tokens": 400, "ignore_eos": True, "stream": True, "return_token_ids": True,
+                "stream_options": {"include_usage": True}, **sampling}
         lines, killed = stream_and_kill(r.url, body, {d1.url: d1, d2.url: d2})
         assert "event: error" not in lines, lines[-5:]
         assert lines[-1] == "data: [DONE]" or lines[-2] == "data: [DONE]"
@@ -74,6 +77,37 @@ def test_decode_worker_killed_mid_stream_is_migrated(tmp_path, e2e_model):
         assert len(usage) == 1 and usage[0]["completion_tokens"] == 400
         assert metric(r.url, "kimi_pd_router_migrations_total", outcome="ok") == 1
         assert len({json.loads(x[6:])["id"] for x in lines if x.startswith("data: {")}) == 1
+        eventually(lambda: no_prefill_state_held(p.url), what="no prefill state held")
+
+
+def test_decode_worker_killed_while_generating_a_whole_answer_is_retried(tmp_path, e2e_model):
+    """P/D, not streamed, seeded: the decode worker answers only at the end, so its death lands before any
+    byte of the answer. The router asks the other decode worker, decode-only, and the client gets the same
+    200 an uninterrupted run gives; the prefill state the dead worker held is freed by its lease."""
+    with Fleet(tmp_path, e2e_model) as f:
+        p = f.worker("prefill", "p0", "--kv-lease-s", "5")
+        d1, d2 = f.worker("decode", "d1"), f.worker("decode", "d2")
+        for proc in (p, d1, d2):
+            f.wait(proc)
+        r = f.router("r", "--prefill", p.url, "--decode", d1.url, "--decode", d2.url, "--disagg-threshold", "0")
+        f.wait(r, "/ready")
+        body = {"model": "kimi-k3", "messages": [{"role": "user", "content": "Tell a long story."}],
+                "max_tokens": 300, "ignore_eos": True, "temperature": 1.0, "seed": 11, "return_token_ids": True}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(httpx.post, r.url + "/v1/chat/completions", json=body, timeout=120)
+            busy = eventually(lambda: next((d for d in (d1, d2) if metric(d.url, "kimi_pd_worker_running") >= 1),
+                                           None), what="a decode worker generating")
+            time.sleep(0.3)                                       # some tokens in, none sent
+            busy.kill(signal.SIGKILL)
+            resp = answer.result()
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"][0]["finish_reason"] == "length"
+        survivor = d2 if busy is d1 else d1
+        assert resp.headers["x-kimi-pd-decode-worker"] == survivor.url
+        reference = httpx.post(r.url + "/v1/chat/completions", json=body, timeout=120).json()
+        assert resp.json()["choices"][0]["token_ids"] == reference["choices"][0]["token_ids"]
+        assert len(reference["choices"][0]["token_ids"]) == 300
+        assert metric(r.url, "kimi_pd_router_migrations_total", outcome="ok") == 1
         eventually(lambda: no_prefill_state_held(p.url), what="no prefill state held")
 
 

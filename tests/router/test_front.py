@@ -122,3 +122,23 @@ def test_a_client_leaving_mid_stream_cancels_the_relay(router):
     while _cancelled(httpx.get(f"{router}/metrics", headers=admin).text) <= before:
         assert time.monotonic() < deadline, "the relay did not notice the client leaving"
         time.sleep(0.1)
+
+
+def test_a_body_that_never_finishes_is_cut_at_its_deadline():
+    """Headers in time, then a trickle: the connection is closed once the body deadline passes, so slow-body
+    clients cannot hold connections and buffers; whole requests on the same server still get answers."""
+    decode_url, d = _serve(stub_app(StubSettings(role="both", tokens=2)))
+    settings = RouterSettings(model=None, static_both=(decode_url,), max_request_bytes=MAX_BYTES)
+    app = create_app(settings)
+    url, r = _serve(app, http=front_protocol_class(5.0, app, MAX_BYTES, body_timeout_s=0.5))
+    try:
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as slow:
+            slow.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                         b"content-length: 200\r\n\r\n{\"model\":")
+            started = time.monotonic()
+            assert slow.recv(1024) == b""                                  # closed by the server, no answer
+            assert 0.4 < time.monotonic() - started < 5
+        assert httpx.post(url + "/v1/chat/completions", json=CHAT, timeout=20).status_code == 200
+    finally:
+        r.should_exit = d.should_exit = True

@@ -31,8 +31,10 @@ def test_tokens_are_recorded_and_stripped_and_split_events_wait():
     assert s.token_ids == [1, 2]                       # the cut event is not delivered, so not counted
     out = s.feed(half[10:])
     assert events(out)[0]["choices"][0]["delta"]["content"] == "lo" and s.token_ids == [1, 2, 3]
-    body = continuation_body({"messages": [], "stream": True, "kv_transfer_params": {"x": 1}, "seed": 3}, s, True)
-    assert body["kimi_pd_resume"] == {"token_ids": [1, 2, 3], "seed_offset": 2, "response_id": "chatcmpl-a"}
+    body = continuation_body({"messages": [], "stream": True, "kv_transfer_params": {"x": 1}, "seed": 3}, s)
+    # three delivered tokens, three draws: the continuing worker's generator starts from the seed, whether the
+    # first token was sampled by a prefill worker or not
+    assert body["kimi_pd_resume"] == {"token_ids": [1, 2, 3], "seed_offset": 3, "response_id": "chatcmpl-a"}
     assert "kv_transfer_params" not in body and body["return_token_ids"] is True and body["seed"] == 3
 
 
@@ -55,7 +57,7 @@ def test_content_without_token_ids_cannot_be_resumed():
     assert not s.resumable                             # a worker that ignores return_token_ids: no replay
     fresh = RelayedStream(keep_token_ids=False)
     fresh.feed(chunk({"role": "assistant", "content": ""}))
-    assert fresh.resumable and "kimi_pd_resume" not in continuation_body({"stream": True}, fresh, False)
+    assert fresh.resumable and "kimi_pd_resume" not in continuation_body({"stream": True}, fresh)
 
 
 def test_error_events_pass_through_and_are_counted():

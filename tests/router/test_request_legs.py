@@ -96,19 +96,25 @@ def test_decode_connect_failure_is_retried_on_another_decode_worker():
     assert count(orch, "retries_total", leg="decode") == 1
 
 
+@pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("prefilled", [False, True])
-def test_a_decode_leg_carrying_transfer_parameters_is_never_replayed(prefilled):
-    """A dropped connection may have been a worker that consumed the transferred state: replayed only
-    when the leg carries none (decode-only)."""
-    s = FakeSession({P1: [PREFILLED]}, [Reply(fail="disconnect"), ANSWER])
+def test_a_decode_leg_carrying_transfer_parameters_is_never_replayed(prefilled, stream):
+    """A dropped connection may have been a worker that consumed the transferred state: the leg is replayed
+    as it was only when it carries none (decode-only); otherwise another worker is asked decode-only, so the
+    answer survives its worker without the transfer parameters ever being sent twice."""
+    answer = Reply(chunks=[sse([5], "o"), sse([6], "k", "stop")]) if stream else ANSWER
+    s = FakeSession({P1: [PREFILLED]}, [Reply(fail="disconnect"), answer])
     orch, t = orchestrator(s, prefill=(P1,) if prefilled else (), decode=(D1, D2)), trace()
-    if prefilled:
-        with pytest.raises(UpstreamError) as info:
-            run(orch.handle(t, chat(), prompt()))
-        assert info.value.reason == "transport" and len([u for u, _ in s.sent if u != P1]) == 1
-    else:
-        run(orch.handle(t, chat(), prompt()))
-        assert len(s.sent) == 2 and t.decode_worker == s.sent[1][0] != s.sent[0][0]
+
+    async def go():
+        resp = await orch.handle(t, chat(stream=stream), prompt())
+        return await body_of(resp) if stream else resp.body
+    out = run(go())
+    (first_worker, first), (second_worker, second) = [(url, body) for url, body in s.sent if url != P1]
+    assert second_worker != first_worker and t.decode_worker == second_worker
+    assert ("kv_transfer_params" in first) == prefilled and "kv_transfer_params" not in second
+    assert (b'"ok"' in out) if not stream else (b'"o"' in out and b'"k"' in out and out.count(b"[DONE]") == 1)
+    assert count(orch, "migrations_total", outcome="ok") == (1 if prefilled else 0)
 
 
 def test_a_whole_answer_lost_to_a_broken_worker_is_asked_again_decode_only():
