@@ -27,7 +27,8 @@ def settings_from_args(args: argparse.Namespace, model_dir: str) -> WorkerSettin
                           max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                           enable_prefix_caching=args.enable_prefix_caching, block_size=args.block_size,
                           device=args.device, dtype=args.dtype, cache_memory_bytes=args.cache_memory,
-                          kda_chunk_size=args.kda_chunk_size, export_lease_s=None,  # the transfer lease is the one clock
+                          # export_lease_s=None: the transfer lease is the one clock
+                          kda_chunk_size=args.kda_chunk_size, export_lease_s=None,
                           model_id=args.served_model_name, speculative_config=speculative,
                           tensor_parallel_size=args.tensor_parallel_size,
                           enable_expert_parallel=args.enable_expert_parallel,
@@ -36,6 +37,7 @@ def settings_from_args(args: argparse.Namespace, model_dir: str) -> WorkerSettin
     return WorkerSettings(engine=engine, host=args.host, port=args.port,
                           served_model_name=args.served_model_name, advertise_url=args.advertise_url,
                           transfer_transport=args.kv_transport, transfer_host=args.kv_host,
+                          transfer_advertise_host=args.kv_advertise_host,
                           transfer_port=args.kv_port, transfer_streams=args.kv_streams,
                           transfer_secret=secret.encode(), kv_lease_s=args.kv_lease_s,
                           kv_load_failure_policy=args.kv_load_failure_policy, store_url=args.redis_url,

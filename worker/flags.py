@@ -42,7 +42,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="split the routed experts whole across the tensor-parallel ranks")
     p.add_argument("--compilation-config", default=None,
-                   help='JSON, vLLM\'s fields: {"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2, 4, 8]}')
+                   help='JSON, vLLM\'s fields: {"cudagraph_mode": "FULL_DECODE_ONLY", '
+                        '"cudagraph_capture_sizes": [1, 2, 4, 8]}')
     p.add_argument("--enforce-eager", action="store_true", help="never capture decode graphs")
     p.add_argument("--tokenizer-mode", default="kimi_k3", choices=["auto", "kimi_k3"])
     p.add_argument("--reasoning-parser", default="kimi_k3", choices=ACCEPTED_PARSERS)
@@ -50,13 +51,19 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-id", default=None)
     p.add_argument("--advertise-url", default=None, help="URL routers should use (default http://HOST:PORT)")
     p.add_argument("--kv-transport", default="tcp", choices=["tcp", "mooncake", "torch-dist"])
-    p.add_argument("--kv-host", default="127.0.0.1")
+    p.add_argument("--kv-host", default="127.0.0.1",
+                   help="where the KV transfer server listens (0.0.0.0: every interface)")
+    p.add_argument("--kv-advertise-host", default=None,
+                   help="the address decode workers pull KV state from (default --kv-host; required when that "
+                        "is 0.0.0.0)")
     p.add_argument("--kv-port", type=int, default=0)
-    p.add_argument("--kv-streams", type=int, default=2, help="parallel TCP streams per pull (2 x 8 MiB chunks measured best on 2 cores)")
+    p.add_argument("--kv-streams", type=int, default=2,
+                   help="parallel TCP streams per pull (2 x 8 MiB chunks measured best on 2 cores)")
     p.add_argument("--kv-lease-s", type=float, default=30.0)
     p.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"])
     p.add_argument("--redis-url", default=os.environ.get(REDIS_URL_ENV) or None,
-                   help=f"state store (registration, load, KV events; default ${REDIS_URL_ENV}, which keeps a password off argv)")
+                   help=f"state store (registration, load, KV events; default ${REDIS_URL_ENV}, which keeps a "
+                        "password off argv)")
     p.add_argument("--internal-auth", action=argparse.BooleanOptionalAction, default=None,
                    help="OpenAI endpoints need the internal token (KIMI_PD_ADMIN_TOKEN) or the API key; "
                         "default: on when the fleet has client keys ($KIMI_PD_API_KEYS) or $KIMI_PD_INTERNAL_AUTH=1")

@@ -64,7 +64,7 @@ class WorkerRuntime:
         return TransferConfig(identity=ModelIdentity(i.config_hash, i.dtype, i.layer_schedule, i.block_size),
                               secret=s.transfer_secret, transport=s.transfer_transport, engine_id=s.worker_id,
                               host=s.transfer_host, port=s.transfer_port, streams=s.transfer_streams,
-                              lease_s=s.kv_lease_s)
+                              lease_s=s.kv_lease_s, advertise_host=s.transfer_advertise_host)
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -85,7 +85,7 @@ class WorkerRuntime:
         s, eng = self.settings, self.engine.engine
         port = next((leg.transfer_port for leg in self.legs.values() if leg.transfer_port), 0)
         return WorkerInfo(worker_id=s.worker_id, role=self.role.name, url=s.url, model_id=s.served_model_name,
-                          transfer_host=s.transfer_host, transfer_port=port,
+                          transfer_host=s.transfer_address, transfer_port=port,
                           transfer_engine_id=s.worker_id, block_size=eng.config.block_size,
                           capacity_tokens=eng.capacity_tokens, hash_root=eng.hash_root, started_at=time.time())
 
