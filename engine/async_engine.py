@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import threading
@@ -41,7 +42,8 @@ class AsyncEngine:
 
     # ---- public API -----------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt: EngineInput | list[int], params: SamplingParams,
-                       export_state: bool = False, imported: ExportedState | None = None) -> AsyncIterator[RequestOutput]:
+                       export_state: bool = False,
+                       imported: ExportedState | None = None) -> AsyncIterator[RequestOutput]:
         """Yield this request's outputs as steps produce them; the last one has `finished=True`."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
@@ -96,6 +98,13 @@ class AsyncEngine:
         return {"running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting), "held": len(e.held),
                 "cache_usage": e.cache.usage, "capacity_tokens": e.capacity_tokens,
                 "preemptions": e.scheduler.num_preemptions, "dead": self._dead is not None}
+
+    def mark_dead(self, exc: BaseException) -> None:
+        """Fail the engine from outside (e.g. one of its ranks exited): streams end, calls raise EngineDead."""
+        if self._dead is None:
+            self._die(exc)
+            self._stop.set()
+            self._commands.put((lambda: None, concurrent.futures.Future()))
 
     @property
     def is_dead(self) -> bool:
@@ -159,10 +168,8 @@ class AsyncEngine:
         stream = self._streams.get(request_id)
         if stream is not None:
             loop, q = stream
-            try:
+            with contextlib.suppress(RuntimeError):            # the loop is closed: nobody listens
                 loop.call_soon_threadsafe(q.put_nowait, item)
-            except RuntimeError:                               # the loop is closed: nobody listens
-                pass
 
     def _die(self, exc: BaseException | None) -> None:
         self._dead = exc if exc is not None else EngineDead("shut down")

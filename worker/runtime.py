@@ -79,6 +79,8 @@ class WorkerRuntime:
             store = make_store(s.store_url, s.namespace)
             self.presence = WorkerPresence(store, self.worker_info(), self.engine, s.heartbeat_s, s.registration_ttl_s)
             self.presence.start()
+        from worker.watchdog import watch_engine
+        self._watchdog = asyncio.create_task(watch_engine(self), name="engine-watchdog")
         log.info("worker %s (%s) serving %s at %s", s.worker_id, self.role.name, s.served_model_name, s.url)
 
     def worker_info(self) -> WorkerInfo:
@@ -104,6 +106,9 @@ class WorkerRuntime:
 
     async def stop(self) -> None:
         """Deregister first (routers stop sending), then stop the legs' transfers and the engine."""
+        watchdog = getattr(self, "_watchdog", None)
+        if watchdog is not None:
+            watchdog.cancel()
         if self.presence:
             await self.presence.stop()
         for leg in self.legs.values():

@@ -27,7 +27,7 @@ WORKER_TUNING = ("--block-size", "4", "--kda-chunk-size", "8", "--cache-memory",
 ROUTER_TUNING = ("--health-check-interval", "0.3", "--refresh-interval", "0.2", "--connect-timeout", "1",
                  "--log-level", "warning")
 OCTETS = {"store": 10, "router-1": 21, "router-2": 22, "lb": 30, "prefill-1": 41, "prefill-2": 42,
-          "decode-1": 51, "decode-2": 52, "client": 100}
+          "decode-1": 51, "decode-2": 52, "tp-node-1": 61, "tp-node-2": 62, "tp-node-3": 63, "client": 100}
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,8 @@ class FleetSpec:
     worker_args: tuple[str, ...] = WORKER_TUNING
     router_args: tuple[str, ...] = ROUTER_TUNING
     ready_timeout_s: float = 180.0
+    prefill_nodes: int = 1          # > 1: prefill-1 is a TP engine over this many hosts (tp-node-N run headless)
+    master_port: int = 29500
 
 
 @dataclass(frozen=True)
@@ -105,12 +107,14 @@ class MultiHostFleet:
     def start(self) -> None:
         self.spec.workdir.mkdir(parents=True, exist_ok=True)
         names = ["store", *self.role_hosts("router"), "lb", *self.role_hosts("prefill"), *self.role_hosts("decode"),
-                 "client"]
+                 *self.tp_nodes(), "client"]
         for name in names:
             self.net.add_host(name, OCTETS[name])
         self._start_store()
         for name in (*self.role_hosts("prefill"), *self.role_hosts("decode"), *self.role_hosts("router")):
             self.start_role(name)
+        for node, name in enumerate(self.tp_nodes(), 1):
+            self.start_tp_node(name, node)
         self._start_lb()
         deadline = time.monotonic() + self.spec.ready_timeout_s
         for name in (*self.role_hosts("prefill"), *self.role_hosts("decode")):
@@ -128,11 +132,29 @@ class MultiHostFleet:
                "KIMI_PD_STORE_PASSWORD": self.password}
         self.spawn("store", roles.store_argv("0.0.0.0", roles.STORE_PORT), env)
 
+    def tp_nodes(self) -> list[str]:
+        return [f"tp-node-{i}" for i in range(1, self.spec.prefill_nodes)]
+
+    def tp_args(self, node: int) -> list[str]:
+        """prefill-1's engine spread over `prefill_nodes` hosts, meeting at prefill-1's address."""
+        n = self.spec.prefill_nodes
+        return ["--tensor-parallel-size", str(n), "--nnodes", str(n), "--node-rank", str(node),
+                "--master-addr", self.host("prefill-1").addr, "--master-port", str(self.spec.master_port)]
+
     def start_role(self, name: str) -> None:
         role, env = name.split("-")[0], self.node_env(name)
         argv = roles.role_argv(role, env)
         tuning = self.spec.router_args if role == "router" else self.spec.worker_args
+        if name == "prefill-1" and self.spec.prefill_nodes > 1:
+            tuning = (*tuning, *self.tp_args(0))
         self.spawn(name, [*roles.KIMI_PD, *argv[1:], *tuning], roles.role_env(role, env))
+
+    def start_tp_node(self, name: str, node: int) -> None:
+        """A headless node of prefill-1's engine: the prefill command, its share of ranks, no server."""
+        env = self.node_env(name)
+        argv = roles.role_argv("prefill", env)
+        self.spawn(name, [*roles.KIMI_PD, *argv[1:], *self.spec.worker_args, *self.tp_args(node), "--headless"],
+                   roles.role_env("prefill", env))
 
     def _start_lb(self) -> None:
         routers = [f"{self.host(n).addr}:{roles.ROUTER_PORT}" for n in self.role_hosts("router")]
