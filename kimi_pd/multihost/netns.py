@@ -96,12 +96,12 @@ class Network:
         """Plug or unplug a host's cable: down is a partition (no reset, no error, just silence)."""
         _ip("-n", self.switch, "link", "set", self.hosts[name].peer, "up" if up else "down")
 
-    def cap(self, name: str, rate: str = "100mbit") -> None:
-        """Cap what the host sends (and receives) with a token bucket, e.g. 100mbit."""
+    def cap(self, name: str, rate: str = "100mbit", burst: str = "256kb") -> None:
+        """Cap what the host sends (and receives) with a token bucket, e.g. 100mbit (burst: bytes sent at once)."""
         host = self.hosts[name]
         for ns, dev in ((host.ns, "eth0"), (self.switch, host.peer)):
             subprocess.run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
-                            "burst", "256kb", "latency", "200ms"], check=True, capture_output=True, timeout=30)
+                            "burst", burst, "latency", "400ms"], check=True, capture_output=True, timeout=30)
 
     def uncap(self, name: str) -> None:
         host = self.hosts[name]

@@ -160,6 +160,52 @@ def metric_on(fleet, name: str, metric_name: str, **labels: str) -> float:
         return metric(fleet.url(name), metric_name, **labels)
 
 
+def pulling_from(fleet) -> str | None:
+    """The prefill host a decode worker is pulling KV state from right now (an open connection to :9101)."""
+    by_addr = {fleet.host(n).addr: n for n in fleet.role_hosts("prefill")}
+    for name in fleet.role_hosts("decode"):
+        for line in fleet.host(name).run(["ss", "-tnH", "state", "established"]).splitlines():
+            addr, _, port = line.split()[-1].rpartition(":")
+            if port == "9101" and addr in by_addr:
+                return by_addr[addr]
+    return None
+
+
+def test_prefill_decode_link_cut_during_a_transfer_decode_recomputes_and_the_lease_frees(fleet, offline):
+    prompt = "transfer " + PROMPT
+    for name in fleet.role_hosts("prefill"):
+        fleet.net.cap(name, "256kbit", burst="4kb")           # a pull of the prompt's state takes seconds
+    out: dict = {}
+    request = threading.Thread(target=lambda: out.update(resp=post(fleet, body(prompt, 8))))
+    request.start()
+    cut = None
+    try:
+        deadline = time.monotonic() + 60
+        while cut is None and request.is_alive() and time.monotonic() < deadline:
+            cut = pulling_from(fleet)
+        assert cut, "saw no transfer in flight"
+        fleet.net.set_link(cut, up=False)
+        request.join(90)
+        assert not request.is_alive()
+    finally:
+        for name in fleet.role_hosts("prefill"):
+            fleet.net.uncap(name)
+            fleet.net.set_link(name, up=True)
+    resp = out["resp"]
+    assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == expected_text(offline, prompt, 8)
+    failures = sum(metric_on(fleet, n, "kimi_pd_worker_kv_pull_failures_total") for n in fleet.role_hosts("decode"))
+    assert failures >= 1, "the decode side failed over (recomputed) instead of waiting"
+    deadline = time.monotonic() + 45                            # the transfer lease (30 s) frees the held state
+    while time.monotonic() < deadline and held(fleet):
+        time.sleep(1)
+    assert held(fleet) == 0
+
+
+def post(fleet, payload: dict) -> httpx.Response:
+    with fleet.client() as http:
+        return http.post(fleet.url("lb") + "/v1/completions", json=payload, timeout=120)
+
+
 def test_a_router_host_cut_the_lb_moves_on_and_its_streams_end(fleet):
     outs: list[dict] = [{}, {}]
     threads = [threading.Thread(target=read_stream, args=(fleet, fleet.url("lb"), body(f"r{i} {PROMPT}", 2000), out))
