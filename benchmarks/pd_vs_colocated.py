@@ -64,9 +64,9 @@ class Procs:
         self.log_dir, self.procs = log_dir, []
 
     def spawn(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
-        log = open(self.log_dir / f"{name}.log", "ab")
-        proc = subprocess.Popen([sys.executable, "-m", "kimi_pd", *argv], cwd=ROOT, env=env, stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        with open(self.log_dir / f"{name}.log", "ab") as log:      # the child keeps its own copy of the fd
+            proc = subprocess.Popen([sys.executable, "-m", "kimi_pd", *argv], cwd=ROOT, env=env, stdout=log,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         self.procs.append((name, proc))
         return proc
 
@@ -141,7 +141,8 @@ def workload(pool: TokenPool, args: argparse.Namespace) -> list[SampleRequest]:
     short = sample_random(pool, len(times), args.short_len, args.short_out, range_ratio=0.25, seed=args.seed)
     bursts = np.arange(args.burst_every / 2, args.duration, args.burst_every)
     long = sample_random(pool, len(bursts) * args.burst_size, args.long_len, args.long_out, seed=args.seed + 1)
-    out = [dataclasses.replace(r, request_id=f"short-{i}", arrival_s=float(t)) for i, (r, t) in enumerate(zip(short, times, strict=False))]
+    out = [dataclasses.replace(r, request_id=f"short-{i}", arrival_s=float(t))
+           for i, (r, t) in enumerate(zip(short, times, strict=False))]
     out += [dataclasses.replace(r, request_id=f"long-{i}", arrival_s=float(bursts[i // args.burst_size]))
             for i, r in enumerate(long)]
     return sorted(out, key=lambda r: r.arrival_s)
@@ -172,7 +173,8 @@ def summarize(requests: list[SampleRequest], outputs: list, duration_s: float) -
         detail = res.pop("detail")
         ok = [not e for e in detail["errors"]]
         res["tpots_ms"] = [((lat - t) / (n - 1)) * 1e3 for lat, t, n, good in
-                           zip(detail["latencies"], detail["ttfts"], detail["output_lens"], ok, strict=False) if good and n > 1]
+                           zip(detail["latencies"], detail["ttfts"], detail["output_lens"], ok, strict=False)
+                           if good and n > 1]
         res["ttfts_ms"] = [t * 1e3 for t, good in zip(detail["ttfts"], ok, strict=False) if good]
         res["errors"] = sorted({e for e in detail["errors"] if e})[:5]
         groups[kind] = res
@@ -190,7 +192,8 @@ def headline(runs: dict[str, dict]) -> dict[str, Any]:
             s = run["short"]
             row[phase] = {"short_tpot_p99_ms": s["p99_tpot_ms"], "short_tpot_median_ms": s["median_tpot_ms"],
                           "short_ttft_p99_ms": s["p99_ttft_ms"], "short_ttft_median_ms": s["median_ttft_ms"],
-                          "short_itl_p99_ms": s["p99_itl_ms"], "failed": s["failed"] + run.get("long", {}).get("failed", 0)}
+                          "short_itl_p99_ms": s["p99_itl_ms"],
+                          "failed": s["failed"] + run.get("long", {}).get("failed", 0)}
             if "long" in run:
                 row[phase].update(long_ttft_median_ms=run["long"]["median_ttft_ms"],
                                   long_ttft_p99_ms=run["long"]["p99_ttft_ms"])
@@ -213,11 +216,13 @@ def figure(runs: dict[str, dict], path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     for name, phases in runs.items():
         run = phases["mixed"]
-        for ax, values in zip(axes, (run["short"]["tpots_ms"], run["short"]["ttfts_ms"], run["long"]["ttfts_ms"]), strict=False):
+        columns = (run["short"]["tpots_ms"], run["short"]["ttfts_ms"], run["long"]["ttfts_ms"])
+        for ax, values in zip(axes, columns, strict=True):
             v = np.sort(values)
             if len(v):
                 ax.step(v, np.arange(1, len(v) + 1) / len(v), where="post", label=name)
-    for ax, title in zip(axes, ("short chats: TPOT (ms)", "short chats: TTFT (ms)", "long prompts: TTFT (ms)"), strict=False):
+    titles = ("short chats: TPOT (ms)", "short chats: TTFT (ms)", "long prompts: TTFT (ms)")
+    for ax, title in zip(axes, titles, strict=True):
         ax.set_title(title)
         ax.set_xscale("log")
         ax.set_ylabel("fraction of requests")

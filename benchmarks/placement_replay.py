@@ -260,7 +260,7 @@ def one_setting(rows: Sequence[dict[str, Any]], n: int, load: float, args: argpa
     }
     pooled = pooled_lru_hit(reqs, n * args.cache_blocks)
     oracle_p99 = policies["oracle"]["ttft_p99_s"]
-    for name, res in policies.items():
+    for res in policies.values():
         res["hit_vs_pooled_lru"] = res["hit_ratio"] / pooled
         res["p99_vs_oracle"] = res["ttft_p99_s"] / oracle_p99
     ours = policies["kimi-pd"]

@@ -362,7 +362,8 @@ def targets_for(mode: str, router_url: str, prefill_url: str, decode_url: str) -
 def run_mode(mode: str, model: Path, prefill_url: str, decode_url: str, args: argparse.Namespace,
              log_dir: Path, bin_dir: Path | None) -> dict[str, Any]:
     port = free_port()
-    ports = {k: free_port() for k in ("nginx", "vllm-router", "vllm-router-prom", "sglang-router", "sglang-router-prom")}
+    ports = {k: free_port()
+             for k in ("nginx", "vllm-router", "vllm-router-prom", "sglang-router", "sglang-router-prom")}
     skipped: dict[str, str] = {}
     with contextlib.ExitStack() as stack:
         pids = {"router": stack.enter_context(router(port, MODES[mode], prefill_url, decode_url, model, args,
@@ -423,7 +424,8 @@ def summary(modes: dict[str, Any]) -> dict[str, Any]:
             row: dict[str, Any] = {}
             for kind, per_target in lat.items():
                 base = per_target[baseline] if baseline in per_target else per_target["direct"]
-                added = [t - d for t, d in zip(per_target[name]["round_means_ms"], base["round_means_ms"], strict=False)]
+                added = [t - d for t, d in
+                         zip(per_target[name]["round_means_ms"], base["round_means_ms"], strict=False)]
                 row[kind] = {"added_mean_ms": round(_median(added), 3),
                              "added_mean_ms_range": [round(min(added), 3), round(max(added), 3)],
                              "added_p99_ms": round(per_target[name]["p99_ms"] - base["p99_ms"], 3)}

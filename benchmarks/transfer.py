@@ -16,8 +16,9 @@ no control plane and no digests. The machine is shared and noisy, so rounds are 
 round r pulls once per transport (order rotated each round), round 0 is a warm-up. Ratios are of
 medians over the timed rounds. Beside wall time each pull records the CPU seconds sender and
 receiver spent on it (from /proc; Linux only), a figure less at the mercy of other tenants'
-load than GiB/s: `cpu_s_per_gib`, the median, says what moving a GiB costs. Prints JSON and writes benchmarks/results/transfer.json. A
-transport that cannot run here (e.g. mooncake not installed) is reported with its error.
+load than GiB/s: `cpu_s_per_gib`, the median, says what moving a GiB costs. Prints JSON and writes
+benchmarks/results/transfer.json. A transport that cannot run here (e.g. mooncake not installed) is
+reported with its error.
 """
 
 from __future__ import annotations
@@ -407,8 +408,8 @@ def main() -> None:
     report = {"state": {"tokens": args.tokens, "bytes": nbytes, "gib": round(nbytes / 2**30, 3),
                         "mla_layers": MLA_LAYERS, "kda_layers": KDA_LAYERS},
               "config": {"streams": args.streams, "chunk_mib": args.chunk_mib, "rounds": args.rounds},
-              "machine": {"cpus": os.cpu_count(), "load_average": {"start": load_at_start, "end": _load()}, "python": platform.python_version(),
-                          "torch": torch.__version__, **hash_speeds()},
+              "machine": {"cpus": os.cpu_count(), "load_average": {"start": load_at_start, "end": _load()},
+                          "python": platform.python_version(), "torch": torch.__version__, **hash_speeds()},
               "results": results, **summarize(results)}
     text = json.dumps(report, indent=2)
     print(text)

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -21,8 +22,10 @@ from engine.core.engine import EngineConfig, LLMEngine
 from engine.core.inputs import EngineInput
 from engine.core.outputs import RequestOutput
 from engine.core.state_export import ExportedState
-from shared.errors import EngineDead
+from engine.structured_output import GrammarBudget
+from shared.errors import EngineDead, InvalidRequest
 from shared.sampling_params import SamplingParams
+from shared.structured_output import StructuredOutput
 
 log = logging.getLogger(__name__)
 _DONE = object()
@@ -30,13 +33,18 @@ IDLE_POLL_S = 0.05          # how long the engine thread waits for a command whe
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None,
+                 grammar_budget: GrammarBudget | None = None) -> None:
         self.engine = engine or LLMEngine(config)
+        self.grammar_budget = grammar_budget or GrammarBudget()
+        # one compile at a time, beside the engine thread: a costly grammar delays other grammars, not steps
+        self._grammar_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self._commands: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future]] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
         self._dead: BaseException | None = None
         self._stalled = False
+        self._busy_since: float | None = None              # monotonic start of the command or step now running
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
 
@@ -45,6 +53,8 @@ class AsyncEngine:
                        export_state: bool = False,
                        imported: ExportedState | None = None) -> AsyncIterator[RequestOutput]:
         """Yield this request's outputs as steps produce them; the last one has `finished=True`."""
+        if params.structured_output is not None:
+            await self.prepare_grammar(params.structured_output)
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, outputs)
@@ -70,6 +80,22 @@ class AsyncEngine:
             if not finished:
                 self.abort_nowait(request_id)
 
+    async def prepare_grammar(self, spec: StructuredOutput) -> None:
+        """Compile `spec` into the engine's grammar cache off the engine thread, within the budget: a spec
+        over the size limit, or not compiled in time, is an InvalidRequest (400). A compile that had started
+        when time ran out runs on and is cached, so the same spec sent again is served."""
+        self.grammar_budget.check_size(spec)
+        grammars = self.engine.grammars
+        if grammars.is_cached(spec):
+            return
+        future = self._grammar_pool.submit(grammars.compiled, spec)
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(future), self.grammar_budget.compile_timeout_s)
+        except TimeoutError:
+            raise InvalidRequest(f"structured_outputs: the {spec.kind} did not compile within "
+                                 f"{self.grammar_budget.compile_timeout_s:g} s (this server's limit); "
+                                 "simplify it", param="structured_outputs") from None
+
     async def abort(self, request_id: str) -> None:
         await self.call(lambda: self.engine.abort(request_id))
 
@@ -93,11 +119,18 @@ class AsyncEngine:
         return await asyncio.wrap_future(future)
 
     def stats(self) -> dict[str, Any]:
-        """A racy but safe snapshot for health and load reports (reads only counters)."""
+        """A racy but safe snapshot for health and load reports (reads only counters: never waits on the
+        engine thread, so a stuck engine still reports, with `busy_s` saying for how long)."""
         e = self.engine
         return {"running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting), "held": len(e.held),
                 "cache_usage": e.cache.usage, "capacity_tokens": e.capacity_tokens,
-                "preemptions": e.scheduler.num_preemptions, "dead": self._dead is not None}
+                "preemptions": e.scheduler.num_preemptions, "dead": self._dead is not None,
+                "busy_s": self.busy_s()}
+
+    def busy_s(self) -> float:
+        """How long the engine thread has been inside its current command or step (0 when it waits)."""
+        since = self._busy_since
+        return 0.0 if since is None else max(0.0, time.monotonic() - since)
 
     def mark_dead(self, exc: BaseException) -> None:
         """Fail the engine from outside (e.g. one of its ranks exited): streams end, calls raise EngineDead."""
@@ -114,6 +147,7 @@ class AsyncEngine:
         self._stop.set()
         self._commands.put((lambda: None, concurrent.futures.Future()))
         self._thread.join(timeout)
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
         if not self._thread.is_alive():
             self.engine.close()
 
@@ -134,7 +168,11 @@ class AsyncEngine:
         self.engine.expire_leases()
         if self._stop.is_set() or not self.engine.has_unfinished():
             return
-        outputs = self.engine.step()
+        self._busy_since = time.monotonic()
+        try:
+            outputs = self.engine.step()
+        finally:
+            self._busy_since = None
         # waiting work that cannot be admitted (held states, full cache): wait for a command or a lease
         self._stalled = not outputs and not self.engine.scheduler.running
         for out in outputs:
@@ -155,11 +193,14 @@ class AsyncEngine:
     def _run_one(self, fn: Callable[[], Any], future: concurrent.futures.Future) -> None:
         if not future.set_running_or_notify_cancel():          # the caller gave up before we got to it
             return
+        self._busy_since = time.monotonic()
         try:
             result = fn()
         except BaseException as exc:                           # noqa: BLE001 - delivered to the caller
             future.set_exception(exc)
             return
+        finally:
+            self._busy_since = None
         future.set_result(result)
         if isinstance(result, RequestOutput) and result.finished:  # an abort's final output
             self._publish(result.request_id, result)

@@ -10,7 +10,8 @@ from shared.sampling_params import SamplingParams
 
 
 def generate_one(model_dir: str | Path, prompt: str, images: list[Any] | None = None, max_tokens: int = 32,
-                 temperature: float = 0.0, seed: int = 0, dtype: str = "float32", thinking: bool = False) -> RequestOutput:
+                 temperature: float = 0.0, seed: int = 0, dtype: str = "float32",
+                 thinking: bool = False) -> RequestOutput:
     """Render `prompt` (+ images) as one user turn, generate, return the engine's output."""
     llm = LLM(str(model_dir), dtype=dtype, max_num_seqs=1)
     content: str | list[dict[str, Any]] = prompt

@@ -51,11 +51,13 @@ class LLM:
         # n sequences per prompt: n engine requests (sequence i seeded seed + i, as the servers do)
         ids = [[self.engine.add_request(f"llm-{next(self._ids)}", self._to_input(p), sp.for_sequence(i))
                 for i in range(sp.n)] for p, sp in zip(prompts, params_list, strict=False)]
-        finals = dict(zip([i for group in ids for i in group], self._run([i for group in ids for i in group]), strict=False))
+        flat = [i for group in ids for i in group]
+        finals = dict(zip(flat, self._run(flat), strict=False))
         return [_gather([finals[i] for i in group]) for group in ids]
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
-             params: SamplingParams | Sequence[SamplingParams] | None = None, **render_options: Any) -> list[RequestOutput]:
+             params: SamplingParams | Sequence[SamplingParams] | None = None,
+             **render_options: Any) -> list[RequestOutput]:
         """Render each conversation with the K3 XTML renderer (images from content parts), then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         return self.generate([self.render(c, **render_options) for c in conversations], params)

@@ -33,7 +33,7 @@ def _top_level(text: dict[str, Any], vision: dict[str, Any]) -> dict[str, Any]:
 
 
 def tiny_config() -> dict[str, Any]:
-    """MODEL.md section 15, vocabulary grown to hold the generated tokenizer, plus a small vision tower."""
+    """docs/model.md, Presets: vocabulary grown to hold the generated tokenizer, plus a small vision tower."""
     text = {
         "model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"],
         "vocab_size": GENERATED_VOCAB, "hidden_size": 64, "num_hidden_layers": 6,

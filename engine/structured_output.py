@@ -2,11 +2,20 @@
 tokenizer info built once from the token bytes), one matcher per request. The matcher's bitmask is
 a token constraint like the others (engine.token_constraints): applied to the logits before a
 token is chosen, then the chosen token is accepted; a matcher that has terminated ends the request.
+
+Compiling is the expensive part (a 44 KB JSON schema takes seconds, a 300 KB regex minutes), so
+compiled grammars are cached by their spec, and services compile before the request reaches the
+engine thread (`AsyncEngine` does, within a `GrammarBudget`): xgrammar releases the GIL while it
+compiles, so neither steps nor heartbeats wait on it. The engine thread then only builds a matcher.
 """
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import torch
 
@@ -15,9 +24,32 @@ from shared.prompt.tokenizer import KimiTokenizer
 from shared.structured_output import StructuredOutput
 
 
+@dataclass(frozen=True)
+class GrammarBudget:
+    """What one request's grammar may cost a server: its spec's size, and the time compiling it may take
+    before the request is refused (400). Compiles run one at a time, off the engine thread."""
+
+    max_spec_bytes: int = 64 << 10
+    compile_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.max_spec_bytes < 1 or self.compile_timeout_s <= 0:
+            raise ValueError("a grammar budget needs max_spec_bytes >= 1 and compile_timeout_s > 0")
+
+    def check_size(self, spec: StructuredOutput) -> None:
+        size = len(spec.value.encode())
+        if size > self.max_spec_bytes:
+            raise InvalidRequest(f"structured_outputs: the {spec.kind} is {size} bytes, over this server's limit "
+                                 f"of {self.max_spec_bytes} bytes", param="structured_outputs")
+
+
 class GrammarCompiler:
+    CACHE_SIZE = 64                   # compiled grammars kept (a P/D request's two legs, retries, repeated schemas)
+
     def __init__(self, tokenizer: KimiTokenizer, vocab_size: int) -> None:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self._cache: OrderedDict[StructuredOutput, Any] = OrderedDict()
+        self._lock = threading.Lock()                  # the cache only: compiles run unlocked
 
     @cached_property
     def _compiler(self):
@@ -37,14 +69,30 @@ class GrammarCompiler:
         return xgr.GrammarCompiler(info, max_threads=1)
 
     def matcher(self, spec: StructuredOutput) -> RequestGrammar:
-        """A fresh matcher for `spec`; a schema/regex/grammar xgrammar cannot compile is a 400."""
+        """A fresh matcher for `spec` (compiled now unless cached); a spec that cannot compile is a 400."""
+        import xgrammar as xgr
+        return RequestGrammar(xgr.GrammarMatcher(self.compiled(spec)), self.vocab_size)
+
+    def compiled(self, spec: StructuredOutput) -> Any:
+        """`spec` compiled, from the cache when it is there. Thread-safe; may run on any thread."""
+        with self._lock:
+            if spec in self._cache:
+                self._cache.move_to_end(spec)
+                return self._cache[spec]
         try:
             compiled = self._compile(spec)
         except Exception as exc:   # noqa: BLE001 - xgrammar raises several kinds; all are the client's input
             raise InvalidRequest(f"structured_outputs: cannot compile the {spec.kind}: {exc}",
                                  param="structured_outputs") from None
-        import xgrammar as xgr
-        return RequestGrammar(xgr.GrammarMatcher(compiled), self.vocab_size)
+        with self._lock:
+            self._cache[spec] = compiled
+            while len(self._cache) > self.CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def is_cached(self, spec: StructuredOutput) -> bool:
+        with self._lock:
+            return spec in self._cache
 
     def _compile(self, spec: StructuredOutput):
         c = self._compiler

@@ -6,6 +6,7 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import TypeAlias
 
 DEFAULT_TINY_DIR = Path("checkpoints/tiny")
 # Kept in step with engine.training (not imported here: the parser must build without torch loaded).
@@ -148,13 +149,26 @@ def _bench(args: argparse.Namespace) -> int:
     return run_bench(args)
 
 
+# what add_subparsers() returns (argparse keeps the class private); a string, so nothing subscripts it at run time
+_Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The whole command line; one `_add_*` function per sub-command keeps each one's flags in one screen."""
     parser = argparse.ArgumentParser(prog="kimi-pd", description="Disaggregated prefill/decode serving for Kimi-K3.",
                                      allow_abbrev=False)
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
+    ckpt = sub.add_parser("checkpoint", help="generated checkpoints", allow_abbrev=False)
+    actions = ckpt.add_subparsers(dest="action", required=True)
+    for add_action in (_add_create, _add_train_draft, _add_train, _add_eval, _add_quantize):
+        add_action(actions)
+    for add_command in (_add_generate, _add_router, _add_up, _add_bench, _add_workers):
+        add_command(sub)
+    return parser
 
-    ckpt = sub.add_parser("checkpoint", help="generated checkpoints", allow_abbrev=False).add_subparsers(dest="action", required=True)
+
+def _add_create(ckpt: _Subparsers) -> None:
     create = ckpt.add_parser("create", help="write a generated Kimi-K3 checkpoint (HF layout)", allow_abbrev=False)
     create.add_argument("--preset", choices=("tiny", "small", "tiny-chat", "tiny-chat-dspark"), default="tiny",
                         help="tiny/small: random weights; tiny-chat: copy the shipped trained checkpoint; "
@@ -168,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--block", type=int, choices=(7, 5), default=None,
                         help="with --draft: Block7 or Block5 draft (its num_speculative_tokens default)")
     create.set_defaults(func=_checkpoint_create)
+
+
+def _add_train_draft(ckpt: _Subparsers) -> None:
     distil = ckpt.add_parser("train-draft", help="distil a DSpark draft from a target's own features and greedy "
                                                  "answers", allow_abbrev=False)
     distil.add_argument("--target", required=True, help="the target checkpoint directory")
@@ -179,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     distil.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     distil.add_argument("--quiet", action="store_true")
     distil.set_defaults(func=_checkpoint_train_draft)
+
+
+def _add_train(ckpt: _Subparsers) -> None:
     trn = ckpt.add_parser("train", help="train the tiny-chat model on the synthetic chat corpus (CPU)",
                           allow_abbrev=False)
     trn.add_argument("--out", required=True)
@@ -188,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="data-parallel processes, one per core (gradients averaged every step)")
     trn.add_argument("--quiet", action="store_true", help="no progress bar")
     trn.set_defaults(func=_checkpoint_train)
+
+
+def _add_eval(ckpt: _Subparsers) -> None:
     ev = ckpt.add_parser("eval", help="accuracy per task family on held-out instances (offline or via --url)",
                          allow_abbrev=False)
     ev.add_argument("--model", help="checkpoint directory (default: the shipped tiny-chat)")
@@ -197,12 +220,17 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--thinking", choices=("on", "off", "both"), default="both")
     ev.add_argument("--json", action="store_true")
     ev.set_defaults(func=_checkpoint_eval)
+
+
+def _add_quantize(ckpt: _Subparsers) -> None:
     quant = ckpt.add_parser("quantize", help="bf16/fp32 checkpoint -> ModelSlim W4A8 checkpoint", allow_abbrev=False)
     quant.add_argument("--src", required=True)
     quant.add_argument("--out", required=True)
     quant.add_argument("--quiet", action="store_true", help="no progress bar")
     quant.set_defaults(func=_checkpoint_quantize)
 
+
+def _add_generate(sub: _Subparsers) -> None:
     gen = sub.add_parser("generate", help="offline generation from one prompt", allow_abbrev=False)
     gen.add_argument("--model", help=f"checkpoint directory (default: {DEFAULT_TINY_DIR}, created if absent)")
     gen.add_argument("--prompt", required=True)
@@ -215,12 +243,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print token ids and per-token logprobs as JSON")
     gen.set_defaults(func=_generate)
 
+
+def _add_router(sub: _Subparsers) -> None:
     from router.cli import add_router_args
     router = sub.add_parser("router", help="the OpenAI-compatible gateway in front of the P/D fleet",
                             allow_abbrev=False)
     add_router_args(router)
     router.set_defaults(func=_router)
 
+
+def _add_up(sub: _Subparsers) -> None:
     upp = sub.add_parser("up", help="router + prefill + decode workers on loopback, embedded defaults",
                          allow_abbrev=False)
     upp.add_argument("--model", help="checkpoint directory (default: the shipped trained tiny-chat)")
@@ -234,12 +266,16 @@ def build_parser() -> argparse.ArgumentParser:
                           "write the draft's prompt context rows into the state they hand over")
     upp.set_defaults(func=_up)
 
+
+def _add_bench(sub: _Subparsers) -> None:
     from kimi_pd.bench.cli import add_bench_args
     bench = sub.add_parser("bench", help="benchmark an OpenAI-compatible endpoint (vllm bench serve semantics)",
                            allow_abbrev=False)
     add_bench_args(bench)
     bench.set_defaults(func=_bench)
 
+
+def _add_workers(sub: _Subparsers) -> None:
     from worker.flags import add_worker_args
     for role, help_text in (("prefill", "a prefill worker (computes prompts, hands state to decode workers)"),
                             ("decode", "a decode worker (pulls prefill state, generates, streams)"),
@@ -247,7 +283,6 @@ def build_parser() -> argparse.ArgumentParser:
         worker = sub.add_parser(role, help=help_text, allow_abbrev=False)
         add_worker_args(worker)
         worker.set_defaults(func=_worker(role))
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,13 +1,18 @@
 """Child processes of `kimi-pd up` (and of the end-to-end tests): each in its own session, output to
-a log file, stopped together (SIGTERM to its process group, then SIGKILL after a grace period)."""
+a log file, stopped together (SIGTERM to its process group, then SIGKILL after a grace period), and sent
+SIGTERM by the kernel if their parent dies without stopping them (a supervisor killed with SIGKILL leaves
+no orphans serving on its ports)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from shared.lifetime import die_with_parent_hook
 
 
 @dataclass
@@ -24,10 +29,8 @@ class Child:
 
     def signal_group(self, sig: int) -> None:
         if self.popen.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.popen.pid, sig)
-            except ProcessLookupError:
-                pass
 
 
 @dataclass
@@ -36,7 +39,8 @@ class Processes:
 
     def spawn(self, name: str, cmd: list[str], env: dict[str, str], log: Path) -> Child:
         with open(log, "ab") as out:
-            popen = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            popen = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                     preexec_fn=die_with_parent_hook(signal.SIGTERM))
         child = Child(name, popen, log)
         self.children.append(child)
         return child

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import secrets
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -33,6 +34,25 @@ def redact(url: str) -> str:
     return url if not parts.password else url.replace(f":{parts.password}@", ":***@")
 
 
+class PortTaken(ValueError):
+    """The router's port already has a listener: another `kimi-pd up` (perhaps orphaned) or anything else."""
+
+
+def check_port_free(port: int, host: str = "127.0.0.1") -> None:
+    """Refuse to start when `port` is taken: the readiness check would otherwise be answered by whatever
+    listens there, and our own router would crash-loop on "address already in use".
+
+    SO_REUSEADDR, as the router's server sets it, so a port left in TIME_WAIT by a stopped fleet is free.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise PortTaken(f"port {port} on {host} is already in use ({exc.strerror}); stop what listens "
+                            f"there (`ss -ltnp 'sport = :{port}'` shows it) or choose another --port") from exc
+
+
 def wait_ready(url: str, fleet: Processes, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -51,6 +71,7 @@ def up(model_dir: str, port: int, num_prefill: int, num_decode: int, redis_url: 
        extra_worker_args: list[str], speculative_args: list[str] | None = None) -> int:
     """speculative_args (`--speculative-config JSON`) go to every worker: decode workers speculate; prefill
     workers run the draft's context projection so the prompt's draft rows travel with the state."""
+    check_port_free(port)
     fleet, store = Processes(), None
     supervisor = Supervisor(fleet, report=lambda line: print(line, file=sys.stderr, flush=True))
     stopping = {"flag": False}
@@ -66,7 +87,8 @@ def up(model_dir: str, port: int, num_prefill: int, num_decode: int, redis_url: 
             store = EmbeddedValkey(password=secrets.token_hex(24))   # nobody else on the host can register
             store.start()
             redis_url = store.url
-        env = {**os.environ, "KIMI_PD_TRANSFER_SECRET": os.environ.get("KIMI_PD_TRANSFER_SECRET") or secrets.token_hex(24),
+        env = {**os.environ,
+               "KIMI_PD_TRANSFER_SECRET": os.environ.get("KIMI_PD_TRANSFER_SECRET") or secrets.token_hex(24),
                "KIMI_PD_ADMIN_TOKEN": os.environ.get("KIMI_PD_ADMIN_TOKEN") or secrets.token_hex(16),
                REDIS_URL_ENV: redis_url}                   # through the environment: no password in `ps`
         common = ["--model", model_dir, *extra_worker_args, *(speculative_args or [])]

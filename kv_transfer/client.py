@@ -113,11 +113,11 @@ class ControlReceiver(KVReceiver):
         if params.transport not in (None, self.transport_name):
             raise ProtocolMismatch(f"params are for transport {params.transport!r}, "
                                    f"this receiver speaks {self.transport_name!r}")
-        ok = params.do_remote_prefill and params.remote_host and params.remote_request_id
-        if not ok or not isinstance(params.remote_port, int) or not 0 < params.remote_port < 65536:
+        host, port, request_id = params.remote_host, params.remote_port, params.remote_request_id
+        if not (params.do_remote_prefill and host and request_id) or not isinstance(port, int) or not 0 < port < 65536:
             raise ConfigError("kv_transfer_params lack do_remote_prefill/remote_host/port/request_id")
         state_bytes = params.state_bytes if isinstance(params.state_bytes, int) else None
-        return Target(params.remote_host, params.remote_port, params.remote_request_id, state_bytes)
+        return Target(host, port, request_id, state_bytes)
 
 
 async def gather_all(coros: list, discard: Callable[[Any], None] | None = None) -> list:

@@ -79,17 +79,17 @@ async def server_handshake(
     await chan.send({"v": PROTOCOL_VERSION, "ns": ns, "mac": hmac_sha256(secret, b"S", nc, ns)})
     proof = await chan.recv()
     if not hmac.compare_digest(_as_bytes(proof.get("mac")), hmac_sha256(secret, b"C", ns, nc)):
-        err = AuthenticationFailed("client failed to prove the shared secret")
-        await _try_send(chan, {"err": err.code, "msg": str(err)})
-        raise err
+        refused = AuthenticationFailed("client failed to prove the shared secret")
+        await _try_send(chan, {"err": refused.code, "msg": str(refused)})
+        raise refused
     await chan.send({"ok": True})
     chan.authenticate(hmac_sha256(secret, b"K", nc, ns))
     claimed = await chan.recv_message("identity")
     diff = ModelIdentity.from_wire(claimed.get("id")).mismatch(identity)
     if diff is not None:
-        err = IdentityMismatch(diff)
-        await _try_send(chan, {"t": "error", "code": err.code, "msg": str(err)})
-        raise err
+        mismatch = IdentityMismatch(diff)
+        await _try_send(chan, {"t": "error", "code": mismatch.code, "msg": str(mismatch)})
+        raise mismatch
     await chan.send({"t": "identity", "id": identity.to_dict()})
 
 

@@ -127,10 +127,10 @@ class KVReceiver(abc.ABC):
 
     transport_name: str
 
-    async def start(self) -> None:
+    async def start(self) -> None:  # noqa: B027 - an optional hook: the default is a deliberate no-op
         """Acquire transport resources (no-op for transports that need none)."""
 
-    async def stop(self) -> None:
+    async def stop(self) -> None:  # noqa: B027 - an optional hook: the default is a deliberate no-op
         """Release transport resources; idempotent."""
 
     @abc.abstractmethod

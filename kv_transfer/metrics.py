@@ -30,24 +30,23 @@ class TransferMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
-        kw = {"registry": registry}
         self.bytes = Counter(
-            "kimi_pd_kv_transfer_bytes", "State bytes moved", ["direction", "transport"], **kw
+            "kimi_pd_kv_transfer_bytes", "State bytes moved", ["direction", "transport"], registry=registry
         )
         self.transfers = Counter(
-            "kimi_pd_kv_transfers", "Successful transfers", ["direction", "transport"], **kw
+            "kimi_pd_kv_transfers", "Successful transfers", ["direction", "transport"], registry=registry
         )
         self.failures = Counter(
             "kimi_pd_kv_transfer_failures", "Failed transfers",
-            ["direction", "transport", "reason"], **kw,
+            ["direction", "transport", "reason"], registry=registry,
         )
         self.expired = Counter(
-            "kimi_pd_kv_expired_leases", "Leases freed by expiry", ["transport"], **kw
+            "kimi_pd_kv_expired_leases", "Leases freed by expiry", ["transport"], registry=registry
         )
-        self.held = Gauge("kimi_pd_kv_held_leases", "Leases held now", ["transport"], **kw)
+        self.held = Gauge("kimi_pd_kv_held_leases", "Leases held now", ["transport"], registry=registry)
         self.seconds = Histogram(
             "kimi_pd_kv_transfer_seconds", "Transfer wall time", ["direction", "transport"],
-            buckets=_BUCKETS, **kw,
+            buckets=_BUCKETS, registry=registry,
         )
 
     def succeeded(self, direction: str, transport: str, nbytes: int, seconds: float) -> None:

@@ -24,6 +24,7 @@ fails the pull). Install: `pip install mooncake-transfer-engine-non-cuda` (CPU) 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -166,15 +167,15 @@ class MooncakeSender(SidebandSender):
         if not suspect or loop is None or loop.is_closed():
             self._unregister(region)
         elif threading.get_ident() == self._loop_thread:
-            self._defer(region)
+            self._defer(loop, region)
         else:
-            loop.call_soon_threadsafe(self._defer, region)
+            loop.call_soon_threadsafe(self._defer, loop, region)
 
-    def _defer(self, region: Region) -> None:
+    def _defer(self, loop: asyncio.AbstractEventLoop, region: Region) -> None:
         def expire() -> None:
             self._deferred.pop(id(region), None)
             self._unregister(region)
-        handle = self._loop.call_later(self.config.transfer_timeout_s, expire)
+        handle = loop.call_later(self.config.transfer_timeout_s, expire)
         self._deferred[id(region)] = (handle, region)
 
     def _unregister(self, region: Region) -> None:
@@ -220,7 +221,7 @@ class MooncakeReceiver(SidebandReceiver):
             self.config.transfer_timeout_s)
         # If we are cancelled, the read still writes into `tensors` until it returns: the callback
         # keeps them alive and registered until then (forever if reads were abandoned).
-        read.add_done_callback(lambda f, keep=tensors: _read_done(engine, bases, keep, f))
+        read.add_done_callback(functools.partial(_read_done, engine, bases, tensors))
         await asyncio.shield(read)
 
 

@@ -119,7 +119,7 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     """A writable memoryview of a contiguous CPU tensor's bytes (no copy)."""
     if tensor.numel() == 0:
         return memoryview(bytearray())
-    return memoryview(flat_bytes(tensor).numpy()).cast("B")
+    return flat_bytes(tensor).numpy().data.cast("B")
 
 
 def host_contiguous(tensor: torch.Tensor) -> torch.Tensor:

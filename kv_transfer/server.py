@@ -69,10 +69,10 @@ class ControlSender(KVSender):
     async def start(self) -> None:
         family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
         address = (self.config.host, self.config.port)
-        self._listener = socket.create_server(address, family=family, backlog=256)
-        self._listener.setblocking(False)
-        self._bound_port = self._listener.getsockname()[1]
-        self._spawn(self._accept_loop())
+        self._listener = listener = socket.create_server(address, family=family, backlog=256)
+        listener.setblocking(False)
+        self._bound_port = listener.getsockname()[1]
+        self._spawn(self._accept_loop(listener))
         self._spawn(self._sweep_loop())
         logger.info("kv_transfer %s sender listening on %s:%d", self.transport_name,
                     self.config.host, self._bound_port)
@@ -155,11 +155,11 @@ class ControlSender(KVSender):
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _accept_loop(self) -> None:
+    async def _accept_loop(self, listener: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         while True:
             try:
-                conn, _addr = await loop.sock_accept(self._listener)
+                conn, _addr = await loop.sock_accept(listener)
             except OSError as exc:
                 logger.warning("kv_transfer accept failed: %s", exc)
                 await asyncio.sleep(0.05)

@@ -59,7 +59,7 @@ class DataTagger:
     """GMAC tags of one state's tensors under one key; `tag(i)` may run in any thread, once per
     tensor. `cancel()` stops it between pieces and returns only once it reads no tensor."""
 
-    def __init__(self, key: bytes, nonce: bytes, tensors: list[torch.Tensor]) -> None:
+    def __init__(self, key: bytes, nonce: object, tensors: list[torch.Tensor]) -> None:
         if not isinstance(nonce, bytes) or len(nonce) != 8:
             raise CorruptFrame("manifest lacks its 8-byte data nonce")
         self._mac = Gmac(key)
@@ -269,8 +269,9 @@ class SidebandReceiver(ControlReceiver):
                 # A move usually fails because the sender died: its control connection then
                 # closes at the same moment, and that (PeerClosed) is the error to report.
                 await asyncio.wait({watch}, timeout=PEER_GRACE_S)
-                if watch.done() and watch.exception() is not None:
-                    raise watch.exception() from job.exception()
+                peer_error = watch.exception() if watch.done() else None
+                if peer_error is not None:
+                    raise peer_error from job.exception()
             job.result()
             return watch
         except BaseException:

@@ -10,13 +10,14 @@ against exactly one expected (tensor, offset, length) and written straight into 
 Each stream's data phase runs in a thread of its own on both sides (`wire.in_thread`): the
 sender MACs each piece of a chunk as it sends it with blocking `sendall`; the receiver reads it
 with `recv_into(MSG_WAITALL)` straight into the destination tensor's memory and MACs it there,
-while it is still in cache (`kv_transfer.wire`). Streams overlap one another's hashing and I/O. The pull succeeds only when every
-stream delivered every planned chunk (verified) and its `end`; the sender sends `end` only while
-the lease is still valid.
+while it is still in cache (`kv_transfer.wire`). Streams overlap one another's hashing and I/O.
+The pull succeeds only when every stream delivered every planned chunk (verified) and its `end`;
+the sender sends `end` only while the lease is still valid.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 from kv_transfer.client import ControlReceiver, Target, gather_all, parse_manifest
@@ -50,7 +51,7 @@ def chunk_plan(specs: list[TensorSpec], chunk_bytes: int, streams: int) -> list[
 
 def _pull_shape(request: dict) -> tuple[int, int, int]:
     stream, streams, chunk = (request.get(k) for k in ("stream", "streams", "chunk"))
-    if not all(isinstance(v, int) for v in (stream, streams, chunk)) or not (
+    if not (isinstance(stream, int) and isinstance(streams, int) and isinstance(chunk, int)) or not (
         1 <= streams <= 64 and 0 <= stream < streams and 64 << 10 <= chunk <= 256 << 20
     ):
         raise CorruptFrame("bad pull request (stream, streams or chunk out of range)")
@@ -123,7 +124,7 @@ class TcpReceiver(ControlReceiver):
         views = [byte_view(t) for t in tensors]
         plan = chunk_plan(specs, chunk, len(chans))
         await gather_all([
-            in_thread(chan, lambda c=chan, s=share: _recv_share(c, rid, specs, views, s))
+            in_thread(chan, functools.partial(_recv_share, chan, rid, specs, views, share))
             for chan, share in zip(chans, plan, strict=True)
         ])
         return TransferPayload(rid, meta, {s.name: t for s, t in zip(specs, tensors, strict=True)})

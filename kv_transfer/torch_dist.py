@@ -25,6 +25,7 @@ import secrets
 from collections import defaultdict
 from collections.abc import Callable
 from datetime import timedelta
+from typing import TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -41,7 +42,7 @@ def _require_group() -> None:
         raise ConfigError("torch-dist transport needs an initialized torch.distributed process group")
 
 
-def _valid_peer(rank: object) -> bool:
+def _valid_peer(rank: object) -> TypeGuard[int]:
     return isinstance(rank, int) and 0 <= rank < dist.get_world_size() and rank != dist.get_rank()
 
 
@@ -52,6 +53,8 @@ def _exchange(tensors: list[torch.Tensor], peer: int, tag: int, send: bool, time
     op = dist.isend if send else dist.irecv
     works = [(i, op(flat_bytes(t), peer, tag=tag)) for i, t in enumerate(tensors) if t.numel()]
     for i, work in works:
+        if work is None:  # torch posts nothing for a rank outside the default group
+            raise ConfigError(f"rank {dist.get_rank()} is not in the process group of peer {peer}")
         work.wait(timeout=timedelta(seconds=timeout_s))
         if landed is not None:
             landed(i)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import hmac
 import socket
@@ -266,7 +267,7 @@ class Channel:
         mac = self._body_mac().incremental(self._body_nonce(sending=True)) if body else None
         try:
             self.sock.sendall(self._encode(header, body))
-            if mac is None:
+            if mac is None or body is None:
                 return
             for offset in range(0, len(body), PIECE):
                 piece = body[offset:offset + PIECE]
@@ -336,19 +337,23 @@ async def in_thread(chan: Channel, job: Callable[[], T]) -> T:
     end, so it never touches buffers or the fd after we return.
     """
     loop = asyncio.get_running_loop()
-    done: asyncio.Future = loop.create_future()
+    done: asyncio.Future[T] = loop.create_future()
 
-    def settle(ok: bool, value: object) -> None:
+    def succeed(value: T) -> None:
         if not done.done():
-            done.set_result(value) if ok else done.set_exception(value)
+            done.set_result(value)
+
+    def fail(exc: BaseException) -> None:
+        if not done.done():
+            done.set_exception(exc)
 
     def target() -> None:
         try:
-            outcome = (True, job())
+            settle = functools.partial(succeed, job())
         except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
-            outcome = (False, exc)
+            settle = functools.partial(fail, exc)
         with contextlib.suppress(RuntimeError):           # the loop is gone: nobody waits
-            loop.call_soon_threadsafe(settle, *outcome)
+            loop.call_soon_threadsafe(settle)
 
     sock = chan.sock
     sock.setblocking(True)

@@ -20,9 +20,13 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse
+
+if TYPE_CHECKING:  # only for annotations: the registry module is the app's, not the dashboard's
+    from router.registry import WorkerRegistry
 
 WINDOW_S = 60.0
 MAX_SAMPLES = 600
@@ -90,18 +94,19 @@ def quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
 def traffic(old: Sample, new: Sample) -> dict:
     """Rates and latencies between two samples (ms for latencies)."""
     dt = max(new.t - old.t, 1e-9)
+    latency: dict[str, dict[str, float | None]] = {}
     out = {"window_s": round(new.t - old.t, 1),
            "request_rate": (new.requests - old.requests) / dt,
            "error_rate": (new.errors - old.errors) / dt,
            "decisions": {k: (v - old.by_decision.get(k, 0.0)) / dt for k, v in new.by_decision.items()},
-           "latency_ms": {}}
+           "latency_ms": latency}
     for name, (buckets, total, count) in new.histograms.items():
         old_buckets, old_total, old_count = old.histograms.get(name, ((), 0.0, 0.0))
         before = dict(old_buckets)
         delta = [(b, c - before.get(b, 0.0)) for b, c in buckets]
         n = count - old_count
         p50, p99 = quantile(0.5, delta), quantile(0.99, delta)
-        out["latency_ms"][name] = {"count": n, "mean": (total - old_total) / n * 1e3 if n else None,
+        latency[name] = {"count": n, "mean": (total - old_total) / n * 1e3 if n else None,
                                    "p50": None if p50 is None else p50 * 1e3,
                                    "p99": None if p99 is None else p99 * 1e3}
     return out
@@ -130,7 +135,7 @@ class History:
         return out
 
 
-def fleet_state(app_state, history: History, ready_state: Callable[[object], dict],
+def fleet_state(app_state, history: History, ready_state: Callable[[WorkerRegistry], dict],
                 clock: Callable[[], float] = time.time) -> dict:
     registry = app_state.registry
     now = clock()
@@ -151,7 +156,8 @@ def fleet_state(app_state, history: History, ready_state: Callable[[object], dic
             "series": history.series()}
 
 
-def install(app: FastAPI, check_admin: Callable[[Request], None], ready_state: Callable[[object], dict]) -> None:
+def install(app: FastAPI, check_admin: Callable[[Request], None],
+            ready_state: Callable[[WorkerRegistry], dict]) -> None:
     """Add /dashboard and /dashboard/state to the router app (`check_admin` raises for a bad token;
     `ready_state(registry)` is the router's own /ready verdict)."""
     history = History()

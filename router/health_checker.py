@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -127,9 +128,7 @@ async def run(client: httpx.AsyncClient, registry: WorkerRegistry, interval_s: f
                 await check_once(client, registry, timeout_s, metrics, wait_for_load=False)
             except Exception:                              # noqa: BLE001 - the checker must outlive any bug
                 log.exception("health check round failed")
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), interval_s)
-            except TimeoutError:
-                pass
     finally:
         cancel_scrapes(registry)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from router.placement.prefix_index import PrefixIndex
 from shared.hashing import block_hashes
-from shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decode_batch
+from shared.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch, decode_batch
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class Translator:
     ours: dict = field(default_factory=dict)          # vLLM block hash -> our block hash
 
     def translate(self, batch: KVEventBatch) -> KVEventBatch:
-        out = []
+        out: list[KVEvent] = []
         for event in batch.events:
             if isinstance(event, BlockStored):
                 stored = self._stored(event)

@@ -30,9 +30,10 @@ class CachedLabels:
     Label values here come from small fixed sets, so the dict stays small."""
 
     def __init__(self, metric: Counter) -> None:
-        self.metric, self._children = metric, {}
+        self.metric = metric
+        self._children: dict[tuple[tuple[str, str], ...], Counter] = {}
 
-    def labels(self, **values: str):
+    def labels(self, **values: str) -> Counter:
         key = tuple(values.items())
         child = self._children.get(key)
         if child is None:
@@ -70,7 +71,8 @@ class RouterMetrics:
         self.tpot = histogram("tpot_seconds", "Time per output chunk after the first")
         self.e2e = histogram("e2e_seconds", "Whole request")
         self.migrations = counter("migrations_total", "Decode legs moved to another decode worker after theirs "
-                                  "failed (streams resumed from the delivered tokens; whole answers retried)", ["outcome"])
+                                  "failed (streams resumed from the delivered tokens; whole answers retried)",
+                                  ["outcome"])
         self.stream_errors = Counter(p + "stream_errors_total", "Streams ended with an SSE error event", registry=r)
         self.prefill_releases = counter("prefill_releases_total", "Prefill states released by the router", ["outcome"])
         self.workers = Gauge(p + "workers", "Workers known to this replica", ["role", "healthy"], registry=r)

@@ -120,7 +120,7 @@ class HFSource:
     template in a sandboxed Jinja environment, the way vLLM renders chat prompts."""
 
     kind = "hf"
-    vision_config = None
+    vision_config: VisionConfig | None = None
 
     def __init__(self, path: Path) -> None:
         from tokenizers import Tokenizer
@@ -154,7 +154,8 @@ class HFSource:
         return PreparedPrompt(list(ids), cache_salt=req.cache_salt)
 
     def prepare_completion(self, req: CompletionRequest) -> PreparedPrompt:
-        ids = self.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
+        prompt = req.single_prompt
+        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         return PreparedPrompt(ids, cache_salt=req.cache_salt)
 
     def encode(self, text: str) -> list[int]:
@@ -197,7 +198,7 @@ class TextSource:
     """No tokenizer: the prompt's UTF-8 bytes are its "tokens" (approximate prefix index)."""
 
     kind = "text"
-    vision_config = None
+    vision_config: VisionConfig | None = None
     max_model_len = DEFAULT_MAX_MODEL_LEN
 
     def prepare_chat(self, req: ChatCompletionRequest) -> PreparedPrompt:
@@ -205,9 +206,10 @@ class TextSource:
         return PreparedPrompt(self.encode(_plain_chat(messages)), cache_salt=req.cache_salt)
 
     def prepare_completion(self, req: CompletionRequest) -> PreparedPrompt:
-        if isinstance(req.prompt, str):
-            return PreparedPrompt(self.encode(req.prompt), cache_salt=req.cache_salt)
-        return PreparedPrompt(list(req.prompt), cache_salt=req.cache_salt)
+        prompt = req.single_prompt
+        if isinstance(prompt, str):
+            return PreparedPrompt(self.encode(prompt), cache_salt=req.cache_salt)
+        return PreparedPrompt(list(prompt), cache_salt=req.cache_salt)
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))

@@ -14,6 +14,7 @@ finishes since the report was sampled, and a ledger of the prefill work still op
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -26,8 +27,8 @@ from router.placement.prefix_index import ApproximatePrefixIndex, PrefixIndex
 from router.placement.types import WorkerState
 from router.settings import RouterSettings
 from shared.hashing import root_hash
-from shared.store.base import StateStore
-from shared.workers import LoadReport, WorkerInfo
+from shared.store.base import StateStore, WorkerRecord
+from shared.workers import LoadReport, Role, WorkerInfo
 
 log = logging.getLogger(__name__)
 
@@ -105,14 +106,15 @@ class WorkerRegistry:
             self._size_static(info)
 
     @staticmethod
-    def static_info(s: RouterSettings, url: str, role: str) -> WorkerInfo:
+    def static_info(s: RouterSettings, url: str, role: Role) -> WorkerInfo:
         """A worker given by URL (command line or admin API): no events, the router's own hash chain."""
         return WorkerInfo(worker_id=url, role=role, url=url.rstrip("/"), model_id=s.served_model_name,
                           block_size=s.block_size, hash_root=root_hash(s.served_model_name), started_at=time.time())
 
     @classmethod
     def _static_workers(cls, s: RouterSettings) -> dict[str, WorkerInfo]:
-        pools = (("prefill", s.static_prefill), ("decode", s.static_decode), ("both", s.static_both))
+        pools: tuple[tuple[Role, tuple[str, ...]], ...] = (
+            ("prefill", s.static_prefill), ("decode", s.static_decode), ("both", s.static_both))
         return {url: cls.static_info(s, url, role) for role, urls in pools for url in urls}
 
     # ---- views --------------------------------------------------------------------------------
@@ -132,7 +134,7 @@ class WorkerRegistry:
                 backlog_s=ledger.backlog_s(wid), tokens_per_s=ledger.tokens_per_s(wid)))
         return out
 
-    def add_static(self, url: str, role: str, kv_connector: str | None = None) -> None:
+    def add_static(self, url: str, role: Role, kv_connector: str | None = None) -> None:
         self.static[url] = info = self.static_info(self.settings, url, role)
         self.static_connectors[url] = connector(kv_connector or self.settings.kv_connector)
         self.mooncake_engines.pop(url, None)
@@ -169,11 +171,12 @@ class WorkerRegistry:
 
     # ---- refresh from the store -----------------------------------------------------------------
     async def refresh(self) -> None:
-        if self.store is None:
+        store = self.store
+        if store is None:
             return
         try:
-            records = await self.store.workers()
-            if await self._store_restarted_empty(records):
+            records = await store.workers()
+            if await self._store_restarted_empty(store, records):
                 return
             gone = set(self.discovered) - {r.info.worker_id for r in records} - set(self.static)
             self.discovered = {r.info.worker_id: r.info for r in records}
@@ -183,7 +186,7 @@ class WorkerRegistry:
             for wid in gone:
                 self._forget(wid)
             for wid in self.discovered:
-                await self._sync_events(wid)
+                await self._sync_events(store, wid)
             if not self.store_ok:
                 log.info("state store reachable again; registry rebuilt (%d workers)", len(self.discovered))
             self.store_ok, self.last_refresh = True, time.time()
@@ -192,12 +195,12 @@ class WorkerRegistry:
                 log.warning("state store unavailable, routing on the last known state: %s", exc)
             self.store_ok = False
 
-    async def _store_restarted_empty(self, records) -> bool:
+    async def _store_restarted_empty(self, store: StateStore, records: list[WorkerRecord]) -> bool:
         """A store that lists nobody right after an outage, or whose server instance changed, has
         restarted empty: workers register again with their next heartbeat. Until then (at most
         `store_empty_grace_s`) keep the last fleet, so the restart costs no request a 503. An empty
         list from the same, reachable store is real (every worker deregistered)."""
-        instance = await self.store.instance_id()
+        instance = await store.instance_id()
         restarted = (not self.store_ok) or (instance is not None and self._instance not in (None, instance))
         self._instance = instance
         if records or not self.discovered:
@@ -228,16 +231,16 @@ class WorkerRegistry:
         self.index.exact.drop_worker(worker_id)
         self.index.exact_workers.discard(worker_id)
 
-    async def _sync_events(self, worker_id: str) -> None:
+    async def _sync_events(self, store: StateStore, worker_id: str) -> None:
         seq = self._event_seq.get(worker_id)
         if seq is None:
-            snap = await self.store.read_kv_snapshot(worker_id)
+            snap = await store.read_kv_snapshot(worker_id)
             if snap is None:
                 return
             seq, hashes = snap
             self.index.exact.load_snapshot(worker_id, hashes)
             self.index.exact_workers.add(worker_id)
-        batches = await self.store.read_kv_events(worker_id, after=seq)
+        batches = await store.read_kv_events(worker_id, after=seq)
         for number, batch in batches:
             if number != seq + 1:                    # gap: the stream was trimmed or restarted
                 self._forget_events(worker_id)
@@ -249,10 +252,8 @@ class WorkerRegistry:
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             await self.refresh()
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.settings.refresh_s)
-            except TimeoutError:
-                pass
 
     def drain(self, worker_id: str) -> bool:
         if worker_id not in self.all_infos():

@@ -14,8 +14,7 @@ checked. Bounded: cleared when full.
 """
 from __future__ import annotations
 
-from shared.openai.convert import to_sampling_params
-from shared.openai.requests import SamplingRequest
+from shared.openai.convert import AnyRequest, to_sampling_params
 
 PROMPT_FIELDS = frozenset({"messages", "prompt"})
 SCALARS = (str, int, float, bool, type(None))
@@ -27,7 +26,7 @@ class SamplingCheck:
         self.max_keys = max_keys
         self._accepted: set[tuple] = set()
 
-    def __call__(self, req: SamplingRequest) -> None:
+    def __call__(self, req: AnyRequest) -> None:
         """Raise what `to_sampling_params(req)` raises (a 400 naming the field), else return."""
         key = self._key(req)
         if key is not None and key in self._accepted:
@@ -39,10 +38,10 @@ class SamplingCheck:
             self._accepted.add(key)
 
     @staticmethod
-    def _key(req: SamplingRequest) -> tuple | None:
-        items = [type(req)]
+    def _key(req: AnyRequest) -> tuple | None:
+        items: list[object] = [type(req)]
         for name in sorted(req.model_fields_set - PROMPT_FIELDS):
-            value = getattr(req, name, None) if name in type(req).model_fields else req.model_extra.get(name)
+            value = getattr(req, name, None) if name in type(req).model_fields else (req.model_extra or {}).get(name)
             if not isinstance(value, SCALARS):
                 return None
             items.append((name, type(value), value))

@@ -44,7 +44,7 @@ class RouterSettings:
     # counts guard only against load this replica did not send. Tuned on the Mooncake replay
     # (benchmarks/placement_replay.py): hit >= 0.97 of a pooled LRU, p99 TTFT <= 1.1x an oracle.
     scorer_weights: tuple[tuple[str, Any], ...] = (("completion", (1.0, (("own_weight", 16.0),))),)
-    placement_filters: tuple[Any, ...] = ("model", "role", "healthy", "circuit-not-open", "not-draining",
+    placement_filters: tuple[Any, ...] = ("model", "role", "healthy", "circuit-not-open", "not-draining", "not-stuck",
                                           ("not-backlogged", (("slack_s", 6.0),)),
                                           ("not-overloaded", (("unseen_only", True),)))
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -69,12 +70,14 @@ def load_from_vllm_metrics(text: str, now: float) -> LoadReport | None:
                 sums["counter:" + name[len("vllm:"):-len("_total")]] += value
     for family in text_string_to_metric_families(text) if found else ():
         key = _HISTOGRAMS.get(family.name)
-        for sample in family.samples if key else ():
+        if not key:
+            continue
+        for sample in family.samples:
             if sample.name.endswith(("_sum", "_count")) and math.isfinite(sample.value):
                 sums["timing:" + key + sample.name[sample.name.rindex("_"):]] += sample.value
     if not found:
         return None
-    extra = {key[len("counter:"):]: int(v) for key, v in sums.items() if key.startswith("counter:")}
+    extra: dict[str, Any] = {key[len("counter:"):]: int(v) for key, v in sums.items() if key.startswith("counter:")}
     extra.update({key[len("timing:"):]: v for key, v in sums.items() if key.startswith("timing:")})
     extra["source"] = "vllm-metrics"
     cache_usage = min(max(sum(usage) / len(usage), 0.0), 1.0) if usage else 0.0

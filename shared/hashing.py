@@ -20,7 +20,7 @@ import numpy as np
 HASH_VERSION = "kimi-pd/v1"
 # (parent hash, block token ids) -> block hash, for image-free blocks: prompts share prefixes, and
 # the router hashes every prompt it places. Exact (the key is the hash's whole input); bounded.
-_LINKS: dict[tuple[int, bytes], int] = {}
+_LINKS: dict[tuple[int, tuple[int, ...]], int] = {}
 MAX_LINKS = 16384
 
 

@@ -12,6 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from shared.errors import EngineError
 from shared.openai.errors import BadRequest, OpenAIError, error_from_exception
@@ -22,6 +23,7 @@ T = TypeVar("T")
 HANDLED_ERRORS = (RequestValidationError, ValidationError, json.JSONDecodeError, OpenAIError, EngineError,
                   HTTPException, ValueError, TimeoutError, Exception)
 MAX_JSON_DEPTH = 64               # no OpenAI request nests deeper; deeper ones could exhaust recursion later
+BODY_TIMEOUT_S = 30.0             # a whole request body must arrive within this (slow-body clients hold memory)
 
 
 class BodyTooLarge(OpenAIError):
@@ -34,9 +36,16 @@ class ClientDisconnected(OpenAIError):
     code = "client_disconnected"
 
 
-async def read_body(request: Request, max_bytes: int) -> bytes:
+class BodyTimeout(OpenAIError):
+    status = 408
+    code = "request_timeout"
+
+
+async def read_body(request: Request, max_bytes: int, timeout_s: float = BODY_TIMEOUT_S) -> bytes:
     """The raw body, refused with a 413 as soon as it exceeds `max_bytes` (declared or streamed), so
-    an oversized upload is never buffered whole."""
+    an oversized upload is never buffered whole, and with a 408 when it has not all arrived within
+    `timeout_s` (headers have their own deadline: `shared.http_server`). A client that leaves mid-body
+    is a ClientDisconnected, not a server error."""
     declared = header(request, b"content-length") or ""
     if declared.isdigit() and int(declared) > max_bytes:
         raise BodyTooLarge(f"the request body is larger than {max_bytes} bytes")
@@ -45,12 +54,19 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
         if len(body) > max_bytes:
             raise BodyTooLarge(f"the request body is larger than {max_bytes} bytes")
         return body
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise BodyTooLarge(f"the request body is larger than {max_bytes} bytes")
-        chunks.append(chunk)
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > max_bytes:
+                    raise BodyTooLarge(f"the request body is larger than {max_bytes} bytes")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise BodyTimeout(f"the request body did not arrive within {timeout_s:g} s") from None
+    except ClientDisconnect:
+        raise ClientDisconnected("the client closed the connection before sending the whole body") from None
     return b"".join(chunks)
 
 
@@ -100,7 +116,10 @@ async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
 
 
 def bearer_token(request: Request) -> str:
-    return request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+    """The credentials of an `Authorization: Bearer ...` header; the scheme is case-insensitive (RFC 9110),
+    so `bearer` works as clients send it. A header without a scheme is taken whole, as before."""
+    scheme, _, credentials = request.headers.get("authorization", "").strip().partition(" ")
+    return credentials.strip() if scheme.lower() == "bearer" else scheme
 
 
 def install_error_handlers(app: FastAPI, on_error: Callable[[Request, int], None] | None = None) -> None:
@@ -129,6 +148,8 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     server's `http.disconnect` and cancels the caller (no polling, no second task for the work:
     both cost CPU on every request of the hot path). Call it once the body has been read."""
     task = asyncio.current_task()
+    if task is None:  # only a coroutine running outside any task (never under an ASGI server)
+        raise RuntimeError("until_disconnect must be awaited inside a task")
     server = request.scope.get("extensions", {}).get(DISCONNECT_EXTENSION)
     if server is not None and server.task is task:
         try:

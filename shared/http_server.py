@@ -8,24 +8,34 @@ previous response finishing); otherwise it is closed. Requests being served are 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+_BASE: type[asyncio.Protocol]
 try:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    _BASE = HttpToolsProtocol                         # uvicorn's own preference
 except ImportError:                                  # httptools not installed: h11 only
-    HttpToolsProtocol = None
+    _BASE = H11Protocol
+
+if TYPE_CHECKING:  # the members the mixin uses, which both uvicorn protocols have (loop, transport, cycle)
+    _Mixin = H11Protocol
+else:
+    _Mixin = object
 
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 
 
-class _HeaderDeadline:
+class _HeaderDeadline(_Mixin):
     """Mixin over a uvicorn HTTP protocol: close connections whose request headers are late."""
 
     header_timeout_s = DEFAULT_HEADER_TIMEOUT_S
+    _header_timer: asyncio.TimerHandle | None
 
-    def connection_made(self, transport: asyncio.Transport) -> None:
+    # asyncio's stubs type this BaseTransport, but a stream protocol is always handed a Transport
+    # (uvicorn's own protocols override it the same way)
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._arm()
 
@@ -56,5 +66,4 @@ class _HeaderDeadline:
 
 def protocol_class(header_timeout_s: float) -> type:
     """The uvicorn `http=` protocol: httptools when installed (uvicorn's own preference), else h11."""
-    base = HttpToolsProtocol or H11Protocol
-    return type(f"HeaderDeadline{base.__name__}", (_HeaderDeadline, base), {"header_timeout_s": header_timeout_s})
+    return type(f"HeaderDeadline{_BASE.__name__}", (_HeaderDeadline, _BASE), {"header_timeout_s": header_timeout_s})

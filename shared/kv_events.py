@@ -7,7 +7,7 @@ relay a vLLM instance's ZMQ events unchanged, and we read both that shape and pl
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import msgpack
 
@@ -33,7 +33,7 @@ class AllBlocksCleared:
     pass
 
 
-KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 _FIELDS: dict[str, tuple[type, tuple[str, ...]]] = {
     "BlockStored": (BlockStored, ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium")),
     "BlockRemoved": (BlockRemoved, ("block_hashes", "medium")),

@@ -1,4 +1,5 @@
-"""Kimi-K3 configuration (torch-free: the router reads it too): the real `config.json` keys as frozen dataclasses, parsed once.
+"""Kimi-K3 configuration (torch-free: the router reads it too): the real `config.json` keys as frozen
+dataclasses, parsed once.
 
 `ModelConfig.from_dict` validates required keys, types and cross-field consistency and raises
 `ConfigError` naming the offending key. Keys we do not model (HF bookkeeping such as `auto_map`,
@@ -21,7 +22,8 @@ class ConfigError(ValueError):
 
 def _take(d: dict[str, Any], cls: type, where: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """Split `d` into the dataclass fields of `cls` (type-checked) and the rest."""
-    known, extra = {}, {}
+    known: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     for key, value in d.items():
         (known if key in fields else extra)[key] = value
@@ -35,7 +37,8 @@ def _check_type(where: str, key: str, value: Any, kind: type | tuple[type, ...])
     if isinstance(value, bool) and kind in (int, float, (int, float)):
         raise ConfigError(f"{where}.{key}: expected {kind}, got bool")
     if not isinstance(value, kind):
-        raise ConfigError(f"{where}.{key}: expected {getattr(kind, '__name__', kind)}, got {type(value).__name__} ({value!r})")
+        raise ConfigError(f"{where}.{key}: expected {getattr(kind, '__name__', kind)}, "
+                          f"got {type(value).__name__} ({value!r})")
 
 
 @dataclass(frozen=True)
@@ -166,10 +169,12 @@ class TextConfig:
         n = self.num_hidden_layers
         kda, full = set(lac.kda_layers), set(lac.full_attn_layers)
         if kda & full:
-            raise ConfigError(f"{where}.linear_attn_config: layers {sorted(kda & full)} are both KDA and full attention")
+            raise ConfigError(f"{where}.linear_attn_config: layers {sorted(kda & full)} are both KDA "
+                              "and full attention")
         if kda | full != set(range(1, n + 1)):
             missing = sorted(set(range(1, n + 1)) - (kda | full))
-            raise ConfigError(f"{where}.linear_attn_config: kda_layers + full_attn_layers must cover 1..{n}; missing {missing}")
+            raise ConfigError(f"{where}.linear_attn_config: kda_layers + full_attn_layers must cover 1..{n}; "
+                              f"missing {missing}")
         if lac.head_dim < lac.num_heads:
             raise ConfigError(f"{where}.linear_attn_config: head_dim {lac.head_dim} < num_heads {lac.num_heads}; "
                               "A_log is stored padded to head_dim")

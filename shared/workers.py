@@ -26,7 +26,8 @@ def _is_int(value: Any, lo: int, hi: int | None = None) -> bool:
 
 
 def _is_number(value: Any, lo: float, hi: float = math.inf) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and lo <= value <= hi
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and lo <= value <= hi)
 
 
 def valid_worker_url(url: object) -> bool:
@@ -93,6 +94,7 @@ class LoadReport:
     capacity_tokens: int = 0
     draining: bool = False
     ts: float = 0.0
+    engine_busy_s: float = 0.0            # how long the engine has been inside one command or step: stuck if large
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -106,6 +108,7 @@ class LoadReport:
         for f in fields(cls):
             value = getattr(report, f.name)
             ok = {"cache_usage": lambda v: _is_number(v, 0.0, 1.0), "ts": lambda v: _is_number(v, 0.0),
+                  "engine_busy_s": lambda v: _is_number(v, 0.0),
                   "draining": lambda v: isinstance(v, bool), "extra": lambda v: isinstance(v, dict)}.get(
                 f.name, lambda v: _is_int(v, 0))(value)
             _check(ok, f"load.{f.name}")

@@ -6,6 +6,7 @@ import argparse
 import uvicorn
 
 from engine.core.engine import EngineConfig
+from engine.structured_output import GrammarBudget
 from shared.http_server import protocol_class
 from worker.flags import add_worker_args
 from worker.role import Role
@@ -27,8 +28,8 @@ def settings_from_args(args: argparse.Namespace, model_dir: str) -> WorkerSettin
                           max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                           enable_prefix_caching=args.enable_prefix_caching, block_size=args.block_size,
                           device=args.device, dtype=args.dtype, cache_memory_bytes=args.cache_memory,
-                          # export_lease_s=None: the transfer lease is the one clock
-                          kda_chunk_size=args.kda_chunk_size, export_lease_s=None,
+                          kda_chunk_size=args.kda_chunk_size,
+                          export_lease_s=None,                      # the transfer lease is the one clock
                           model_id=args.served_model_name, speculative_config=speculative,
                           tensor_parallel_size=args.tensor_parallel_size,
                           enable_expert_parallel=args.enable_expert_parallel, master_addr=args.master_addr,
@@ -44,6 +45,8 @@ def settings_from_args(args: argparse.Namespace, model_dir: str) -> WorkerSettin
                           kv_load_failure_policy=args.kv_load_failure_policy, store_url=args.redis_url,
                           namespace=args.namespace, heartbeat_s=args.heartbeat_s,
                           max_request_bytes=args.max_request_bytes,
+                          grammar_budget=GrammarBudget(args.max_structured_output_bytes,
+                                                       args.structured_output_compile_timeout),
                           internal_auth=internal_auth_default() if args.internal_auth is None else args.internal_auth,
                           api_key=secret_from_env(API_KEY_ENV),
                           admin_token=secret_from_env(ADMIN_TOKEN_ENV) or None, **extra)

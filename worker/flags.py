@@ -69,8 +69,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-lease-s", type=float, default=30.0)
     p.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"])
     p.add_argument("--redis-url", default=os.environ.get(REDIS_URL_ENV) or None,
-                   help=f"state store (registration, load, KV events; default ${REDIS_URL_ENV}, which keeps a "
-                        "password off argv)")
+                   help=f"state store (registration, load, KV events; default ${REDIS_URL_ENV}, "
+                        "which keeps a password off argv)")
     p.add_argument("--internal-auth", action=argparse.BooleanOptionalAction, default=None,
                    help="OpenAI endpoints need the internal token (KIMI_PD_ADMIN_TOKEN) or the API key; "
                         "default: on when the fleet has client keys ($KIMI_PD_API_KEYS) or $KIMI_PD_INTERNAL_AUTH=1")
@@ -80,4 +80,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="largest request body; larger ones get a 413 before being parsed")
     p.add_argument("--header-timeout", type=float, default=10.0,
                    help="seconds a connection has to send a request's headers (slowloris guard)")
+    p.add_argument("--max-structured-output-bytes", type=parse_bytes, default="64KiB",
+                   help="largest JSON schema / regex / grammar a request may send (400 above)")
+    p.add_argument("--structured-output-compile-timeout", type=float, default=10.0,
+                   help="seconds a request's grammar may take to compile, off the engine thread (400 after)")
     p.add_argument("--log-level", default="info")

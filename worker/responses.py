@@ -1,7 +1,7 @@
 """Engine outputs -> OpenAI responses and SSE chunks (chat and text completions)."""
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from functools import lru_cache
 from typing import Any
@@ -19,6 +19,7 @@ from shared.openai.responses import (
     Completion,
     CompletionChoice,
     CompletionChunk,
+    CompletionLogprobs,
     DeltaMessage,
     Usage,
     random_id,
@@ -64,8 +65,23 @@ def _echo_text(req: CompletionRequest, out: RequestOutput, tokenizer: KimiTokeni
     return req.prompt if isinstance(req.prompt, str) else tokenizer.decode(out.prompt_token_ids)
 
 
-def _echo_logprobs(req: CompletionRequest, out: RequestOutput, tokenizer: KimiTokenizer):
-    return echo_logprobs(out.prompt_token_ids, out.prompt_logprobs, req.logprobs or 0, _token_text(tokenizer))
+def _echo_logprobs(req: CompletionRequest, out: RequestOutput, tokenizer: KimiTokenizer) -> CompletionLogprobs:
+    scores = out.prompt_logprobs
+    if scores is None:  # `to_sampling_params` asks for them whenever echo and logprobs are both set
+        raise ValueError("an echoed completion with logprobs came without prompt logprobs")
+    return echo_logprobs(out.prompt_token_ids, scores, req.logprobs or 0, _token_text(tokenizer))
+
+
+def _token_ids_field(req: ChatCompletionRequest | CompletionRequest, out: RequestOutput) -> dict[str, Any]:
+    """vLLM's `return_token_ids`: the choice's `token_ids`, present only when asked for."""
+    return {"token_ids": list(out.output.token_ids)} if req.return_token_ids else {}
+
+
+def _final(last: RequestOutput | None) -> RequestOutput:
+    """A stream's last output: the engine always ends a request with a (finished) output."""
+    if last is None:
+        raise RuntimeError("the engine ended a request without any output")
+    return last
 
 
 def chat_completion(req: ChatCompletionRequest, model: str, prepared: PreparedPrompt, out: RequestOutput,
@@ -79,7 +95,7 @@ def chat_completion(req: ChatCompletionRequest, model: str, prepared: PreparedPr
                                     tool_calls=shaped.tool_calls or None)
     choice = ChatCompletionChoice(message=message, logprobs=logprobs,
                                   finish_reason=shaped.finish_reason or o.finish_reason, stop_reason=o.stop_reason,
-                                  **({"token_ids": list(o.token_ids)} if req.return_token_ids else {}))
+                                  **_token_ids_field(req, out))
     return ChatCompletion(model=model, choices=[choice], usage=usage_of(out, result),
                           prompt_logprobs=_prompt_logprobs(req, out, tokenizer), kv_transfer_params=_wire(result))
 
@@ -95,7 +111,7 @@ def completion(req: CompletionRequest, model: str, out: RequestOutput, result: L
         logprobs = concat_logprobs(_echo_logprobs(req, out, tokenizer), logprobs)
     choice = CompletionChoice(text=prefix + o.text, logprobs=logprobs, finish_reason=o.finish_reason,
                               stop_reason=o.stop_reason, prompt_logprobs=_prompt_logprobs(req, out, tokenizer),
-                              **({"token_ids": list(o.token_ids)} if req.return_token_ids else {}))
+                              **_token_ids_field(req, out))
     return Completion(model=model, choices=[choice], usage=usage_of(out, result),
                       kv_transfer_params=_wire(result))
 
@@ -105,7 +121,8 @@ class _TokenIds:
     relay knows exactly which tokens' text it has delivered (what a migration resumes from)."""
 
     def __init__(self, enabled: bool) -> None:
-        self.enabled, self.pending = enabled, []
+        self.enabled = enabled
+        self.pending: list[int] = []
 
     def add(self, out: RequestOutput) -> None:
         self.pending += out.new_token_ids
@@ -123,8 +140,8 @@ def _resumed_text(out: RequestOutput) -> str:
 
 
 async def chat_stream(req: ChatCompletionRequest, model: str, prepared: PreparedPrompt,
-                      outputs: AsyncIterator[RequestOutput], result: LegResult,
-                      tokenizer: KimiTokenizer) -> AsyncIterator[bytes]:
+                      outputs: AsyncGenerator[RequestOutput, None], result: LegResult,
+                      tokenizer: KimiTokenizer) -> AsyncGenerator[bytes, None]:
     resume = req.kimi_pd_resume
     chunk_id = resume.response_id if resume is not None and resume.response_id else random_id("chatcmpl")
     shaper = ChatDeltaShaper(thinking=prepared.thinking, tools_requested=prepared.tools_requested,
@@ -159,15 +176,16 @@ async def chat_stream(req: ChatCompletionRequest, model: str, prepared: Prepared
                                      tokenizer.token_bytes)
         if delta is not None or logprobs is not None:
             yield chunk(delta or DeltaMessage(), logprobs=logprobs)
-    o = last.output
+    final = _final(last)
+    o = final.output
     yield chunk(DeltaMessage(), finish_reason=shaper.finish_reason or o.finish_reason, stop_reason=o.stop_reason)
     if req.include_usage:
-        yield sse_event(ChatCompletionChunk(id=chunk_id, model=model, choices=[], usage=usage_of(last, result)))
+        yield sse_event(ChatCompletionChunk(id=chunk_id, model=model, choices=[], usage=usage_of(final, result)))
     yield SSE_DONE
 
 
-async def completion_stream(req: CompletionRequest, model: str, outputs: AsyncIterator[RequestOutput],
-                            result: LegResult, tokenizer: KimiTokenizer) -> AsyncIterator[bytes]:
+async def completion_stream(req: CompletionRequest, model: str, outputs: AsyncGenerator[RequestOutput, None],
+                            result: LegResult, tokenizer: KimiTokenizer) -> AsyncGenerator[bytes, None]:
     resume = req.kimi_pd_resume
     chunk_id = resume.response_id if resume is not None and resume.response_id else random_id("cmpl")
     offset, last, ids = 0, None, _TokenIds(req.return_token_ids)
@@ -202,7 +220,7 @@ async def completion_stream(req: CompletionRequest, model: str, outputs: AsyncIt
             yield sse_event(CompletionChunk(id=chunk_id, model=model, choices=[choice],
                                             usage=_running_usage(req, out, result)))
     if req.include_usage:
-        yield sse_event(CompletionChunk(id=chunk_id, model=model, choices=[], usage=usage_of(last, result)))
+        yield sse_event(CompletionChunk(id=chunk_id, model=model, choices=[], usage=usage_of(_final(last), result)))
     yield SSE_DONE
 
 
@@ -214,7 +232,7 @@ def _running_usage(req, out: RequestOutput | None, result: LegResult) -> Usage |
     return usage_of(out, result) if out is not None else Usage.of(0, 0)
 
 
-async def _closing(outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+async def _closing(outputs: AsyncGenerator[RequestOutput, None]) -> AsyncGenerator[RequestOutput, None]:
     """Iterate and always close `outputs`, so a stream the client abandons aborts its engine request."""
     async with aclosing(outputs):
         async for out in outputs:

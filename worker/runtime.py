@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.async_engine import AsyncEngine
 from engine.core.engine import LLMEngine
@@ -22,6 +23,9 @@ from worker.presence import WorkerPresence
 from worker.role import Leg, Role
 from worker.settings import WorkerSettings
 
+if TYPE_CHECKING:  # imported lazily at run time: only speculating workers load it
+    from worker.spec_metrics import SpecDecodeMetrics
+
 log = logging.getLogger(__name__)
 
 
@@ -34,18 +38,18 @@ class WorkerRuntime:
     legs: dict[LegKind, Leg] = field(default_factory=dict)
     presence: WorkerPresence | None = None
     draining: bool = False
-    spec_metrics: object | None = None          # worker.spec_metrics.SpecDecodeMetrics when speculating
+    spec_metrics: SpecDecodeMetrics | None = None          # when speculating
 
     @classmethod
     def build(cls, settings: WorkerSettings, role: Role) -> WorkerRuntime:
         role.validate(settings.transfer_secret)
         settings.validate()
-        engine = AsyncEngine(engine=LLMEngine(settings.engine))
+        engine = AsyncEngine(engine=LLMEngine(settings.engine), grammar_budget=settings.grammar_budget)
         runtime = cls(settings, role, engine, WorkerMetrics())
-        spec = engine.engine.spec
-        if spec is not None:
+        spec, stats = engine.engine.spec, engine.engine.spec_stats
+        if spec is not None and stats is not None:             # both or neither: the engine speculates
             from worker.spec_metrics import SpecDecodeMetrics
-            runtime.spec_metrics = SpecDecodeMetrics(runtime.metrics.registry, spec.num_speculative_tokens)
+            runtime.spec_metrics = SpecDecodeMetrics(runtime.metrics.registry, stats.num_speculative_tokens)
             log.info("speculative decoding: dspark draft %s, %d tokens, %s drafts", spec.model,
                      spec.num_speculative_tokens, spec.draft_sample_method)
         return runtime

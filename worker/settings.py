@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from engine.core.engine import EngineConfig
+from engine.structured_output import GrammarBudget
 
 TRANSFER_SECRET_ENV = "KIMI_PD_TRANSFER_SECRET"
 ADMIN_TOKEN_ENV = "KIMI_PD_ADMIN_TOKEN"
@@ -55,6 +56,7 @@ class WorkerSettings:
     heartbeat_s: float = 1.0
     registration_ttl_s: float = 5.0
     max_request_bytes: int = 16 << 20             # above the router's limit: what it forwards always fits
+    grammar_budget: GrammarBudget = field(default_factory=GrammarBudget)   # structured output's size and time
     internal_auth: bool = False                   # OpenAI endpoints need the internal token (or api_key)
     api_key: str | None = field(default=None, repr=False)
     admin_token: str | None = field(default=None, repr=False)

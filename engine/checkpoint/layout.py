@@ -1,4 +1,4 @@
-"""File names and small JSON files of the Hugging Face checkpoint layout (DESIGN.md "Checkpoints")."""
+"""File names and small JSON files of the Hugging Face checkpoint layout (docs/design.md, Checkpoints)."""
 from __future__ import annotations
 
 CONFIG_FILE = "config.json"
@@ -7,7 +7,7 @@ SINGLE_FILE = "model.safetensors"
 GENERATION_CONFIG_FILE = "generation_config.json"
 QUANT_DESCRIPTION_FILE = "quant_model_description.json"
 
-# Parameters the real checkpoint keeps in fp32 whatever the model dtype (MODEL.md 3.1, 7.1, 10).
+# Parameters the real checkpoint keeps in fp32 whatever the model dtype (docs/model.md, Shared building blocks).
 FP32_PARAM_SUFFIXES = ("A_log", "dt_bias", "e_score_correction_bias", "weight_scale", "weight_offset", "scale_bias")
 ROT_PROJ_TENSOR = "mm_projector.rot_proj.weight"
 

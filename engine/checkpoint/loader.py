@@ -42,7 +42,7 @@ def _weight_map(ckpt: Path) -> dict[str, str]:
             raise CheckpointError(f"{index}: not a safetensors index ({exc})") from exc
     if (ckpt / SINGLE_FILE).exists():
         with safe_open(str(ckpt / SINGLE_FILE), framework="pt") as f:
-            return {name: SINGLE_FILE for name in f}
+            return dict.fromkeys(f.keys(), SINGLE_FILE)     # a safe_open handle is not iterable: keys() it is
     raise CheckpointError(f"{ckpt}: neither {INDEX_FILE} nor {SINGLE_FILE}")
 
 

@@ -1,8 +1,8 @@
 """`kimi-pd checkpoint quantize`: a bf16/fp32 checkpoint -> a ModelSlim W4A8 checkpoint, shard by shard.
 
-Quantization is per tensor (engine/model/quant.py: experts W4A8_DYNAMIC, attention and dense/shared MLP
-linears W8A8_DYNAMIC, the rest FLOAT), so each input shard becomes one output shard of the same name
-and peak memory is one shard. Tokenizer and generation files are copied unchanged.
+Quantization is per tensor (engine/model/quant_description.py: experts W4A8_DYNAMIC, attention and
+dense/shared MLP linears W8A8_DYNAMIC, the rest FLOAT), so each input shard becomes one output shard of
+the same name and peak memory is one shard. Tokenizer and generation files are copied unchanged.
 """
 from __future__ import annotations
 

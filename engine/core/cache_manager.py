@@ -56,7 +56,8 @@ def budget_cache(cfg: TextConfig, memory_bytes: int, block_size: int, num_workin
     num_blocks = (memory_bytes - slot_bytes) // block_bytes
     if num_blocks < 2:
         raise ValueError(f"cache memory {memory_bytes} B is too small: {slot_bytes} B go to "
-                         f"{num_working_slots + num_snapshot_slots} KDA state slots, one MLA block needs {block_bytes} B")
+                         f"{num_working_slots + num_snapshot_slots} KDA state slots, "
+                         f"one MLA block needs {block_bytes} B")
     return CacheConfig(block_size, int(num_blocks), num_working_slots, num_snapshot_slots,
                        enable_prefix_caching, snapshot_interval_blocks, spec_slots_per_seq)
 
@@ -157,7 +158,8 @@ class HybridCacheManager:
         if full > first:
             self._flush_evictions()
             bs = self.block_size
-            self._events.append(BlockStored(req.block_hashes[first:full], req.block_hashes[first - 1] if first else None,
+            parent = req.block_hashes[first - 1] if first else None
+            self._events.append(BlockStored(req.block_hashes[first:full], parent,
                                             req.prompt_token_ids[first * bs: full * bs], bs))
         req.num_published_blocks = max(req.num_published_blocks, full)
         for block_hash, slot in self._pending.pop(req.request_id, []):

@@ -139,7 +139,8 @@ class ModelRunner:
                 logits_rows.append(flat - 1)
         num_sampling = len(logits_rows)
         extra = [row for _, rows in prompt_rows.values() for row in rows]
-        batch = ForwardBatch(slices, self.cache, torch.tensor(logits_rows + extra, dtype=torch.long, device=self.device),
+        batch = ForwardBatch(slices, self.cache,
+                             torch.tensor(logits_rows + extra, dtype=torch.long, device=self.device),
                              torch.cat(mm_embeds) if mm_embeds else None,
                              torch.tensor(mm_pos, device=self.device) if mm_pos else None,
                              capture_layers=self.capture_layers)

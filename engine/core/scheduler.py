@@ -4,8 +4,9 @@ Every request has `num_computed_tokens` and `num_tokens`; each step gives it
 `min(num_tokens - num_computed_tokens, remaining budget)` new tokens. A fresh prompt, a prefill chunk,
 a prefix-cache hit (computed jumps to the hit), an imported prefill (computed = prompt length) and
 a decode step are all that one rule. A fresh prompt waits while a running request prefills its first
-block (`waits_for_shared_prefill`), so the blocks they share are computed once and then hit. When pages run out, the most recently admitted running request
-is preempted (its pages freed, recomputed later from its tokens: prompt + output so far).
+block (`waits_for_shared_prefill`), so the blocks they share are computed once and then hit. When
+pages run out, the most recently admitted running request is preempted (its pages freed, recomputed
+later from its tokens: prompt + output so far).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Block Attention Residuals (MODEL.md section 5): a softmax over depth, per token, in fp32."""
+"""Block Attention Residuals (docs/model.md, Block AttnRes): a softmax over depth, per token, in fp32."""
 from __future__ import annotations
 
 import torch

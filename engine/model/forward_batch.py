@@ -30,7 +30,7 @@ class SequenceSlice:
     snapshots: (k, slot) pairs: after the first k new tokens, copy the KDA state into `slot`
       (prefix-cache snapshots at block boundaries); k in 1..num_new_tokens.
     spec_slots: speculative verification: the KDA state after new token k (k = 1..num_new-1) goes
-      to `spec_slots[k-1]` (DSPARK.md 3.6, per-position slots), so a rejection restores it exactly.
+      to `spec_slots[k-1]` (docs/dspark.md, KDA state on rejection), so a rejection restores it exactly.
     """
 
     num_new_tokens: int
@@ -120,7 +120,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor | None = None
     mm_embeds: torch.Tensor | None = None
     mm_positions: torch.Tensor | None = None
-    capture_layers: tuple[int, ...] = ()            # target layers whose outputs the draft reads (DSPARK.md 3.2)
+    capture_layers: tuple[int, ...] = ()            # what the draft reads (docs/dspark.md, Target features)
     captured: list[torch.Tensor] = field(default_factory=list)
     decode: StaticDecode | None = None              # set: a capture-safe pure decode step (slices unused)
     token_offsets: list[int] = field(init=False)

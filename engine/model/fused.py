@@ -146,7 +146,8 @@ class FusedProjections:
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         if x.shape[0] > FUSED_GEMM_MAX_ROWS and self._merged_float:
             return self._members(x)
-        outs = [F.linear(x, g.weight) if is_float else _apply(g, x) for g, is_float in zip(self.groups, self._float, strict=False)]
+        outs = [F.linear(x, g.weight) if is_float else _apply(g, x)
+                for g, is_float in zip(self.groups, self._float, strict=False)]
         if self._split_sizes is not None:
             return list(outs[0].split(self._split_sizes, dim=-1))
         result = []
@@ -163,7 +164,8 @@ def _apply(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return module.logits(x) if type(module).__name__ == "Router" else module(x)
 
 
-def project(owner: nn.Module, x: torch.Tensor, members: Sequence[nn.Module], chunks: Sequence[int]) -> list[torch.Tensor]:
+def project(owner: nn.Module, x: torch.Tensor, members: Sequence[nn.Module],
+            chunks: Sequence[int]) -> list[torch.Tensor]:
     """The chunked outputs of `members` on x: fused if `fuse_linears(owner, ...)` ran, else one by one."""
     fused = owner.__dict__.get(FUSED_ATTR)
     if fused is not None:

@@ -1,4 +1,4 @@
-"""Kimi Delta Attention layer (MODEL.md section 3): projections, short conv, gate, recurrence, gated norm."""
+"""Kimi Delta Attention layer (docs/model.md, KDA): projections, short conv, gate, recurrence, gated norm."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,4 +1,4 @@
-"""Kimi Delta Attention maths as pure tensor functions (MODEL.md section 3).
+"""Kimi Delta Attention maths as pure tensor functions (docs/model.md, KDA).
 
 State layout (engine/model/choices.py): recurrent state `S[h]` is key-major `[K, V]`, fp32. The
 recurrence per token, per head, is `S <- diag(exp(g)) S; S <- S + beta k (v - S^T k)^T; o = S^T q`.
@@ -28,7 +28,8 @@ def kda_gate(raw: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
     return lower_bound * torch.sigmoid(a * z)
 
 
-def causal_conv_with_state(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_conv_with_state(x: torch.Tensor, weight: torch.Tensor,
+                           state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv + SiLU over time for one sequence.
 
     x: [T, C] pre-conv inputs; weight: [C, W]; state: [W-1, C], the inputs before x (zeros at the

@@ -2,7 +2,7 @@
 
 Module paths equal the real checkpoint's tensor names (`language_model.model.layers.{l}.self_attn.*`,
 `...block_sparse_moe.*`, `vision_tower.*`, `mm_projector.*`), so a real checkpoint's state dict loads
-onto this code. Layer wiring follows MODEL.md section 5.2:
+onto this code. Layer wiring (docs/model.md, Layer wiring):
 
     prefix_sum = h_in
     x = attn_res(prefix_sum, blocks) if blocks else h_in

@@ -43,7 +43,7 @@ def cast(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """`w * (x_f32 * rsqrt(mean(x_f32^2) + eps))`, cast back to x's dtype (MODEL.md section 2).
+    """`w * (x_f32 * rsqrt(mean(x_f32^2) + eps))`, cast back to x's dtype (docs/model.md, Shared building blocks).
 
     For inference in fp32/fp64 with a weight of x's dtype, torch's `rms_norm` is that formula, bitwise
     (test_decode_fast_paths), in one call instead of seven (a decode step makes ~75). Training keeps

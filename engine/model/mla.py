@@ -1,4 +1,4 @@
-"""Gated NoPE multi-head latent attention (MODEL.md section 4).
+"""Gated NoPE multi-head latent attention (docs/model.md, Gated NoPE MLA).
 
 Cache per token: `[c (kv_lora_rank) | k_pe (qk_rope_head_dim)]`, the normalised latent and the
 un-rotated shared key slice. Two equivalent paths:

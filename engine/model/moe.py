@@ -1,4 +1,4 @@
-"""Latent MoE with a biased sigmoid router and shared experts (MODEL.md section 7)."""
+"""Latent MoE with a biased sigmoid router and shared experts (docs/model.md, Latent MoE)."""
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,4 @@
-"""Kimi-K3 vision: the MoonViT tower and the PatchMerger-v2 projector (MODEL.md 1.4 and 12).
+"""Kimi-K3 vision: the MoonViT tower and the PatchMerger-v2 projector (docs/model.md, Vision).
 
 The multimodal wrapper holds these as `vision_tower` and `mm_projector`. The parameter names below
 are the same as the released K3 checkpoint's once those prefixes are added (D = vt_hidden_size,
@@ -48,7 +48,7 @@ Simplifications:
 * RoPE uses real cos/sin arithmetic in fp32 rather than complex64. The math is the same, and complex
   dtypes are missing on some accelerators. The position-embedding resize also runs in fp32.
 * No tensor parallelism or quantization.
-* MODEL.md 1.4: RMSNorm and GELU-tanh in the tower. The projector's activation is exact GELU
+* docs/model.md, Vision: RMSNorm and GELU-tanh in the tower. The projector's activation is exact GELU
   (`projector_hidden_act = "gelu"`). `VisionConfig` models the `vt_*` keys. We read the other K3 keys
   (`attn_bias`, `linear_bias`, `patch_embed_proj_bias`, `projector_ln_eps`, `norm_type`, ...) from
   `cfg.extra` with the K3 defaults, and reject any value we do not implement. `projector_ln_eps` falls

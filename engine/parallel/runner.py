@@ -50,8 +50,8 @@ class ShardedRunner(ModelRunner):
                 full[dim] *= world
                 got = getattr(state, kind).get(layer)
                 if got is None or list(got.shape) != full:
-                    raise StateMismatch(f"imported {kind}.{layer} has shape {None if got is None else list(got.shape)}, "
-                                        f"expected {full}")
+                    shape = None if got is None else list(got.shape)
+                    raise StateMismatch(f"imported {kind}.{layer} has shape {shape}, expected {full}")
         try:
             conv, rec = split_kda(state.kda_conv, state.kda_recurrent, self.group.rank, self.group.world_size)
         except (RuntimeError, IndexError, ValueError) as exc:

@@ -5,7 +5,7 @@
 | MLA `q_b_proj`, `kv_b_proj`, `g_proj` | heads (output rows) | - (attention is per head) |
 | MLA `o_proj`, KDA `o_proj` | heads (input columns) | all-reduce (`RowParallelLinear`) |
 | MLA `q_a_proj`, `kv_a_proj_with_mqa`, latent norms | replicated | - (the cached latent is replicated) |
-| KDA `q/k/v_proj`, convs, `f_b_proj`, `dt_bias`, `A_log`, `b_proj`, `g_proj` | heads | - (the KDA state is sharded by heads) |
+| KDA `q/k/v_proj`, convs, `f_b_proj`, `dt_bias`, `A_log`, `b_proj`, `g_proj` | heads | - (the KDA state is per head) |
 | dense MLP and shared experts | `gate/up` by columns, `down` by rows | all-reduce |
 | routed experts, TP | `w1/w3` by columns, `w2` by rows | one all-reduce of the routed sum (W4A8: per expert, exact) |
 | routed experts, EP | whole experts, E/N per rank | one all-reduce of the routed sum |

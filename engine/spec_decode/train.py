@@ -1,4 +1,4 @@
-"""`kimi-pd checkpoint train-draft`: distil a DSpark draft from its target (DSPARK.md 3.2-3.4).
+"""`kimi-pd checkpoint train-draft`: distil a DSpark draft from its target (docs/dspark.md, Training a draft).
 
 Data is the target's own behaviour: prompts (the task families the target was trained on when
 `engine.training` is present, else the shipped tokenizer corpus) are answered greedily by the target
@@ -186,6 +186,25 @@ def _batch(data: list[Sequence], rng: random.Random, cfg: DraftTrainConfig, n: i
     return feats, valid, ids, anchors, labels, prev, label_ok
 
 
+def _draft_loss(draft: DSparkDraftModel, lm, batch: tuple, weights: torch.Tensor):
+    """One batch's training loss (position-weighted CE, plus the confidence head's BCE when it has one), with the
+    top-1 hits and the valid mask the step's accuracy is counted on; kept apart so the loop reads as a loop."""
+    feats, valid, ids, anchors, labels, prev, ok = batch
+    draft_cfg = draft.cfg
+    base, hidden = block_logits(draft, lm.model.embed_tokens, lm.lm_head, feats, valid, ids, anchors, len(weights))
+    e = draft.markov_head.markov_w1(prev)
+    logits = base + draft.markov_head.markov_w2(e).float() * draft_cfg.logit_scale
+    ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view_as(labels)
+    w = weights * ok
+    loss = (ce * w).sum() / w.sum()
+    hit = (logits.argmax(-1) == labels) & ok
+    conf = draft.confidence(hidden.flatten(0, 2), e.flatten(0, 2)) if draft_cfg.enable_confidence_head else None
+    if conf is not None:
+        bce = F.binary_cross_entropy(conf.clamp(1e-6, 1 - 1e-6), hit.flatten().float(), reduction="none")
+        loss = loss + 0.1 * (bce * ok.flatten()).sum() / ok.sum()
+    return loss, hit, ok
+
+
 def train_draft(target_dir: str | Path, out: str | Path, cfg: DraftTrainConfig = DraftTrainConfig(),
                 progress: bool = True, data: list[Sequence] | None = None) -> dict:
     """Distil a draft for `target_dir` into `out`; returns the training log (also written as train_log.json)."""
@@ -215,18 +234,7 @@ def train_draft(target_dir: str | Path, out: str | Path, cfg: DraftTrainConfig =
         lr = cfg.lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
         for group in opt.param_groups:
             group["lr"] = lr
-        feats, valid, ids, anchors, labels, prev, ok = _batch(data, rng, cfg, n)
-        base, hidden = block_logits(draft, lm.model.embed_tokens, lm.lm_head, feats, valid, ids, anchors, n)
-        e = draft.markov_head.markov_w1(prev)
-        logits = base + draft.markov_head.markov_w2(e).float() * draft_cfg.logit_scale
-        ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten(), reduction="none").view_as(labels)
-        w = weights * ok
-        loss = (ce * w).sum() / w.sum()
-        hit = (logits.argmax(-1) == labels) & ok
-        conf = draft.confidence(hidden.flatten(0, 2), e.flatten(0, 2)) if draft_cfg.enable_confidence_head else None
-        if conf is not None:
-            bce = F.binary_cross_entropy(conf.clamp(1e-6, 1 - 1e-6), hit.flatten().float(), reduction="none")
-            loss = loss + 0.1 * (bce * ok.flatten()).sum() / ok.sum()
+        loss, hit, ok = _draft_loss(draft, lm, _batch(data, rng, cfg, n), weights)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
@@ -242,7 +250,8 @@ def train_draft(target_dir: str | Path, out: str | Path, cfg: DraftTrainConfig =
     result = {"steps": cfg.steps, "sequences": len(data), "data_seconds": round(data_s, 1),
               "train_seconds": round(time.monotonic() - started - data_s, 1),
               "final_loss": sum(losses[-50:]) / len(losses[-50:]), "final_top1": sum(accs[-50:]) / len(accs[-50:]),
-              "final_top1_per_position": [round(float(h / max(t, 1)), 3) for h, t in zip(pos_hits, pos_total, strict=False)],
+              "final_top1_per_position": [round(float(h / max(t, 1)), 3)
+                                          for h, t in zip(pos_hits, pos_total, strict=True)],
               "config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}}
     path = save_draft(draft, draft_cfg, out, f"trained-seed{cfg.seed}")
     (path / "train_log.json").write_text(json.dumps({**result, "losses": losses[::10]}, indent=1))

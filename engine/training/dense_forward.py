@@ -4,10 +4,11 @@ The serving forward (`KimiK3ForConditionalGeneration.forward`) runs a flattened 
 loop over sequences and write a paged cache; autograd through that is correct but spends most of a
 training step in Python. This forward computes the same maths with the batch as a tensor dimension:
 KDA's chunked form with the batch folded into the head dimension (heads are independent) and its
-intra-chunk decays factorised into matmuls (`kda_dense.py`), the short conv as one grouped `conv1d`, MLA's materialised causal attention as `[B, H, T, T]`. Norms, AttnRes,
-SiTU and the latent MoE are the modules' own token-wise code. It uses the very same parameters, so a
-model trained here is the model served; `tests/engine/test_training.py` checks the logits equal the
-serving forward's (and the engine's paged greedy decode) on real prompts.
+intra-chunk decays factorised into matmuls (`kda_dense.py`), the short conv as one grouped `conv1d`,
+MLA's materialised causal attention as `[B, H, T, T]`. Norms, AttnRes, SiTU and the latent MoE are the
+modules' own token-wise code. It uses the very same parameters, so a model trained here is the model
+served; `tests/engine/test_training.py` checks the logits equal the serving forward's (and the engine's
+paged greedy decode) on real prompts.
 
 Sequences are right-padded; everything is causal, so a token never sees the padding after it.
 """
@@ -48,7 +49,7 @@ def dense_logits(model: KimiK3ForConditionalGeneration, input_ids: torch.Tensor,
 
 def _layer(layer: DecoderLayer, h: torch.Tensor, blocks: list[torch.Tensor], b: int, t: int,
            chunk: int) -> torch.Tensor:
-    """`DecoderLayer.forward` with the dense mixers (same block wiring, MODEL.md 5.2)."""
+    """`DecoderLayer.forward` with the dense mixers (same block wiring, docs/model.md, Layer wiring)."""
     prefix_sum: torch.Tensor | None = h
     x = layer._mix(h, blocks, layer.self_attention_res_proj, layer.self_attention_res_norm) if blocks else h
     if layer.layer_id % layer.block_size == 0:

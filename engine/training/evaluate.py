@@ -63,7 +63,8 @@ def evaluate(answer_all: Answerer, families: Iterable[str] = FAMILIES, n: int = 
         for family in families:
             insts = eval_instances(family, n, seed)
             answers = answer_all(insts, thinking)
-            wrong = [(i.key, repr(a.tool_calls or a.content)) for i, a in zip(insts, answers, strict=False) if not is_correct(i, a)]
+            wrong = [(i.key, repr(a.tool_calls or a.content))
+                     for i, a in zip(insts, answers, strict=False) if not is_correct(i, a)]
             scores.append(FamilyScore(family, thinking, len(insts) - len(wrong), len(insts), tuple(wrong[:3])))
     return scores
 

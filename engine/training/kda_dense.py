@@ -55,7 +55,8 @@ def kda_chunked_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     state_decay = g_last.transpose(-1, -2).exp()                       # [N, n, K, 1]
     s = q.new_zeros(n_seq, dk, dv)
     states, v_news = [], []
-    for w_i, u_i, kd_i, sd_i in zip(w_mat.unbind(1), u_mat.unbind(1), k_dec_t.unbind(1), state_decay.unbind(1), strict=False):
+    chunks = zip(w_mat.unbind(1), u_mat.unbind(1), k_dec_t.unbind(1), state_decay.unbind(1), strict=False)
+    for w_i, u_i, kd_i, sd_i in chunks:
         states.append(s)
         v_new = u_i - w_i @ s                                          # [N, C, V]
         v_news.append(v_new)

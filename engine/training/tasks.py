@@ -30,10 +30,38 @@ WEATHER_TOOL: dict[str, Any] = {
     },
 }
 
-CITIES = tuple(
-    c.replace("_", " ") for c in ["Tokyo", "Delhi", "Shanghai", "Dhaka", "Cairo", "Beijing", "Mumbai", "Osaka", "Chongqing", "Karachi", "Istanbul", "Kinshasa", "Lagos", "Manila", "Tianjin", "Guangzhou", "Lahore", "Shenzhen", "Bangalore", "Paris", "Bogota", "Jakarta", "Chennai", "Lima", "Bangkok", "Seoul", "Nagoya", "Hyderabad", "London", "Tehran", "Chicago", "Chengdu", "Nanjing", "Wuhan", "Luanda", "Ahmedabad", "Riyadh", "Baghdad", "Santiago", "Surat", "Madrid", "Suzhou", "Pune", "Harbin", "Houston", "Dallas", "Toronto", "Miami", "Belo_Horizonte", "Singapore", "Philadelphia", "Atlanta", "Fukuoka", "Khartoum", "Barcelona", "Johannesburg", "Dalian", "Qingdao", "Zhengzhou", "Yangon", "Alexandria", "Washington", "Ankara", "Melbourne", "Sydney", "Guadalajara", "Monterrey", "Boston", "Phoenix", "Recife", "Brasilia", "Montreal", "Kabul", "Nairobi", "Hanoi", "Berlin", "Rome", "Athens", "Lisbon", "Vienna", "Prague", "Budapest", "Warsaw", "Dublin", "Oslo", "Stockholm", "Helsinki", "Copenhagen", "Amsterdam", "Brussels", "Zurich", "Geneva", "Munich", "Hamburg", "Milan", "Naples", "Turin", "Lyon", "Marseille", "Seville", "Valencia", "Porto", "Kyiv", "Minsk", "Riga", "Vilnius", "Tallinn", "Bucharest", "Sofia", "Belgrade", "Zagreb", "Sarajevo", "Tirana", "Skopje", "Ljubljana", "Bratislava", "Krakow", "Gdansk", "Edinburgh", "Glasgow", "Manchester", "Liverpool", "Leeds", "Cardiff", "Belfast", "Reykjavik", "Moscow", "Novosibirsk", "Kazan", "Tbilisi", "Yerevan", "Baku", "Tashkent", "Almaty", "Bishkek", "Dushanbe", "Ulaanbaatar", "Taipei", "Kaohsiung", "Busan", "Incheon", "Sapporo", "Kyoto", "Kobe", "Yokohama", "Sendai", "Hiroshima", "Macau", "Hong_Kong", "Kuala_Lumpur", "Penang", "Colombo", "Kathmandu", "Thimphu", "Male", "Muscat", "Doha", "Dubai", "Abu_Dhabi", "Manama", "Kuwait_City", "Amman", "Beirut", "Damascus", "Jerusalem", "Tunis", "Algiers", "Rabat", "Casablanca", "Tripoli", "Dakar", "Accra", "Abuja", "Kano", "Addis_Ababa", "Kampala", "Kigali", "Lusaka", "Harare", "Maputo", "Gaborone", "Windhoek", "Durban", "Cape_Town", "Antananarivo", "Mombasa", "Zanzibar", "Mogadishu", "Djibouti", "Asmara", "Bamako", "Niamey", "Ouagadougou", "Conakry", "Freetown", "Monrovia", "Abidjan", "Lome", "Cotonou", "Yaounde", "Douala", "Libreville", "Brazzaville", "Vancouver", "Calgary", "Edmonton", "Ottawa", "Winnipeg", "Quebec", "Halifax", "Seattle", "Portland", "San_Francisco", "Los_Angeles", "San_Diego", "Las_Vegas", "Denver", "Austin", "Detroit", "Cleveland", "Pittsburgh", "Baltimore", "Nashville", "Memphis", "New_Orleans", "Orlando", "Tampa", "Charlotte", "Honolulu", "Anchorage", "New_York", "Havana", "Kingston", "Panama", "Caracas", "Quito", "La_Paz", "Asuncion", "Montevideo", "Buenos_Aires", "Cordoba", "Rosario", "Salvador", "Fortaleza", "Manaus", "Curitiba", "Porto_Alegre", "Auckland", "Wellington", "Christchurch", "Perth", "Adelaide", "Brisbane", "Hobart", "Darwin", "Canberra", "Suva", "Apia"])
+# whitespace-separated word lists (underscores stand for spaces in city names), kept as text so they read as text
+_CITY_TEXT = """
+Tokyo Delhi Shanghai Dhaka Cairo Beijing Mumbai Osaka Chongqing Karachi Istanbul Kinshasa Lagos Manila
+Tianjin Guangzhou Lahore Shenzhen Bangalore Paris Bogota Jakarta Chennai Lima Bangkok Seoul Nagoya
+Hyderabad London Tehran Chicago Chengdu Nanjing Wuhan Luanda Ahmedabad Riyadh Baghdad Santiago Surat
+Madrid Suzhou Pune Harbin Houston Dallas Toronto Miami Belo_Horizonte Singapore Philadelphia Atlanta
+Fukuoka Khartoum Barcelona Johannesburg Dalian Qingdao Zhengzhou Yangon Alexandria Washington Ankara
+Melbourne Sydney Guadalajara Monterrey Boston Phoenix Recife Brasilia Montreal Kabul Nairobi Hanoi
+Berlin Rome Athens Lisbon Vienna Prague Budapest Warsaw Dublin Oslo Stockholm Helsinki Copenhagen
+Amsterdam Brussels Zurich Geneva Munich Hamburg Milan Naples Turin Lyon Marseille Seville Valencia Porto
+Kyiv Minsk Riga Vilnius Tallinn Bucharest Sofia Belgrade Zagreb Sarajevo Tirana Skopje Ljubljana
+Bratislava Krakow Gdansk Edinburgh Glasgow Manchester Liverpool Leeds Cardiff Belfast Reykjavik Moscow
+Novosibirsk Kazan Tbilisi Yerevan Baku Tashkent Almaty Bishkek Dushanbe Ulaanbaatar Taipei Kaohsiung
+Busan Incheon Sapporo Kyoto Kobe Yokohama Sendai Hiroshima Macau Hong_Kong Kuala_Lumpur Penang Colombo
+Kathmandu Thimphu Male Muscat Doha Dubai Abu_Dhabi Manama Kuwait_City Amman Beirut Damascus Jerusalem
+Tunis Algiers Rabat Casablanca Tripoli Dakar Accra Abuja Kano Addis_Ababa Kampala Kigali Lusaka Harare
+Maputo Gaborone Windhoek Durban Cape_Town Antananarivo Mombasa Zanzibar Mogadishu Djibouti Asmara Bamako
+Niamey Ouagadougou Conakry Freetown Monrovia Abidjan Lome Cotonou Yaounde Douala Libreville Brazzaville
+Vancouver Calgary Edmonton Ottawa Winnipeg Quebec Halifax Seattle Portland San_Francisco Los_Angeles
+San_Diego Las_Vegas Denver Austin Detroit Cleveland Pittsburgh Baltimore Nashville Memphis New_Orleans
+Orlando Tampa Charlotte Honolulu Anchorage New_York Havana Kingston Panama Caracas Quito La_Paz Asuncion
+Montevideo Buenos_Aires Cordoba Rosario Salvador Fortaleza Manaus Curitiba Porto_Alegre Auckland
+Wellington Christchurch Perth Adelaide Brisbane Hobart Darwin Canberra Suva Apia
+"""
+CITIES = tuple(c.replace("_", " ") for c in _CITY_TEXT.split())
 
-WEATHER_WORDS = tuple(["sunny", "cloudy", "rainy", "windy", "foggy", "snowy", "stormy", "clear", "mild", "warm", "hot", "cold", "cool", "humid", "dry", "bright", "grey", "overcast", "light", "heavy", "rain", "snow", "showers", "wind", "breeze", "skies", "with", "and", "a", "little", "very", "some", "clouds", "degrees", "thunder", "hail", "drizzle", "sleet", "frost", "calm", "gusty", "partly", "mostly", "chilly", "freezing", "pleasant"])
+_WEATHER_TEXT = """
+sunny cloudy rainy windy foggy snowy stormy clear mild warm hot cold cool humid dry bright grey overcast
+light heavy rain snow showers wind breeze skies with and a little very some clouds degrees thunder hail
+drizzle sleet frost calm gusty partly mostly chilly freezing pleasant
+"""
+WEATHER_WORDS = tuple(_WEATHER_TEXT.split())
 
 
 @dataclass(frozen=True)

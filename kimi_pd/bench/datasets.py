@@ -65,7 +65,7 @@ def sample_sharegpt(pool: TokenPool, path: str | Path, num_requests: int, output
     convs = [d["conversations"] for d in data if isinstance(d, dict) and len(d.get("conversations") or []) >= 2]
     order = np.random.default_rng(seed).permutation(len(convs))
     tok = pool.tokenizer
-    out = []
+    out: list[SampleRequest] = []
     for j in order:
         prompt, reply = str(convs[j][0].get("value", "")), str(convs[j][1].get("value", ""))
         n_in = len(tok.encode(prompt))
@@ -87,8 +87,9 @@ def mooncake_block(pool: TokenPool, hash_id: int, block_tokens: int, seed: int) 
     return rng.choice(np.asarray(pool.ids), size=block_tokens).tolist()
 
 
-def sample_mooncake(pool: TokenPool, path: str | Path, num_requests: int | None, block_tokens: int = MOONCAKE_BLOCK_TOKENS,
-                    slowdown: float = 1.0, output_len: int | None = None, seed: int = 0) -> list[SampleRequest]:
+def sample_mooncake(pool: TokenPool, path: str | Path, num_requests: int | None,
+                    block_tokens: int = MOONCAKE_BLOCK_TOKENS, slowdown: float = 1.0,
+                    output_len: int | None = None, seed: int = 0) -> list[SampleRequest]:
     """Replay a Mooncake trace (JSONL: timestamp ms, input_length, output_length, hash_ids).
 
     `block_tokens` < 512 scales the trace down (each block, hence each length, shrinks by
@@ -97,7 +98,7 @@ def sample_mooncake(pool: TokenPool, path: str | Path, num_requests: int | None,
     if block_tokens < 1 or slowdown <= 0:
         raise ValueError("--mooncake-block-size must be >= 1 and --mooncake-slowdown > 0")
     blocks: dict[int, list[int]] = {}
-    out = []
+    out: list[SampleRequest] = []
     with open(path) as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():

@@ -70,7 +70,8 @@ def write_plots(result: dict[str, Any], detail: dict[str, Any], stem: Path) -> l
 
     fig, ax = plt.subplots(figsize=(7, 5))
     lens = [n for n, good in zip(detail["input_lens"], ok, strict=False) if good]
-    share = [c / n if n else 0.0 for c, n, good in zip(detail["cached_tokens"], detail["input_lens"], ok, strict=False) if good]
+    share = [c / n if n else 0.0
+             for c, n, good in zip(detail["cached_tokens"], detail["input_lens"], ok, strict=False) if good]
     points = ax.scatter(lens, ttft, c=share, cmap="viridis", vmin=0, vmax=1, s=14)
     fig.colorbar(points, ax=ax, label="cached share of the prompt")
     ax.set_xlabel("prompt tokens")

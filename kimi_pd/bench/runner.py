@@ -59,8 +59,9 @@ async def run_requests(requests: list[SampleRequest], s: RunSettings) -> tuple[l
             probe = await send(client, s.request, requests[0])
             if not probe.success:
                 raise RuntimeError(f"the initial test request failed ({s.request.url}): {probe.error}")
-        if all(r.arrival_s is not None for r in requests):
-            offsets = [float(r.arrival_s) for r in requests]
+        arrivals = [r.arrival_s for r in requests if r.arrival_s is not None]
+        if len(arrivals) == len(requests):
+            offsets = [float(a) for a in arrivals]
         else:
             offsets = arrival_offsets(len(requests), s.request_rate, s.burstiness, np.random.default_rng(s.seed))
         gate = asyncio.Semaphore(s.max_concurrency) if s.max_concurrency else None

@@ -2,7 +2,7 @@
 
 Each keeps the input order and never adds a worker. The pipeline runs them in sequence and reports
 which one emptied the set. Registry names: role, model, healthy, circuit-not-open, not-draining,
-not-overloaded.
+not-stuck, not-overloaded, not-backlogged.
 """
 from __future__ import annotations
 
@@ -35,21 +35,21 @@ SERVES: dict[str, frozenset[str]] = {
 
 @FILTERS.register("role")
 @dataclass(frozen=True)
-class RoleFilter:
+class RoleFilter(Filter):
     def __call__(self, ctx: RoutingContext, workers: Sequence[WorkerState]) -> Workers:
         return tuple(w for w in workers if w.info.role in SERVES[ctx.role])
 
 
 @FILTERS.register("model")
 @dataclass(frozen=True)
-class ModelFilter:
+class ModelFilter(Filter):
     def __call__(self, ctx: RoutingContext, workers: Sequence[WorkerState]) -> Workers:
         return tuple(w for w in workers if w.info.model_id == ctx.model)
 
 
 @FILTERS.register("healthy")
 @dataclass(frozen=True)
-class HealthyFilter:
+class HealthyFilter(Filter):
     """Drops workers whose active health checks fail, but never the last ones: a probe can time out
     on a worker that is merely busy (2 s, two misses under CPU load), and trying the least-bad worker
     beats a certain 503. Workers that really fail requests are excluded by their open circuit."""
@@ -60,7 +60,7 @@ class HealthyFilter:
 
 @FILTERS.register("circuit-not-open")
 @dataclass(frozen=True)
-class CircuitFilter:
+class CircuitFilter(Filter):
     """Drops open circuits. A half-open circuit admits one probe at a time: it passes only while
     this router has nothing in flight to it, so a recovering worker is not flooded."""
 
@@ -71,14 +71,32 @@ class CircuitFilter:
 
 @FILTERS.register("not-draining")
 @dataclass(frozen=True)
-class DrainingFilter:
+class DrainingFilter(Filter):
     def __call__(self, ctx: RoutingContext, workers: Sequence[WorkerState]) -> Workers:
         return tuple(w for w in workers if not w.is_draining)
 
 
+@FILTERS.register("not-stuck")
+@dataclass(frozen=True)
+class StuckFilter(Filter):
+    """Drops a worker whose engine has been inside one command or step for more than `after_s` (its own
+    report, `LoadReport.engine_busy_s`): its heartbeats go on, so it stays registered, but a new request
+    would wait behind whatever holds it. Never drops the last ones: if every engine is stuck, queueing
+    on one beats a certain 503."""
+
+    after_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.after_s <= 0:
+            raise ValueError("not-stuck needs after_s > 0")
+
+    def __call__(self, ctx: RoutingContext, workers: Sequence[WorkerState]) -> Workers:
+        return tuple(w for w in workers if w.load is None or w.load.engine_busy_s <= self.after_s) or tuple(workers)
+
+
 @FILTERS.register("not-overloaded")
 @dataclass(frozen=True)
-class OverloadFilter:
+class OverloadFilter(Filter):
     """The "death spiral" guard of cache-aware routing: drops a worker whose active requests exceed
     the least-loaded candidate's by more than `abs_margin` AND by a factor above `rel_factor`
     (SGLang's imbalance rule, applied per worker). The least-loaded worker always survives, so
@@ -113,7 +131,7 @@ class OverloadFilter:
 
 @FILTERS.register("not-backlogged")
 @dataclass(frozen=True)
-class BacklogFilter:
+class BacklogFilter(Filter):
     """Drops a worker whose queued prefill work (`WorkerState.backlog_s`, seconds) exceeds the
     least-backlogged candidate's by more than `slack_s`: a prefix hit is worth waiting for, but
     not without bound, and a queue in seconds sees 100x differences in prompt size that a count

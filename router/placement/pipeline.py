@@ -56,7 +56,7 @@ def rendezvous(request_id: str, worker_id: str) -> int:
 
 @PICKERS.register("max-score")
 @dataclass(frozen=True)
-class MaxScorePicker:
+class MaxScorePicker(Picker):
     """Highest total; ties (within TIE_EPSILON) go to the fewest active requests, then to the
     highest rendezvous hash of the request id, so cold requests spread instead of all landing
     on the first worker. Raises ValueError on an empty list."""
@@ -149,7 +149,7 @@ def decide_disaggregation(ctx: RoutingContext, decode_worker: WorkerState, thres
 
 
 DEFAULT_FILTERS: tuple[str, ...] = ("model", "role", "healthy", "circuit-not-open", "not-draining",
-                                    "not-overloaded")
+                                    "not-stuck", "not-overloaded")
 DEFAULT_WEIGHTS: dict[str, float] = {"prefix": 1.0, "load": 1.0, "kv_usage": 0.5}
 
 

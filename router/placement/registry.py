@@ -1,15 +1,23 @@
 """Name -> plugin class registries, so a policy is configured by names and typed configs.
 
-A plugin is a frozen dataclass whose fields ARE its config; `build(name, **config)` constructs it
-and rejects unknown names and unknown keys with a ValueError (never a silent default).
+A plugin is a frozen dataclass whose fields ARE its config; it subclasses its protocol (Filter,
+Scorer, Picker) so the type checker sees the `name` that `register` sets. `build(name, **config)`
+constructs it and rejects unknown names and unknown keys with a ValueError (never a silent default).
 """
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
-T = TypeVar("T")
+
+class Named(Protocol):
+    """What every plugin protocol declares: the registry name, set on the class by `register`."""
+
+    name: ClassVar[str]
+
+
+T = TypeVar("T", bound=Named)
 
 
 class Registry(Generic[T]):
@@ -34,7 +42,9 @@ class Registry(Generic[T]):
         cls = self._classes.get(name)
         if cls is None:
             raise ValueError(f"unknown {self.kind} {name!r}; known: {', '.join(self.names())}")
-        known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        if not dataclasses.is_dataclass(cls):
+            raise TypeError(f"{self.kind} {name!r}: {cls.__name__} is not a dataclass")
+        known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(config) - known)
         if unknown:
             raise ValueError(f"{self.kind} {name!r}: unknown config keys {unknown}; known: {sorted(known)}")

@@ -40,7 +40,7 @@ def run_scorer(scorer: Scorer, ctx: RoutingContext, workers: Sequence[WorkerStat
 
 @SCORERS.register("prefix")
 @dataclass(frozen=True)
-class PrefixScorer:
+class PrefixScorer(Scorer):
     """Fraction of the prompt's full blocks the worker holds as a chain from block 0
     (`ctx.cached_blocks`, read from a PrefixIndex when the context was built)."""
 
@@ -50,7 +50,7 @@ class PrefixScorer:
 
 @SCORERS.register("load")
 @dataclass(frozen=True)
-class LoadScorer:
+class LoadScorer(Scorer):
     """`1 - L_w / (max_v L_v + headroom)` with L = `WorkerState.active_requests`.
 
     Relative to the fleet's busiest candidate, so the scale of the counts does not matter (engine
@@ -73,7 +73,7 @@ class LoadScorer:
 
 @SCORERS.register("kv_usage")
 @dataclass(frozen=True)
-class KVUsageScorer:
+class KVUsageScorer(Scorer):
     """`1 - cache_usage` from the engine's report. A worker without a report gets the mean of the
     others (neutral: it neither wins nor loses on a number we do not have); 1.0 if nobody reports."""
 
@@ -94,7 +94,7 @@ def expected_completion_s(ctx: RoutingContext, worker: WorkerState, own_weight: 
 
 @SCORERS.register("completion")
 @dataclass(frozen=True)
-class CompletionScorer:
+class CompletionScorer(Scorer):
     """`(best + floor_s) / (cost_w + floor_s)` with cost = `expected_completion_s`: 1.0 for the
     worker that would answer first, falling as a worker's expected completion time grows.
 

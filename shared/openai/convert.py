@@ -57,19 +57,19 @@ def to_sampling_params(req: AnyRequest, *, defaults: Mapping[str, Any] | None = 
     chat = isinstance(req, ChatCompletionRequest)
     values = {**_checked_defaults(defaults), **_given(req)}
     default_max_tokens = values.pop("max_tokens", None)
-    max_tokens = req.max_new_tokens if chat else req.max_tokens
+    max_tokens = req.max_new_tokens if isinstance(req, ChatCompletionRequest) else req.max_tokens
     params = SamplingParams(
         **values,
         stop=_stop_list(req.stop),
         max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
         min_tokens=req.min_tokens,
         ignore_eos=req.ignore_eos,
-        logprobs=((req.top_logprobs or 0) if req.logprobs else None) if chat else req.logprobs,
-        prompt_logprobs=_prompt_logprobs(req, chat),
+        logprobs=_logprobs(req),
+        prompt_logprobs=_prompt_logprobs(req),
         logit_bias=_logit_bias(req.logit_bias),
         allowed_token_ids=req.allowed_token_ids,
         bad_words=list(req.bad_words or []),
-        structured_output=_structured_output(req, chat),
+        structured_output=_structured_output(req),
         cache_salt=req.cache_salt,
         skip_special_tokens=False if chat else req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
@@ -85,13 +85,20 @@ def to_sampling_params(req: AnyRequest, *, defaults: Mapping[str, Any] | None = 
     return params
 
 
-def _structured_output(req: AnyRequest, chat: bool) -> StructuredOutput | None:
+def _logprobs(req: AnyRequest) -> int | None:
+    """Chat asks with `logprobs: true` plus `top_logprobs`; a completion gives the count itself."""
+    if isinstance(req, ChatCompletionRequest):
+        return (req.top_logprobs or 0) if req.logprobs else None
+    return req.logprobs
+
+
+def _structured_output(req: AnyRequest) -> StructuredOutput | None:
     """From response_format / structured_outputs, or, for a forced tool call (tool_choice
     "required" or a named function), the grammar of a K3 tool call of the allowed tools."""
     extra = req.model_extra or {}
     spec = StructuredOutput.from_request(extra.get("response_format"), extra.get("structured_outputs"))
-    forced = _forced_tool(req) if chat else None
-    if forced is None:
+    forced = _forced_tool(req) if isinstance(req, ChatCompletionRequest) else None
+    if forced is None or not isinstance(req, ChatCompletionRequest):
         return spec
     if spec is not None:
         raise InvalidRequest("tool_choice: a forced tool call cannot be combined with response_format or "
@@ -137,9 +144,9 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     return out
 
 
-def _prompt_logprobs(req: AnyRequest, chat: bool) -> int | None:
+def _prompt_logprobs(req: AnyRequest) -> int | None:
     """vLLM's `prompt_logprobs`; a completion with `echo` and `logprobs` scores its prompt too."""
-    wanted = [req.prompt_logprobs] + ([] if chat or not req.echo else [req.logprobs])
+    wanted = [req.prompt_logprobs] + ([req.logprobs] if isinstance(req, CompletionRequest) and req.echo else [])
     given = [n for n in wanted if n is not None]
     return max(given) if given else None
 
@@ -190,10 +197,11 @@ def _as_request_field(exc: InvalidSamplingParams, req: AnyRequest) -> InvalidSam
         renames["logprobs"] = "top_logprobs"
         if req.max_completion_tokens is not None:
             renames["max_tokens"] = "max_completion_tokens"
-    name = renames.get(exc.param or "")
+    param = exc.param or ""
+    name = renames.get(param)
     if name is None:
         return exc
-    message = name + exc.message.removeprefix(exc.param) if exc.message.startswith(exc.param) else exc.message
+    message = name + exc.message.removeprefix(param) if exc.message.startswith(param) else exc.message
     return InvalidSamplingParams(message, param=name)
 
 

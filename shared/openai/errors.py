@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pydantic import ValidationError
@@ -29,8 +30,9 @@ from shared.prompt.chat import ChatTemplateError
 try:  # FastAPI wraps body validation errors in its own class, with a leading "body" location
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException as StarletteHTTPException
+    HAVE_FASTAPI = True
 except ImportError:  # pragma: no cover - fastapi is optional for library users
-    RequestValidationError = StarletteHTTPException = None
+    HAVE_FASTAPI = False
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +64,7 @@ class ErrorResponse(OpenAIModel):
     error: ErrorDetail
 
 
-def error_response(status: int, message: str, type: str | None = None, code: str | None = None,
+def error_response(status: int, message: str, type: str | None = None, code: str | int | None = None,
                    param: str | None = None) -> ErrorResponse:
     """An error body; `type` and `code` default by status (see the module table)."""
     default_type, default_code = _DEFAULTS.get(status, _DEFAULTS[500])
@@ -113,10 +115,10 @@ def error_from_exception(exc: BaseException) -> tuple[int, ErrorResponse]:
     """The HTTP status and OpenAI error body for `exc`; unexpected errors are logged here."""
     if isinstance(exc, OpenAIError):
         return exc.status, exc.response()
-    if StarletteHTTPException is not None and isinstance(exc, StarletteHTTPException) and exc.status_code < 500:
+    if HAVE_FASTAPI and isinstance(exc, StarletteHTTPException) and exc.status_code < 500:
         message = {404: "Not found", 405: "Method not allowed"}.get(exc.status_code, str(exc.detail))
         return exc.status_code, error_response(exc.status_code, message)
-    if isinstance(exc, ValidationError) or (RequestValidationError and isinstance(exc, RequestValidationError)):
+    if isinstance(exc, ValidationError) or (HAVE_FASTAPI and isinstance(exc, RequestValidationError)):
         message, param = validation_message(exc.errors())
         return 400, error_response(400, message, param=param)
     if isinstance(exc, InvalidRequest):
@@ -134,7 +136,7 @@ def error_from_exception(exc: BaseException) -> tuple[int, ErrorResponse]:
     return 500, error_response(500, INTERNAL_ERROR_MESSAGE)
 
 
-def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+def validation_message(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | None]:
     """(message, param) for the first of pydantic's errors, naming the field at fault."""
     first = errors[0]
     loc = tuple(first.get("loc", ()))

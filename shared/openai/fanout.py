@@ -15,7 +15,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -23,20 +23,21 @@ from shared.openai.requests import ChatCompletionRequest, CompletionRequest
 from shared.openai.sse import SSE_DONE, SSEParser, sse_event
 
 AnyRequest = ChatCompletionRequest | CompletionRequest
+R = TypeVar("R", ChatCompletionRequest, CompletionRequest)   # one endpoint's request type
 
 
 @dataclass(frozen=True)
-class SubRequest:
+class SubRequest(Generic[R]):
     prompt_index: int
     sequence: int
-    request: AnyRequest
+    request: R
 
 
 def needs_fan_out(req: AnyRequest) -> bool:
     return req.n > 1 or (isinstance(req, CompletionRequest) and (req.is_batch or (req.best_of or 1) > 1))
 
 
-def split(req: AnyRequest) -> list[SubRequest]:
+def split(req: R) -> list[SubRequest[R]]:
     """One sub-request per (prompt, sequence), in choice order."""
     prompts = req.prompts if isinstance(req, CompletionRequest) else [None]
     per_prompt = req.num_sequences if isinstance(req, CompletionRequest) else req.n
@@ -53,7 +54,7 @@ def split(req: AnyRequest) -> list[SubRequest]:
     return subs
 
 
-async def fan_out(req: AnyRequest, run_one: Callable[[AnyRequest], Awaitable[Response]]) -> Response:
+async def fan_out(req: R, run_one: Callable[[R], Awaitable[Response]]) -> Response:
     """Run every sub-request with `run_one` (the endpoint's one-request path) and merge the answers.
     The first error answer (a non-200) is the whole request's answer; the others are closed."""
     subs = split(req)
@@ -138,8 +139,11 @@ async def _merged_stream(req: AnyRequest, subs: list[SubRequest], responses: lis
     try:
         for sub, response in zip(subs, responses, strict=False):
             parser = SSEParser()
+            if not isinstance(response, StreamingResponse):  # a 200 answer to a streamed request streams
+                raise TypeError(f"a streamed sub-request was answered with a {type(response).__name__}")
             async for raw in response.body_iterator:
-                for event in parser.feed(raw if isinstance(raw, bytes) else raw.encode()):
+                data = raw if isinstance(raw, bytes) else raw.encode() if isinstance(raw, str) else bytes(raw)
+                for event in parser.feed(data):
                     if event.is_done:
                         continue
                     if event.is_error:

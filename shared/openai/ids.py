@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 
 MAX_REQUEST_ID_CHARS = 128
-_SAFE = re.compile(r"[!#-~]{1,%d}" % MAX_REQUEST_ID_CHARS)       # printable ASCII, no space, no '"'
+_SAFE = re.compile(rf"[!#-~]{{1,{MAX_REQUEST_ID_CHARS}}}")       # printable ASCII, no space, no '"'
 
 
 def is_safe_request_id(value: object) -> bool:

@@ -1,4 +1,4 @@
-"""The bodies of the two legs of a disaggregated request, in vLLM's P/D protocol (DESIGN.md).
+"""The bodies of the two legs of a disaggregated request, in vLLM's P/D protocol (docs/design.md).
 
 Bodies are built from what the client sent (`exclude_unset`), so unknown fields and vendor
 extensions reach the workers unchanged and the workers render the same prompt the router hashed.

@@ -90,7 +90,8 @@ def prompt_logprobs_body(scores: PromptScores, token_text: TokenText) -> list[di
     return body
 
 
-def echo_logprobs(prompt_ids: Sequence[int], scores: PromptScores, top_n: int, token_text: TokenText) -> CompletionLogprobs:
+def echo_logprobs(prompt_ids: Sequence[int], scores: PromptScores, top_n: int,
+                  token_text: TokenText) -> CompletionLogprobs:
     """The prompt part of an echoed completion's logprobs: the first token has none (null), the
     others their logprob and, with `top_n`, that many alternatives plus the token itself."""
     out = CompletionLogprobs()

@@ -5,7 +5,7 @@ Checks here are about shape (what a K3 prompt can be rendered from); the rendere
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 from pydantic import Field, model_validator
 
@@ -43,7 +43,10 @@ class ContentPart(OpenAIModel):
         return self
 
 
-Content = by_kind("a string or a list of content parts", str=str, list=list[ContentPart])
+if TYPE_CHECKING:  # what `by_kind` builds at runtime, spelled so the type checker can read it
+    Content: TypeAlias = str | list[ContentPart]
+else:
+    Content = by_kind("a string or a list of content parts", str=str, list=list[ContentPart])
 
 
 class FunctionCall(OpenAIModel):

@@ -6,7 +6,7 @@ request's shape live here. Names, types and defaults follow vLLM's `protocol.py`
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 from pydantic import Field, field_validator, model_validator
 
@@ -15,7 +15,10 @@ from shared.openai.ids import MAX_REQUEST_ID_CHARS, is_safe_request_id
 from shared.openai.messages import ChatMessage, Tool, ToolChoice
 from shared.sampling_params import MAX_N
 
-Stop = by_kind("a string or a list of strings", str=str, list=list[str])
+if TYPE_CHECKING:  # what `by_kind` builds at runtime, spelled so the type checker can read it
+    Stop: TypeAlias = str | list[str]
+else:
+    Stop = by_kind("a string or a list of strings", str=str, list=list[str])
 
 
 class StreamOptions(OpenAIModel):
@@ -149,7 +152,7 @@ def _check_one(prompt: Any, where: str | None) -> str | list[int]:
     return prompt
 
 
-def _check_prompt(prompt: Any) -> str | list[int] | list[str] | list[list[int]]:
+def _check_prompt(prompt: Any) -> str | list[int] | list[str | list[int]]:
     """One prompt, or a batch (a list of strings or of token-id lists); a one-element batch is unwrapped."""
     if isinstance(prompt, list) and prompt and all(isinstance(x, (str, list)) for x in prompt):
         if len(prompt) > MAX_PROMPTS:
@@ -177,7 +180,18 @@ class CompletionRequest(SamplingRequest):
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts, one or many."""
         p = self.prompt
-        return list(p) if isinstance(p, list) and p and not isinstance(p[0], int) else [p]
+        if isinstance(p, list) and p and not isinstance(p[0], int):
+            return list(p)
+        return [cast("str | list[int]", p)]  # a list whose first item is an int is one token-id prompt
+
+    @property
+    def single_prompt(self) -> str | list[int]:
+        """The prompt of a request that is not a batch (batches are fanned out into single-prompt
+        sub-requests before a prompt is prepared); raises ValueError on a batch."""
+        prompts = self.prompts
+        if len(prompts) != 1:
+            raise ValueError(f"a batch of {len(prompts)} prompts has no single prompt; fan it out first")
+        return prompts[0]
 
     @property
     def is_batch(self) -> bool:

@@ -134,7 +134,6 @@ class ChatCompletionChunk(OpenAIModel):
     choices: list[ChatCompletionChunkChoice]
     usage: Usage | None = None
     prompt_logprobs: list[dict[str, Any] | None] | None = None      # vLLM extra, once, before the content
-    kv_transfer_params: dict[str, Any] | None = None
 
 
 # ---- text completions --------------------------------------------------------------------------
@@ -166,7 +165,6 @@ class CompletionChunk(OpenAIModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
-    kv_transfer_params: dict[str, Any] | None = None
 
 
 # ---- models ------------------------------------------------------------------------------------

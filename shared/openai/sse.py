@@ -1,7 +1,7 @@
 """Server-sent events: framing for the OpenAI streams, and an incremental parser for relays.
 
 A stream is `data: {chunk}` events then `data: [DONE]`. A stream that fails after it started sends
-an `event: error` frame whose data is an OpenAI error body, then `[DONE]` (DESIGN.md), never a
+an `event: error` frame whose data is an OpenAI error body, then `[DONE]` (docs/http.md, Errors and headers), never a
 silent end; the official OpenAI client raises an `APIError` on it. Stock vLLM instead sends
 `data: {"error": ...}` (or, in older versions, `{"object": "error", ...}`); `SSEEvent.error`
 recognises all three.
@@ -36,7 +36,7 @@ def sse_event(data: BaseModel | Mapping[str, Any] | str, *, event: str | None = 
     return (head + "".join(f"data: {line}\n" for line in _LINE_BREAK.split(text)) + "\n").encode()
 
 
-def sse_error(status: int, message: str, type: str | None = None, code: str | None = None,
+def sse_error(status: int, message: str, type: str | None = None, code: str | int | None = None,
               param: str | None = None) -> bytes:
     """An `event: error` frame with an OpenAI error body; the stream should then send `SSE_DONE`."""
     return sse_event(error_response(status, message, type, code, param), event="error")
@@ -99,9 +99,9 @@ class SSEParser:
         return bool(self._buf or self._data or self._event)
 
     def feed(self, chunk: bytes) -> list[SSEEvent]:
-        events = self._whole_data_events(chunk)
-        if events is not None:
-            return events
+        whole = self._whole_data_events(chunk)
+        if whole is not None:
+            return whole
         if self._skip_lf and chunk:
             chunk = chunk[1:] if chunk[:1] == b"\n" else chunk
             self._skip_lf = False

@@ -64,12 +64,13 @@ Choices where the sources are silent or disagree:
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from shared.prompt.render_memo import SHORT_CHARS
 from shared.prompt.tokenizer import KimiTokenizer
+from shared.prompt.tool_order import call_targets, optional_str, with_results_in_call_order
 
 THINKING_EFFORTS = ("low", "medium", "high", "max")   # exactly the values THINKING_EFFORT_BODY lists
 DEFAULT_THINKING_EFFORT = "max"
@@ -266,7 +267,7 @@ def _render_tool_declarations(out: _Builder, tools: list[dict[str, Any]]) -> Non
 
 def _render_messages(out: _Builder, messages: list[dict[str, Any]], *, thinking: bool, keep_reasoning: bool) -> None:
     book = _CallBook()
-    for where, message in _with_results_in_call_order(messages):
+    for where, message in with_results_in_call_order(messages):
         role = _role(where, message)
         if role == "assistant":
             book = _CallBook(_render_assistant(out, where, message, thinking=thinking, keep_reasoning=keep_reasoning))
@@ -371,7 +372,7 @@ def _normalize_call(where: str, call: Any) -> _Call:
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str) or not name:
         raise ChatTemplateError(f"{where} needs a non-empty function name")
-    return _optional_str(call.get("id")), name, _arguments(where, fn.get("arguments"))
+    return optional_str(call.get("id")), name, _arguments(where, fn.get("arguments"))
 
 
 def _arguments(where: str, arguments: Any) -> dict[str, Any] | str:
@@ -418,7 +419,7 @@ def _xtml_type(value: Any) -> str:
     return "object" if isinstance(value, dict) else "array"
 
 
-# ---- tool results -------------------------------------------------------------------------------
+# ---- tool results (their order: shared.prompt.tool_order) -------------------------------------
 
 
 @dataclass
@@ -440,67 +441,11 @@ class _CallBook:
                 raise ChatTemplateError(f"{where} (tool) is a result beyond the assistant's {len(self.calls)} calls")
             position = free[0]
         else:
-            position = call_targets(self.calls).get(str(call_id))
-            if position is None:
+            found = call_targets(self.calls).get(str(call_id))
+            if found is None:
                 raise ChatTemplateError(f"{where} (tool) answers unknown tool_call_id {call_id!r}")
+            position = found
             if position in self.answered:
                 raise ChatTemplateError(f"{where} (tool) is a second result for tool_call_id {call_id!r}")
         self.answered.append(position)
         return position + 1, self.calls[position][1]
-
-
-def call_targets(calls: Sequence[tuple[str | None, str | None]]) -> dict[str, int]:
-    """Every id a tool result may name -> its call's 0-based position.
-
-    As in vLLM 0.32, each call answers to its own id and to the alias `NAME:POS`; on a clash the
-    earlier registration wins (call by call, the id before the alias).
-    """
-    targets: dict[str, int] = {}
-    for position, (call_id, name) in enumerate(calls):
-        for alias in ((call_id,) if call_id else ()) + ((f"{name}:{position}",) if name else ()):
-            targets.setdefault(alias, position)
-    return targets
-
-
-def _with_results_in_call_order(messages: list[dict[str, Any]]) -> Iterator[tuple[str, Any]]:
-    """Messages with their `messages[i]` labels; each run of tool results sorted into call order.
-
-    OpenAI clients bind results by `tool_call_id` and may send them in any order, while XTML binds
-    them by position, so a run is reordered by the position of the call it answers.
-    """
-    positions: dict[str, int] = {}
-    run: list[tuple[str, Any]] = []
-    for i, message in enumerate(messages):
-        where = f"messages[{i}]"
-        if isinstance(message, dict) and message.get("role") == "tool":
-            run.append((where, message))
-            continue
-        yield from _sorted_run(run, positions)
-        run = []
-        if isinstance(message, dict) and message.get("role") == "assistant":
-            positions = _call_positions(message.get("tool_calls"))
-        yield where, message
-    yield from _sorted_run(run, positions)
-
-
-def _call_positions(tool_calls: Any) -> dict[str, int]:
-    """`call_targets` of a raw `tool_calls` list (calls without a usable name answer to their id only)."""
-    calls: list[tuple[str | None, str | None]] = []
-    for call in tool_calls if isinstance(tool_calls, list) else []:
-        call = call if isinstance(call, dict) else {}
-        fn = call.get("function", call)
-        name = fn.get("name") if isinstance(fn, dict) else None
-        calls.append((_optional_str(call.get("id")), name if isinstance(name, str) else None))
-    return call_targets(calls)
-
-
-def _sorted_run(run: list[tuple[str, Any]], positions: dict[str, int]) -> list[tuple[str, Any]]:
-    keys = [_optional_str(message.get("tool_call_id")) for _, message in run]
-    if not all(key is not None and key in positions for key in keys):
-        return run  # an unbound result is reported, with its own label, while rendering
-    order = sorted(range(len(run)), key=lambda i: positions[keys[i]])
-    return [run[i] for i in order]
-
-
-def _optional_str(value: Any) -> str | None:
-    return None if value is None else str(value)

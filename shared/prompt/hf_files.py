@@ -189,7 +189,7 @@ _TEMPLATE = r"""{%- macro attr(value) -%}{{ value|string|replace('&', '&amp;')|r
 {%- endfor -%}
 {%- if add_generation_prompt -%}
 <|open|>message role="assistant"<|sep|>{{ '<|open|>think<|sep|>' if thinking else '<|open|>response<|sep|>' }}
-{%- endif -%}"""
+{%- endif -%}"""  # noqa: E501 - Jinja source: its lines are the shipped chat_template's bytes, wrapping changes them
 
 
 

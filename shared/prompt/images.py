@@ -9,6 +9,7 @@ only: servers fetch nothing); `content_hash` is what prefix hashing keys an imag
 from __future__ import annotations
 
 import base64
+import binascii
 import io
 import math
 import operator
@@ -27,6 +28,7 @@ ROPE_MAX_GRID = 512
 # load_image limits: encoded size, and decoded pixels (checked from the header, before decoding).
 MAX_IMAGE_BYTES = 32 * 1024 * 1024
 MAX_DECODED_PIXELS = 16 * 1024 * 1024      # a 16 Mpx photo; every image is resized to max_image_pixels anyway
+MAX_REQUEST_PIXELS = 4 * MAX_DECODED_PIXELS  # all of one request's images: bounds what one request decodes at once
 
 
 def resized_size(cfg: VisionConfig, height: int, width: int) -> tuple[int, int]:
@@ -116,10 +118,40 @@ def decode_image_part(part: dict[str, Any]) -> Image.Image:
     """A PIL image from an OpenAI content part: {"type": "image", "image": PIL} or a data: URL."""
     if part.get("type") == "image" and "image" in part:
         return part["image"]
-    url = (part.get("image_url") or {}).get("url", "") if isinstance(part.get("image_url"), dict) else part.get("image_url", "")
+    image_url = part.get("image_url")
+    url = image_url.get("url", "") if isinstance(image_url, dict) else part.get("image_url", "")
+    return load_image(data_url_bytes(url))
+
+
+def data_url_bytes(url: object) -> bytes:
+    """The encoded image of a base64 data: URL (the only kind accepted: servers fetch nothing)."""
     if not isinstance(url, str) or not url.startswith("data:") or ";base64," not in url:
         raise ValueError("images must be given as data: URLs with base64 content (no network fetches)")
-    return load_image(base64.b64decode(url.split(";base64,", 1)[1], validate=True))
+    try:
+        return base64.b64decode(url.split(";base64,", 1)[1], validate=True)
+    except binascii.Error as exc:
+        raise ValueError(f"the data: URL is not valid base64 ({exc})") from None
+
+
+def declared_pixels(data: bytes) -> int:
+    """Width x height as the encoded image's header declares them, without decoding its pixels (0 when
+    the header cannot be read: decoding then fails with the proper message)."""
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            width, height = image.size
+    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError, SyntaxError):
+        return 0
+    return width * height
+
+
+def load_images(encoded: list[bytes], max_total_pixels: int = MAX_REQUEST_PIXELS) -> list[Image.Image]:
+    """Decode one request's images, after checking from their headers alone that together they stay
+    within `max_total_pixels` (20 images at the per-image cap would otherwise take ~1 GB at once)."""
+    total = sum(declared_pixels(data) for data in encoded)
+    if total > max_total_pixels:
+        raise ValueError(f"the request's {len(encoded)} images have {total} pixels in all, over the "
+                         f"{max_total_pixels}-pixel limit for one request")
+    return [load_image(data) for data in encoded]
 
 
 def content_hash(image: Image.Image) -> bytes:

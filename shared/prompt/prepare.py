@@ -15,7 +15,7 @@ from shared.errors import InvalidRequest
 from shared.hashing import ImageSpan
 from shared.model_config import VisionConfig
 from shared.prompt.chat import render_chat
-from shared.prompt.images import content_hash, decode_image_part, num_image_tokens
+from shared.prompt.images import content_hash, data_url_bytes, load_images, num_image_tokens
 from shared.prompt.tokenizer import KimiTokenizer
 
 
@@ -40,9 +40,10 @@ class PreparedPrompt:
         return [ImageSpan(i.start, i.length, content_hash(i.image)) for i in self.images]
 
 
-def decode_image_url(url: str) -> Image.Image:
+def decode_image_urls(urls: list[str]) -> list[Image.Image]:
+    """One request's images, decoded within the per-image and per-request pixel limits; a bad one is a 400."""
     try:
-        return decode_image_part({"type": "image_url", "image_url": {"url": url}})
+        return load_images([data_url_bytes(url) for url in urls])
     except ValueError as exc:
         raise InvalidRequest(f"image_url: {exc}", param="messages") from exc
 

@@ -18,16 +18,14 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
-import threading
 import time
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
+from shared.lifetime import die_with_parent_hook
 from shared.net import free_port
 
 log = logging.getLogger(__name__)
@@ -85,24 +83,6 @@ def _reap(proc: _Proc, timeout_s: float = 5.0) -> None:
     if proc.data_dir is not None:
         shutil.rmtree(proc.data_dir, ignore_errors=True)
         proc.data_dir = None
-
-
-def _die_with_parent_hook() -> Callable[[], None] | None:
-    """A preexec_fn that sets PR_SET_PDEATHSIG=SIGKILL, or None where that is unsafe/unsupported.
-
-    The signal fires when the *thread* that forked exits, so it is used only from the main thread.
-    """
-    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
-        return None
-    import ctypes
-    prctl = ctypes.CDLL(None, use_errno=True).prctl   # resolved before fork
-    parent = os.getpid()
-
-    def hook() -> None:
-        prctl(1, signal.SIGKILL, 0, 0, 0)              # 1 = PR_SET_PDEATHSIG
-        if os.getppid() != parent:                     # parent already gone
-            os._exit(1)
-    return hook
 
 
 class EmbeddedValkey:
@@ -221,7 +201,7 @@ class EmbeddedValkey:
             self._proc.popen = subprocess.Popen(
                 [str(self._binary), *self._config_file(data_dir), *self._argv(data_dir)[1:]], cwd=data_dir,
  stdin=subprocess.DEVNULL, stdout=log_file,
-                stderr=subprocess.STDOUT, preexec_fn=_die_with_parent_hook())
+                stderr=subprocess.STDOUT, preexec_fn=die_with_parent_hook())
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self._startup_timeout_s

@@ -22,6 +22,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.typing import EncodableT, StreamRangeResponse
 
 from shared.kv_events import KVEventBatch, decode_batch, encode_batch
 from shared.store.base import (
@@ -74,8 +75,28 @@ def _pack(obj: Any) -> bytes:
     return msgpack.packb(obj)
 
 
-def _unpack(data: bytes) -> Any:
-    return msgpack.unpackb(data, strict_map_key=False)
+def _bytes(value: object) -> bytes:
+    """A reply value as bytes: redis-py types replies for both decode modes, and this client never
+    decodes (`decode_responses=False`), so anything else is a malformed reply."""
+    if not isinstance(value, bytes):
+        raise TypeError(f"expected bytes from the state store, got {type(value).__name__}")
+    return value
+
+
+def _unpack(data: object) -> Any:
+    return msgpack.unpackb(_bytes(data), strict_map_key=False)
+
+
+def _event_rows(rows: StreamRangeResponse | None) -> list[tuple[int, KVEventBatch]]:
+    """(seq, batch) of each stream entry (entry ids are `<seq>-0`)."""
+    if rows is None:
+        raise TypeError("the state store answered XRANGE with nothing")
+    out = []
+    for entry_id, fields in rows:
+        if fields is None:
+            raise TypeError(f"kv event entry {entry_id!r} has no fields")
+        out.append((int(_bytes(entry_id).split(b"-", 1)[0]), decode_batch(_bytes(fields[b"b"]))))
+    return out
 
 
 def redact_url(url: str) -> str:
@@ -150,8 +171,8 @@ class RedisStore:
         check_ttl(ttl_s)
         now, k = time.time(), self._keys
         keys = [k.worker(worker_id), k.load(worker_id), k.index, *k.kv(worker_id)]
-        args = [_ms(ttl_s), _pack({"load": load.to_dict(), "last_seen": now}), worker_id,
-                repr(now + ttl_s), self._retain_ms]
+        args: list[EncodableT] = [_ms(ttl_s), _pack({"load": load.to_dict(), "last_seen": now}), worker_id,
+                                  repr(now + ttl_s), self._retain_ms]
         return bool(await self._run("heartbeat", lambda: self._heartbeat_script(keys, args)))
 
     async def deregister(self, worker_id: str) -> None:
@@ -168,7 +189,7 @@ class RedisStore:
         return await self._run("workers", self._list_workers)
 
     async def publish_kv_events(self, worker_id: str, batch: KVEventBatch) -> int:
-        args = [encode_batch(batch), self._maxlen, self._retain_ms]
+        args: list[EncodableT] = [encode_batch(batch), self._maxlen, self._retain_ms]
         seq = await self._run("publish_kv_events", lambda: self._publish_script(self._keys.kv(worker_id), args))
         return int(seq)
 
@@ -177,7 +198,7 @@ class RedisStore:
         check_read(after, limit)
         rows = await self._run("read_kv_events", lambda: self._redis.xrange(
             self._keys.events(worker_id), min=f"{after + 1}-0", max="+", count=limit))
-        return [(int(entry_id.split(b"-", 1)[0]), decode_batch(fields[b"b"])) for entry_id, fields in rows]
+        return _event_rows(rows)
 
     async def write_kv_snapshot(self, worker_id: str, seq: int, block_hashes: list[int]) -> None:
         k, ms = self._keys, self._retain_ms
@@ -219,7 +240,8 @@ class RedisStore:
             if info_raw is None:                   # expired or deregistered: the key is the truth
                 continue
             try:                                   # one bad record (not written by a worker) is skipped, not fatal
-                load = _unpack(load_raw) if load_raw is not None else {"load": {}, "last_seen": 0.0}
+                load: dict[str, Any] = (_unpack(load_raw) if load_raw is not None
+                                        else {"load": {}, "last_seen": 0.0})
                 records.append(WorkerRecord(WorkerInfo.from_dict(_unpack(info_raw)),
                                             LoadReport.from_dict(load["load"]), float(load["last_seen"])))
             except (ValueError, KeyError, TypeError) as exc:

@@ -1,6 +1,6 @@
-"""Run in a fresh interpreter by test_router_torch_free: the `kimi-pd` parser, then a router over two stub workers (P and D, in
-this process, on free loopback ports) serves one P/D chat request and one decode-only completion, then
-reports which heavy modules got imported."""
+"""Run in a fresh interpreter by test_router_torch_free: the `kimi-pd` parser, then a router over two stub
+workers (P and D, in this process, on free loopback ports) serves one P/D chat request and one decode-only
+completion, then reports which heavy modules got imported."""
 from __future__ import annotations
 
 import json

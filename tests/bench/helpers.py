@@ -14,10 +14,12 @@ SUMMARY_KEYS = ["duration", "completed", "failed", "total_input_tokens", "total_
                 "max_concurrent_requests", "total_cached_tokens", "cached_token_ratio", "cold_requests",
                 "prefix_hit_requests", "median_ttft_cold_ms", "median_ttft_prefix_hit_ms", "date", "backend",
                 "model_id", "num_prompts", "request_rate", "max_concurrency"]
-LATENCY_KEYS = [f"{stat}_{name}_ms" for name in ("ttft", "tpot", "itl", "e2el") for stat in ("mean", "median", "std", "p99")]
+LATENCY_KEYS = [f"{stat}_{name}_ms"
+                for name in ("ttft", "tpot", "itl", "e2el") for stat in ("mean", "median", "std", "p99")]
 
 
-def run_bench(url: str, tokenizer: Path, result_dir: Path, *args: str, timeout_s: float = 180) -> tuple[dict, list[Path]]:
+def run_bench(url: str, tokenizer: Path, result_dir: Path, *args: str,
+              timeout_s: float = 180) -> tuple[dict, list[Path]]:
     cmd = [sys.executable, "-m", "kimi_pd", "bench", "--url", url, "--tokenizer", str(tokenizer), "--save-result",
            "--result-dir", str(result_dir), "--result-filename", "run.json", "--disable-tqdm", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)

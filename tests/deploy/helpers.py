@@ -256,7 +256,7 @@ def compose_command() -> list[str] | None:
     except ImportError:
         pass
     standalone = shutil.which("docker-compose")
-    if standalone and Path(standalone).read_bytes()[:4] == b"\x7fELF":
-        if " v2." in run([standalone, "version"], text=True).stdout:
-            return [standalone]
+    if (standalone and Path(standalone).read_bytes()[:4] == b"\x7fELF"
+            and " v2." in run([standalone, "version"], text=True).stdout):
+        return [standalone]
     return None

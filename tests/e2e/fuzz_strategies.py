@@ -40,7 +40,8 @@ def png(width: int, height: int) -> str:
 
 
 HOSTILE_STRINGS = ["", "\x00", "a\x00b", "\ud800", "\udfff x", "\u202e", "é" * 50, "x" * 5000, "\r\nx: y",
-                   "{{}}", "<|im_end|>", "<|kimi_special|>", "[DONE]", "data: [DONE]\n\n", "\\", "%s%n", "../../etc/passwd"]
+                   "{{}}", "<|im_end|>", "<|kimi_special|>", "[DONE]", "data: [DONE]\n\n", "\\", "%s%n",
+                   "../../etc/passwd"]
 HOSTILE_NUMBERS = [-1, 0, 1, 2, -(2 ** 63), 2 ** 63, 2 ** 64, 10 ** 18, 1e308, -1e308, 1e-320, 0.5, -0.0, 3.7, 10 ** 30]
 scalars = st.one_of(st.none(), st.booleans(), st.sampled_from(HOSTILE_NUMBERS), st.sampled_from(HOSTILE_STRINGS),
                     st.integers(-(2 ** 70), 2 ** 70), st.floats(allow_nan=False, allow_infinity=False),
@@ -80,7 +81,8 @@ CHAT_FIELDS = {
     "tool_choice": values | st.sampled_from(["auto", "none", "required"]),
     "request_id": st.sampled_from(HOSTILE_STRINGS) | values | st.just("ok-id-1"),
     "kv_transfer_params": values | st.fixed_dictionaries({}, optional={
-        "do_remote_prefill": values, "do_remote_decode": values, "remote_host": st.sampled_from(["127.0.0.1", "", "\x00"]) | values,
+        "do_remote_prefill": values, "do_remote_decode": values,
+        "remote_host": st.sampled_from(["127.0.0.1", "", "\x00"]) | values,
         "remote_port": st.sampled_from([0, 1, 65536, -1]) | values, "remote_request_id": values,
         "remote_engine_id": values, "remote_block_ids": values, "interface_version": values}),
     "chat_template_kwargs": values, "reasoning_effort": values | st.sampled_from(["low", "high", "max"]),
@@ -134,7 +136,8 @@ RAW_BODIES = st.one_of(
 PATHS = ["/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/ready", "/metrics", "/nope",
          "/v1/chat/completions/x", "/docs", "/openapi.json", "/admin/workers", "/admin/workers/x/drain",
          "/admin/drain", "/internal/kv/release", "/v1/embeddings", "/%00", "/v1/../admin/workers"]
-HEADERS = st.dictionaries(st.sampled_from(["x-request-id", "content-type", "authorization", "accept", "x-forwarded-for"]),
+HEADERS = st.dictionaries(st.sampled_from(["x-request-id", "content-type", "authorization", "accept",
+                                           "x-forwarded-for"]),
                           st.sampled_from([b"application/json", b"text/plain", b"Bearer nope", b"\xc3\xa9\xc3\xa9",
                                            b"y" * 2000, b"", b"multipart/form-data; boundary=x"]), max_size=2)
 

@@ -63,7 +63,7 @@ def test_echo_logprobs_equal_offline_prompt_logprobs(fleet, client, offline, str
                                         logprobs=1, echo=True)
         texts = {c.index: c.text for c in got.choices}
         token_logprobs = {c.index: c.logprobs.token_logprobs for c in got.choices}
-        for c, ids in zip(sorted(got.choices, key=lambda c: c.index), prompts, strict=False):
+        for c in sorted(got.choices, key=lambda c: c.index):
             top = c.logprobs.top_logprobs
             assert top[0] is None and all(len(t) in (1, 2) for t in top[1:])
     assert sorted(texts) == [0, 1, 2]
@@ -108,7 +108,8 @@ def test_prompt_logprobs_on_chat_and_completions(fleet, offline, stream):
         assert got.status_code == 200, got.text
         scores = got.json()["prompt_logprobs"]
     assert scores[0] is None and len(scores) == len(rendered.prompt_token_ids)
-    for entry, want, token in zip(scores[1:], expected.prompt_logprobs[1:], rendered.prompt_token_ids[1:], strict=False):
+    for entry, want, token in zip(scores[1:], expected.prompt_logprobs[1:], rendered.prompt_token_ids[1:],
+                                  strict=False):
         assert _close(entry[str(token)]["logprob"], want.logprob) and entry[str(token)]["rank"] == want.rank
         assert {int(k) for k in entry} == {token, *(i for i, _ in want.top)}
     completion = httpx.post(fleet.r.url + "/v1/completions", timeout=60, json={
@@ -154,7 +155,8 @@ def test_n_sequences_prefill_the_prompt_once_through_pd(fleet, client, offline, 
         offline.tokenizer.encode("Another prompt for four streamed sequences. " * 5)[:41]
     params = SamplingParams(temperature=0.9, seed=21, n=4, max_tokens=4, ignore_eos=True)
     expected = [o.text for o in offline.generate(prompt, params)[0].outputs]
-    before = {m: metric(fleet.p.url, f"kimi_pd_worker_{m}") for m in ("prompt_tokens_total", "cached_prompt_tokens_total")}
+    before = {m: metric(fleet.p.url, f"kimi_pd_worker_{m}")
+              for m in ("prompt_tokens_total", "cached_prompt_tokens_total")}
     kwargs = dict(model="kimi-k3", prompt=prompt, n=4, temperature=0.9, seed=21, max_tokens=4,
                   extra_body={"ignore_eos": True})
     if stream:
@@ -305,6 +307,18 @@ def test_bad_structured_outputs_are_400s(fleet):
         assert resp.json()["error"]["param"].split(".")[0] in ("structured_outputs", "response_format")
 
 
+def test_a_grammar_over_the_workers_budget_is_a_400_and_harms_nothing(fleet, client):
+    """A 100 KB regex (the default limit is 64 KiB): refused by name before any engine compiles it."""
+    huge = "(" + "|".join(f"word{i}" for i in range(12_000)) + ")"
+    resp = httpx.post(fleet.r.url + "/v1/completions", timeout=20,
+                      json={"prompt": "x", "max_tokens": 3, "structured_outputs": {"regex": huge}})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == "structured_outputs" and "over this server's limit of 65536 bytes" in error["message"]
+    done = client.completions.create(model="kimi-k3", prompt=PROMPTS[0], max_tokens=3, temperature=0)
+    assert done.choices[0].finish_reason == "length"
+
+
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                            "required": ["city"]}}}
@@ -367,7 +381,8 @@ def test_chat_skip_special_tokens_default_strips_them_and_false_keeps_them(clien
     strip = SpecialTokenStrip(offline.tokenizer.special_tokens)
     answers = {}
     for skip in (None, True, False):        # None: the field unset (vLLM's default, true)
-        extra = {"ignore_eos": True, "reasoning_effort": effort, **({} if skip is None else {"skip_special_tokens": skip})}
+        extra = {"ignore_eos": True, "reasoning_effort": effort,
+                 **({} if skip is None else {"skip_special_tokens": skip})}
         kwargs = dict(model="kimi-k3", messages=messages, max_tokens=16, temperature=0, extra_body=extra)
         if stream:
             deltas = [c.choices[0].delta for c in client.chat.completions.create(stream=True, **kwargs) if c.choices]
@@ -376,7 +391,8 @@ def test_chat_skip_special_tokens_default_strips_them_and_false_keeps_them(clien
         else:
             m = client.chat.completions.create(**kwargs).choices[0].message
             got = (getattr(m, "reasoning_content", None) or "", m.content or "")
-        want = shape_chat_message(text, thinking=thinking, tools_requested=False, strip=strip if skip is not False else None)
+        want = shape_chat_message(text, thinking=thinking, tools_requested=False,
+                                  strip=strip if skip is not False else None)
         assert got == (want.reasoning_content or "", want.content or ""), skip
         answers[skip] = got
     assert answers[None] == answers[True] != answers[False]

@@ -44,7 +44,8 @@ def fleet(tmp_path_factory, e2e_model):
         for router, pair in ((f.wide_prefill, {f.p2.url, f.d1.url}), (f.wide_decode, {f.p1.url, f.d2.url})):
             f.wait(router, "/ready")
             # /ready needs a decode worker; the prefill worker is placed once the router lists it healthy
-            eventually(lambda: healthy_workers(router) == pair, timeout_s=60, what=f"{router.name} to list {pair}")
+            eventually(lambda router=router, pair=pair: healthy_workers(router) == pair, timeout_s=60,
+                       what=f"{router.name} to list {pair}")
         yield f
 
 

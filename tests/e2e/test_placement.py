@@ -36,7 +36,7 @@ def fleet(tmp_path_factory, e2e_model, redis_url):
         for proc in (f.pa, f.pb, f.d, f.r1, f.r2):
             f.wait(proc)
         for r in (f.r1, f.r2):
-            eventually(lambda: len(workers_view(r.url)) == 3, what="router sees 3 workers")
+            eventually(lambda r=r: len(workers_view(r.url)) == 3, what="router sees 3 workers")
             f.wait(r, "/ready")
         yield f
 

@@ -28,8 +28,8 @@ def raw_post(url: str, path: str, body: bytes, extra_header: bytes) -> bytes:
     host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=10) as sock:
         sock.sendall(b"POST " + path.encode() + b" HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                     + extra_header + b"\r\ncontent-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n"
-                     + body)
+                     + extra_header + b"\r\ncontent-length: " + str(len(body)).encode()
+                     + b"\r\nconnection: close\r\n\r\n" + body)
         reply = b""
         while chunk := sock.recv(65536):
             reply += chunk

@@ -107,7 +107,8 @@ def test_router_pd_constrained_requests_speculate_and_equal_offline(fleet, offli
         assert got.json()["choices"][0]["text"] == want.text
         assert want.token_ids != free[0].output.token_ids
     other = httpx.post(fleet.r.url + "/v1/completions", timeout=60, json={
-        "model": "kimi-k3", "prompt": PROMPTS[1], "temperature": 0, "max_tokens": 40, "structured_outputs": {"json": SCHEMA}})
+        "model": "kimi-k3", "prompt": PROMPTS[1], "temperature": 0, "max_tokens": 40,
+        "structured_outputs": {"json": SCHEMA}})
     jsonschema.validate(json.loads(other.json()["choices"][0]["text"]), SCHEMA)       # still valid for its schema
     assert metric(fleet.d.url, "kimi_pd_worker_spec_decode_num_drafts_total") > drafts_before
 

@@ -10,7 +10,7 @@ from engine.model.kda import KDAOptions
 from engine.model.kimi_k3 import KimiK3ForConditionalGeneration, ModelOptions
 from engine.presets import preset_config
 
-TEST_KDA_CHUNK = 8      # MODEL.md 15: chunk 8 makes short prompts cross chunk boundaries
+TEST_KDA_CHUNK = 8      # docs/model.md, Presets: chunk 8 makes short prompts cross chunk boundaries
 
 
 def tiny_model(options: ModelOptions | None = None, dtype=torch.float32, seed: int = 0,

@@ -48,7 +48,7 @@ def fla_gate_functions() -> dict[str, object]:
 
 
 def kda_float64_loop(q, k, v, g, beta, state, scale):
-    """The recurrence of MODEL.md 3.2, one head and one token at a time, in float64.
+    """The recurrence of docs/model.md, KDA, one head and one token at a time, in float64.
 
     q, k: [T, H, K] (already l2-normalised), v: [T, H, V], g: [T, H, K], beta: [T, H], state: [H, K, V].
     """

@@ -2,14 +2,18 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 
 import pytest
 
 from engine.async_engine import AsyncEngine
 from engine.checkpoint.create import create_checkpoint
 from engine.core.engine import EngineConfig, LLMEngine
+from engine.structured_output import GrammarBudget
 from shared.errors import EngineDead, InvalidRequest
 from shared.sampling_params import SamplingParams
+from shared.structured_output import StructuredOutput
 from tests.engine.core.helpers import SETTINGS, assert_clean, make_llm, prompt_ids
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -149,5 +153,56 @@ def test_engine_thread_does_not_spin_while_nothing_can_be_admitted(tiny_dir):
         held, spent, first = asyncio.run(main())
         assert held[-1].finished and first.output.token_ids
         assert spent < 0.5, f"engine thread burned {spent:.2f} CPU s in 1 s while stalled"
+    finally:
+        eng.shutdown()
+
+
+def _big_schema(properties: int) -> StructuredOutput:
+    """A JSON schema that takes xgrammar seconds to compile (~56 bytes a property)."""
+    props = {f"p{i}": {"type": "string", "enum": [f"v{i}a", f"v{i}b"]} for i in range(properties)}
+    return StructuredOutput("json", json.dumps({"type": "object", "properties": props}))
+
+
+def test_a_grammar_over_the_size_budget_is_refused_before_the_engine_sees_it(tiny_dir):
+    eng = AsyncEngine(EngineConfig(model=str(tiny_dir), **SETTINGS), grammar_budget=GrammarBudget(max_spec_bytes=64))
+    try:
+        spec = StructuredOutput("regex", "(" + "|".join(f"w{i}" for i in range(40)) + ")")
+        params = SamplingParams(temperature=0.0, max_tokens=4, structured_output=spec)
+        with pytest.raises(InvalidRequest, match=r"is \d+ bytes, over this server's limit of 64 bytes") as err:
+            asyncio.run(collect(eng, "big", prompt_ids(5, 1), params))
+        assert err.value.param == "structured_outputs"
+        assert not eng.engine.grammars.is_cached(spec)                   # never compiled
+        assert asyncio.run(collect(eng, "after", prompt_ids(5, 2)))[-1].finished
+        assert_clean(_Wrapped(eng.engine))
+    finally:
+        eng.shutdown()
+
+
+def test_a_slow_grammar_neither_stalls_other_requests_nor_hangs_its_own(tiny_dir):
+    """While a costly schema compiles, another request runs to the end; the costly one gets a 400 when its
+    time is up, and its compile finishes in the background, so sending it again is served from the cache."""
+    spec = _big_schema(1500)
+    budget = GrammarBudget(max_spec_bytes=len(spec.value), compile_timeout_s=0.05)
+    eng = AsyncEngine(EngineConfig(model=str(tiny_dir), **SETTINGS), grammar_budget=budget)
+    slow = SamplingParams(temperature=0.0, max_tokens=3, structured_output=spec)
+    try:
+        async def main():
+            costly = asyncio.ensure_future(collect(eng, "costly", prompt_ids(5, 3), slow))
+            plain = await asyncio.wait_for(collect(eng, "plain", prompt_ids(9, 4)), 20)
+            compiled_while_plain_ran = eng.engine.grammars.is_cached(spec)
+            with pytest.raises(InvalidRequest, match=r"did not compile within 0.05 s") as err:
+                await costly
+            return plain, compiled_while_plain_ran, err.value.param
+
+        plain, compiled_early, param = asyncio.run(main())
+        assert plain[-1].finished and len(plain[-1].output.token_ids) == GREEDY.max_tokens
+        assert param == "structured_outputs"
+        assert not compiled_early                  # the plain request did not wait for the compile to end
+        deadline = time.monotonic() + 60
+        while not eng.engine.grammars.is_cached(spec) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        again = asyncio.run(collect(eng, "again", prompt_ids(5, 3), slow))    # from the cache: no timeout
+        assert again[-1].finished and again[-1].output.text.startswith("{")
+        assert_clean(_Wrapped(eng.engine))
     finally:
         eng.shutdown()

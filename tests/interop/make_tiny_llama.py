@@ -9,7 +9,11 @@ from pathlib import Path
 
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}</s>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-WORDS = ["the", "a", "of", "to", "and", "in", "is", "it", "that", "was", "for", "on", "are", "with", "as", "be", "at", "by", "this", "had", "not", "but", "from", "or", "have", "an", "they", "which", "one", "you", "were", "all", "we", "when", "there", "can", "more", "if", "no", "out", "so", "said", "what", "up", "its", "about", "into", "than", "them", "only", "time", "could", "new", "two", "may", "then", "do", "first", "any", "my", "now", "such", "like", "our", "over", "man", "me", "even", "most", "made", "after", "also", "prefill", "decode", "cache", "block", "token", "router", "worker", "transfer", "state", "prompt", "answer", "question", "number"]
+_WORD_TEXT = ("the a of to and in is it that was for on are with as be at by this had not but from or have an they "
+              "which one you were all we when there can more if no out so said what up its about into than them only "
+              "time could new two may then do first any my now such like our over man me even most made after also "
+              "prefill decode cache block token router worker transfer state prompt answer question number")
+WORDS = _WORD_TEXT.split()
 
 
 def corpus() -> list[str]:

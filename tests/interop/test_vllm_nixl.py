@@ -22,7 +22,9 @@ from tests.interop.vllm_fleet import ADMIN, SERVED, VllmFleet, metric
 
 pytestmark = pytest.mark.timeout(2400)          # first module: may build the venv (minutes) + start 3 vLLMs
 NIXL = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
-WORDS = ["router", "worker", "prefill", "decode", "cache", "block", "token", "transfer", "state", "prompt", "answer", "question", "number", "the", "a", "of", "to", "and", "in", "is", "it", "that", "was", "for", "on", "are", "with", "as", "be", "at", "by", "this", "had", "not", "but", "from", "or", "have", "an", "they"]
+_WORD_TEXT = ("router worker prefill decode cache block token transfer state prompt answer question number the a of "
+              "to and in is it that was for on are with as be at by this had not but from or have an they")
+WORDS = _WORD_TEXT.split()
 AUTH = {"authorization": f"Bearer {ADMIN}"}
 
 
@@ -104,7 +106,7 @@ def test_pd_answers_equal_one_vllm_instance(fleet, stream):
     """Chat and completions, greedy: router P/D == the same request to one vLLM instance by itself."""
     router, single = fleet.urls["router"], fleet.urls["p2"]
     hits_before = metric(fleet.urls["d"], "vllm:external_prefix_cache_hits_total")
-    for i, (path, body) in enumerate(requests_for(100 + 10 * stream)):
+    for path, body in requests_for(100 + 10 * stream):
         expected = answer(post(single, path, body))
         got, headers = routed_answer(router, path, body, stream)
         assert headers["x-kimi-pd-decision"] == "prefill-decode", headers
@@ -231,7 +233,8 @@ def test_load_from_vllm_metrics_reaches_the_scorer(fleet):
         assert seen["load"]["extra"]["source"] == "vllm-metrics" and seen["active_requests"] >= 12, seen
         view = pool_view(router, {fleet.urls["p1"], fleet.urls["p2"]})
         got = prefill_of(router, prefix + " " + sentence(1, 6))
-        assert got != holder, "placement ignored the load it read: " + explain(router, prefix, "not " + holder, got, view)
+        assert got != holder, ("placement ignored the load it read: "
+                               + explain(router, prefix, "not " + holder, got, view))
     wait_for_load(router, holder, lambda n: n == 0)      # and the load it read falls back when vLLM's does
 
 

@@ -38,7 +38,8 @@ def hist(values: list[float], bounds=(0.05, 0.1, 0.5, 1.0, math.inf)):
 
 
 def test_traffic_is_the_difference_between_two_samples():
-    old = Sample(100.0, requests=10, errors=1, by_decision={"prefill-decode": 10}, histograms={"ttft": hist([0.04] * 10)})
+    old = Sample(100.0, requests=10, errors=1, by_decision={"prefill-decode": 10},
+                 histograms={"ttft": hist([0.04] * 10)})
     new = Sample(110.0, requests=30, errors=2, by_decision={"prefill-decode": 25, "decode-only": 5},
                  histograms={"ttft": hist([0.04] * 10 + [0.3] * 20)})
     t = traffic(old, new)
@@ -70,8 +71,9 @@ def fleet_url(tmp_path_factory, redis_url):
         for proc in workers:
             fleet.wait(proc)
         fleet.wait(router, "/ready")
-        eventually(lambda: len(httpx.get(router.url + "/dashboard/state", headers=AUTH, timeout=5).json()["workers"]) == 2,
-                   30, "both workers in the dashboard state")
+        def dashboard_workers() -> int:
+            return len(httpx.get(router.url + "/dashboard/state", headers=AUTH, timeout=5).json()["workers"])
+        eventually(lambda: dashboard_workers() == 2, 30, "both workers in the dashboard state")
         yield router.url
 
 

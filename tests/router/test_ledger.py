@@ -56,7 +56,8 @@ def test_backlog(legs, elapsed, settled, expected):
 
 def test_settle_is_idempotent_and_per_worker():
     book, _ = ledger(calibrate=False)
-    a, b = book.open("a", 1000), book.open("b", 2000)
+    a = book.open("a", 1000)
+    book.open("b", 2000)
     book.settle(a)
     book.settle(a)
     assert (book.backlog_s("a"), book.backlog_s("b"), book.open_legs("a"), book.open_legs("b")) == (0.0, 2.0, 0, 1)

@@ -95,11 +95,10 @@ def test_storage_connectors_expect_no_answer(hf_dir):
 
 def test_upstream_mooncake_gets_a_router_made_transfer_id_and_the_prefill_bootstrap(hf_dir):
     p, d = FakeVllm("p", engine_id="engine-of-p"), FakeVllm("d")
-    with Servers(p, d):
-        with router(hf_dir, [p], [d], kv_connector="mooncake", mooncake_bootstrap_port=p.port) as client:
-            for stream in (False, True):
-                resp = client.post("/v1/chat/completions", json={**CHAT, "stream": stream})
-                assert resp.status_code == 200 and resp.headers["x-kimi-pd-decision"] == "prefill-decode"
+    with Servers(p, d), router(hf_dir, [p], [d], kv_connector="mooncake", mooncake_bootstrap_port=p.port) as client:
+        for stream in (False, True):
+            resp = client.post("/v1/chat/completions", json={**CHAT, "stream": stream})
+            assert resp.status_code == 200 and resp.headers["x-kimi-pd-decision"] == "prefill-decode"
     sent_p, sent_d = kv_params(p), kv_params(d)
     assert len(sent_p) == len(sent_d) == 2
     for prefill, decode in zip(sent_p, sent_d, strict=False):

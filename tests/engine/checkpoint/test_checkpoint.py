@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.checkpoint.create import create_checkpoint, generated_state_dict
-from engine.checkpoint.layout import INDEX_FILE, QUANT_DESCRIPTION_FILE
+from engine.checkpoint.layout import INDEX_FILE, QUANT_DESCRIPTION_FILE, SINGLE_FILE
 from engine.checkpoint.loader import CheckpointError, load_checkpoint
 from engine.model.sequence_runner import SequenceRunner
 from engine.presets import preset_config
@@ -69,6 +69,21 @@ def test_round_trip_is_exact_and_deterministic(tiny_dir):
     other = generated_state_dict(preset_config("tiny"), seed=1)
     assert not torch.equal(other["language_model.lm_head.weight"], expected["language_model.lm_head.weight"])
 
+
+
+def test_single_file_checkpoint_loads(broken_copy):
+    """An unsharded checkpoint (one model.safetensors, no index) loads the same weights as the sharded one."""
+    index = json.loads((broken_copy / INDEX_FILE).read_text())["weight_map"]
+    tensors = {}
+    for fname in sorted(set(index.values())):
+        tensors.update(load_file(str(broken_copy / fname)))
+        (broken_copy / fname).unlink()
+    (broken_copy / INDEX_FILE).unlink()
+    save_file(tensors, str(broken_copy / SINGLE_FILE))
+    loaded = load_checkpoint(broken_copy).state_dict()
+    expected = generated_state_dict(preset_config("tiny"), seed=0)
+    assert set(loaded) == set(expected)
+    assert all(torch.equal(loaded[name], tensor) for name, tensor in expected.items())
 
 def test_bf16_load_tracks_fp32(tiny_dir):
     ids = torch.arange(100, 130)
@@ -172,7 +187,7 @@ def test_w4a8_checkpoint_loads_and_tracks_its_dequantized_reference(tmp_path):
     kinds = {type(m) for m in quantized.modules()}
     assert W4A8DynamicLinear in kinds and W8A8DynamicLinear in kinds
     reference = load_checkpoint(ckpt)
-    for name, module in list(reference.named_modules()):
+    for module in list(reference.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, (W4A8DynamicLinear, W8A8DynamicLinear)):
                 linear = torch.nn.Linear(child.in_features, child.out_features, bias=False)

@@ -100,4 +100,5 @@ def test_rms_norm_of_bf16_multiplies_the_weight_in_fp32():
     x = torch.randn(4, 64).bfloat16()
     w = torch.randn(64)
     xf = x.float()
-    assert torch.equal(rms_norm(x, w, 1e-5), (w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5))).bfloat16())
+    reference = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5))
+    assert torch.equal(rms_norm(x, w, 1e-5), reference.bfloat16())

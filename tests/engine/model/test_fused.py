@@ -114,7 +114,8 @@ def test_parameters_stay_as_views_of_the_fused_weights(tiny_dir):
     model.load_state_dict({**model.state_dict(), "language_model.model.layers.1.self_attn.g_proj.weight":
                            torch.zeros_like(kda.g_proj.weight)})
     x = torch.randn(3, kda.q_proj.weight.shape[1], dtype=torch.float64)
-    assert torch.equal(project(kda, x, kda._input_linears(), (3, 1, 1, 1))[3], torch.zeros(3, kda.g_proj.weight.shape[0], dtype=torch.float64))
+    assert torch.equal(project(kda, x, kda._input_linears(), (3, 1, 1, 1))[3],
+                       torch.zeros(3, kda.g_proj.weight.shape[0], dtype=torch.float64))
 
 
 def experts(model) -> list[nn.Module]:
@@ -158,7 +159,8 @@ def test_mixed_kinds_fuse_per_kind_and_chunks_match():
         assert torch.equal(got[0], torch.cat(expected[:2], -1))
         assert torch.equal(got[2], torch.cat(expected[3:], -1))
         assert torch.equal(got[1], expected[2])
-        assert [torch.equal(m(x), e) for m, e in zip(members, expected, strict=False)] == [True] * 5   # views, same values
+        same = [torch.equal(m(x), e) for m, e in zip(members, expected, strict=False)]
+        assert same == [True] * 5                                       # views, same values
 
 
 def test_unfusable_members_are_left_alone():

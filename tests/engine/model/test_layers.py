@@ -49,7 +49,8 @@ def test_mla_is_causal():
 
 def test_situ_tends_to_swiglu_as_beta_grows():
     gen = torch.Generator().manual_seed(0)
-    gate, up = 3 * torch.randn(64, generator=gen, dtype=torch.float64), 3 * torch.randn(64, generator=gen, dtype=torch.float64)
+    gate = 3 * torch.randn(64, generator=gen, dtype=torch.float64)
+    up = 3 * torch.randn(64, generator=gen, dtype=torch.float64)
     swiglu = torch.nn.functional.silu(gate) * up
     errors = [(situ(gate, up, beta, beta * 6) - swiglu).abs().max().item() for beta in (4.0, 40.0, 400.0, 4000.0)]
     assert errors == sorted(errors, reverse=True)

@@ -88,7 +88,8 @@ def test_kda_snapshots_equal_state_at_that_point():
         ref = HybridCacheTensors.allocate(cfg, num_blocks=8, num_slots=1, block_size=4, dtype=torch.float64)
         model(ids[:point], ForwardBatch([SequenceSlice(point, 0, 0, table, True)], ref))
         for layer in cfg.kda_layer_ids:
-            torch.testing.assert_close(cache.kda_recurrent[layer][slot], ref.kda_recurrent[layer][0], rtol=0, atol=1e-12)
+            torch.testing.assert_close(cache.kda_recurrent[layer][slot], ref.kda_recurrent[layer][0],
+                                       rtol=0, atol=1e-12)
             torch.testing.assert_close(cache.kda_conv[layer][slot], ref.kda_conv[layer][0], rtol=0, atol=1e-12)
 
 

@@ -11,7 +11,6 @@ from torch import nn
 
 from engine.model.quant import (
     FLOAT,
-    MODELSLIM_CONFIG_FILENAME,
     W4A8_DYNAMIC,
     W8A8_DYNAMIC,
     QuantDescription,
@@ -28,6 +27,7 @@ from engine.model.quant import (
     unpack_int4,
     w4a8_scale_bias,
 )
+from engine.model.quant_description import MODELSLIM_CONFIG_FILENAME
 
 L = "language_model.model.layers"
 
@@ -366,7 +366,7 @@ def test_description_rejects_disagreeing_fused_shards() -> None:
 # checkpoint transform + model swap
 # ---------------------------------------------------------------------------------------------
 
-TINY_LINEARS = {                         # module path -> (in, out); mirrors MODEL.md section 15 names
+TINY_LINEARS = {                         # module path -> (in, out); the tiny preset's names (docs/model.md)
     f"{L}.0.self_attn.q_proj": (64, 32),
     f"{L}.0.self_attn.f_a_proj": (64, 16),
     f"{L}.0.self_attn.o_proj": (32, 64),

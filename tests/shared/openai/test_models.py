@@ -15,6 +15,8 @@ from shared.openai.models import (
     ChatCompletionMessage,
     ChatCompletionRequest,
     Completion,
+    CompletionChoice,
+    CompletionChunk,
     CompletionRequest,
     DeltaMessage,
     DeltaToolCall,
@@ -231,3 +233,12 @@ def test_model_list_shape():
     body = ModelList(data=[ModelCard(id="kimi-k3", created=0, max_model_len=8192)]).model_dump()
     assert body == {"object": "list", "data": [{"id": "kimi-k3", "object": "model", "created": 0, "owned_by": "kimi-pd",
                                                 "root": None, "parent": None, "max_model_len": 8192}]}
+
+
+def test_stream_chunks_carry_no_transfer_parameters():
+    """As vLLM's stream responses: `kv_transfer_params` belongs to whole answers (the prefill leg's), never to a
+    client's chunks, not even as null."""
+    chat = ChatCompletionChunk(id="chatcmpl-1", model="m", choices=[ChatCompletionChunkChoice(delta=DeltaMessage())])
+    text = CompletionChunk(id="cmpl-1", model="m", choices=[CompletionChoice(text="a")])
+    assert "kv_transfer_params" not in json.loads(chat.model_dump_json())
+    assert "kv_transfer_params" not in json.loads(text.model_dump_json())

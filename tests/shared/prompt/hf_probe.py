@@ -1,7 +1,8 @@
 """Run by test_hf_files.py under a given Python (this one: transformers 5; a cached venv: 4.x).
 
 As a harness would: `AutoTokenizer.from_pretrained(dir)`, no remote code, nothing of this project
-imported. Reads {"dirs", "texts", "special_texts", "chats", "special_names"} as JSON on stdin, prints what the tokenizer made of them.
+imported. Reads {"dirs", "texts", "special_texts", "chats", "special_names"} as JSON on stdin, prints
+what the tokenizer made of them.
 """
 from __future__ import annotations
 

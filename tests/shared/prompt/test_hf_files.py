@@ -58,8 +58,9 @@ def _texts() -> list[str]:
 
 SPECIAL_TEXTS = ['<|open|>message role="user"<|sep|> typed by a user', "[EOS] and <|reserved_token_8|>"]
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather now",
-                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather now",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
 CALLS = {"role": "assistant", "content": "Checking.", "reasoning_content": "need two tools",
          "tool_calls": [
              {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {
@@ -78,7 +79,8 @@ CHATS: list[tuple[list[dict[str, Any]], dict[str, Any]]] = [
     ([{"role": "user", "content": "Weather?"}, CALLS, {"role": "tool", "tool_call_id": "c3", "content": "cold"},
       {"role": "tool", "tool_call_id": "get_weather:0", "content": "sunny"}, {"role": "user", "content": "thanks"}],
      {"tools": [WEATHER]}),
-    ([{"role": "user", "content": "Weather?"}, CALLS, {"role": "tool", "content": "a"}, {"role": "tool", "content": "b"}],
+    ([{"role": "user", "content": "Weather?"}, CALLS, {"role": "tool", "content": "a"},
+      {"role": "tool", "content": "b"}],
      {"tools": [WEATHER], "thinking_effort": "low"}),
     ([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], {"add_generation_prompt": False}),
     *[([{"role": "user", "content": "effort"}], {"thinking_effort": effort}) for effort in THINKING_EFFORTS],

@@ -2,6 +2,7 @@
 length equals `num_image_tokens` is checked with the tower in tests/engine/test_vision.py."""
 from __future__ import annotations
 
+import base64
 import io
 
 import numpy as np
@@ -9,8 +10,10 @@ import pytest
 from PIL import Image
 
 from engine.presets import tiny_config
+from shared.errors import InvalidRequest
 from shared.model_config import VisionConfig
-from shared.prompt.images import load_image, num_image_tokens, resized_size
+from shared.prompt.images import declared_pixels, load_image, load_images, num_image_tokens, resized_size
+from shared.prompt.prepare import decode_image_urls
 
 
 @pytest.fixture(scope="module")
@@ -70,3 +73,32 @@ def test_load_image_errors(tmp_path) -> None:
         load_image(data, max_pixels=20 * 30 - 1)
     with pytest.raises(TypeError, match="path or bytes"):
         load_image(12345)
+
+
+def _solid_png(width: int, height: int) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (width, height), (10, 20, 30)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_one_requests_images_are_bounded_in_total_before_any_is_decoded(monkeypatch) -> None:
+    images = [_solid_png(100, 100)] * 3                                 # 30,000 pixels in all
+    assert [im.size for im in load_images(images, max_total_pixels=30_000)] == [(100, 100)] * 3
+    decoded = []
+    monkeypatch.setattr("shared.prompt.images.load_image", lambda data: decoded.append(data))
+    with pytest.raises(ValueError, match="3 images have 30000 pixels in all, over the 29999-pixel limit"):
+        load_images(images, max_total_pixels=29_999)
+    assert decoded == []                                          # refused from the headers alone
+
+
+def test_declared_pixels_reads_the_header_only() -> None:
+    assert declared_pixels(_solid_png(64, 48)) == 64 * 48
+    assert declared_pixels(b"not an image") == 0
+
+
+def test_twenty_images_at_the_per_image_cap_are_a_400_naming_the_limit() -> None:
+    url = "data:image/png;base64," + base64.b64encode(_solid_png(4096, 4096)).decode()   # 16 Mpx each
+    with pytest.raises(InvalidRequest, match="20 images have 335544320 pixels in all") as err:
+        decode_image_urls([url] * 20)
+    assert err.value.param == "messages"
+    assert len(decode_image_urls([url] * 4)) == 4                 # the default allows four at the cap

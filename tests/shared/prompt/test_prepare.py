@@ -47,7 +47,8 @@ def _request(*urls: str, text: str = "what is in these?") -> ChatCompletionReque
 def test_request_with_data_urls_equals_offline_messages_with_pil_images(tok, vision) -> None:
     images = [_image(1), _image(2, 120, 40)]
     served = prepare_chat(_request(*map(_data_url, images)), tok, vision)
-    messages = [{"role": "user", "content": [{"type": "image", "image": images[0]}, {"type": "image", "image": images[1]},
+    messages = [{"role": "user", "content": [{"type": "image", "image": images[0]},
+                                             {"type": "image", "image": images[1]},
                                              {"type": "text", "text": "what is in these?"}]}]
     offline = render_prompt(tok, messages, images, vision, thinking=True)
     assert served.token_ids == offline.token_ids

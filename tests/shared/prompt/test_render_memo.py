@@ -10,13 +10,15 @@ from shared.prompt.chat import render_chat
 from shared.prompt.render_memo import SHORT_CHARS, RenderMemo
 from shared.prompt.tokenizer import KimiTokenizer
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
 CONVERSATIONS = [
     [{"role": "user", "content": "hi"}],
     [{"role": "system", "content": "You are terse. " * 40}, {"role": "user", "content": "a" * SHORT_CHARS},
      {"role": "assistant", "content": "b" * (SHORT_CHARS + 1), "reasoning_content": "thought"},
-     {"role": "developer", "name": "ops", "content": "x"}, {"role": "user", "content": [{"type": "text", "text": "y"}]}],
+     {"role": "developer", "name": "ops", "content": "x"},
+     {"role": "user", "content": [{"type": "text", "text": "y"}]}],
     [{"role": "user", "content": "weather?"},
      {"role": "assistant", "content": None, "tool_calls": [
          {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},

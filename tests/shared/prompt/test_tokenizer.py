@@ -257,7 +257,7 @@ def test_from_dir_config_edge_cases(tmp_path: Path) -> None:
 
 
 def test_a_real_size_vocabulary_gets_the_published_k3_ids(tmp_path: Path) -> None:
-    """163584 ranks (filler tokens above the shipped ones) -> the K3 ids of MODEL.md section 11.1."""
+    """163584 ranks (filler tokens above the shipped ones) -> the K3 ids (docs/model.md, Tokenizer and chat format)."""
     ranks = parse_tiktoken_model((GENERATED_DIR / "tiktoken.model").read_text(encoding="ascii").splitlines())
     shipped = len(ranks)
     ranks.update((b"\xff\xfe" + n.to_bytes(3, "big"), shipped + n) for n in range(163584 - shipped))
