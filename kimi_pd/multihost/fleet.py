@@ -42,6 +42,7 @@ class FleetSpec:
     ready_timeout_s: float = 180.0
     prefill_nodes: int = 1          # > 1: prefill-1 is a TP engine over this many hosts (tp-node-N run headless)
     master_port: int = 29500
+    expert_parallel: bool = False   # with prefill_nodes > 1: --enable-expert-parallel too
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,8 @@ class MultiHostFleet:
         """prefill-1's engine spread over `prefill_nodes` hosts, meeting at prefill-1's address."""
         n = self.spec.prefill_nodes
         return ["--tensor-parallel-size", str(n), "--nnodes", str(n), "--node-rank", str(node),
-                "--master-addr", self.host("prefill-1").addr, "--master-port", str(self.spec.master_port)]
+                "--master-addr", self.host("prefill-1").addr, "--master-port", str(self.spec.master_port),
+                *(["--enable-expert-parallel"] if self.spec.expert_parallel else [])]
 
     def start_role(self, name: str) -> None:
         role, env = name.split("-")[0], self.node_env(name)

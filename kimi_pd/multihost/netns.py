@@ -52,6 +52,10 @@ class Host:
         """`cmd` run inside this host."""
         return ["ip", "netns", "exec", self.ns, *cmd]
 
+    def pids(self) -> list[str]:
+        """Processes running inside this host."""
+        return _ip("netns", "pids", self.ns, check=False).stdout.split()
+
     def run(self, cmd: list[str], timeout: float = 30.0) -> str:
         return subprocess.run(self.argv(cmd), capture_output=True, text=True, check=True, timeout=timeout).stdout
 

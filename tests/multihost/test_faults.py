@@ -217,13 +217,13 @@ def test_a_router_host_cut_the_lb_moves_on_and_its_streams_end(fleet):
     fleet.net.set_link("router-1", up=False)
     cut_at = time.monotonic()
     try:
+        for t in threads:                        # the cut router's stream ends once the LB marks it down
+            t.join(IDLE_TIMEOUT_S + 60)
+        assert not any(t.is_alive() for t in threads), "a stream hung"
         for i in range(4):                       # new requests: the LB sends them to router-2
             with fleet.client() as http:
                 resp = http.post(fleet.url("lb") + "/v1/completions", json=body(f"after {i} {PROMPT}", 4), timeout=30)
             assert resp.status_code == 200, resp.text
-        for t in threads:
-            t.join(IDLE_TIMEOUT_S + 60)
-        assert not any(t.is_alive() for t in threads), "a stream hung"
     finally:
         fleet.net.set_link("router-1", up=True)
     ended_badly = [o for o in outs if o.get("errors") or "broken" in o or not o.get("done")]

@@ -122,3 +122,17 @@ def test_no_prefill_state_left_held(fleet):
     for name in fleet.role_hosts("prefill"):
         with inside(fleet.host("client").ns):
             assert metric(fleet.url(name), "kimi_pd_kv_held_leases") == 0
+
+
+def test_a_chat_with_tools_across_hosts_equals_the_colocated_engine_token_for_token(fleet, offline):
+    from tests.e2e.test_equivalence import token_bytes_of
+    from tests.e2e.test_openai_surface import CLOCK, WEATHER
+    messages = [{"role": "user", "content": "What is the weather in Paris? " + PROMPT}]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    ids = offline.chat(messages, params, tools=[WEATHER, CLOCK], thinking=True)[0].output.token_ids
+    body = {"model": "kimi-k3", "messages": messages, "tools": [WEATHER, CLOCK], "max_tokens": MAX_TOKENS,
+            "temperature": 0, "ignore_eos": True, "logprobs": True}
+    with fleet.client() as http:
+        resp = http.post(fleet.url("lb") + "/v1/chat/completions", json=body)
+    assert resp.status_code == 200 and resp.headers["x-kimi-pd-decision"] == "prefill-decode", resp.text
+    assert token_bytes_of(resp.json()) == [offline.tokenizer.token_bytes(t) for t in ids]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import subprocess
+import time
 
 import pytest
 
@@ -43,6 +44,9 @@ def test_close_kills_what_runs_inside_and_removes_every_namespace(namespaces):
     try:
         net.add_host("a", 2)
         sleeper = subprocess.Popen(net.hosts["a"].argv(["sleep", "300"]))
+        deadline = time.monotonic() + 30
+        while str(sleeper.pid) not in net.hosts["a"].pids() and time.monotonic() < deadline:
+            time.sleep(0.05)                    # `ip netns exec` has entered the host
     finally:
         net.close()
     assert sleeper.wait(10) != 0, "the process inside the host was killed"

@@ -1,5 +1,6 @@
-"""The engine across hosts: prefill-1 is a TP=2 engine whose second rank runs headless on another
-host (--nnodes 2 --master-addr/--master-port, as torch.distributed takes them); it feeds a TP=1
+"""The engine across hosts: prefill-1 is a TP=2 engine (experts split whole over the ranks too:
+--enable-expert-parallel) whose second rank runs headless on another host (--nnodes 2
+--master-addr/--master-port, as torch.distributed takes them); it feeds a TP=1
 decode worker on a third host. Greedy tokens equal the TP=1 colocated engine; the ranks meet over
 the bridge, never loopback."""
 from __future__ import annotations
@@ -22,7 +23,7 @@ PROMPTS = [np.random.default_rng(s).integers(0, 1024, n).tolist() for s, n in [(
 def tp_fleet(namespaces, mh_model, tmp_path_factory) -> Iterator:
     tmp = tmp_path_factory.mktemp("mh-tp")
     tmp.chmod(0o755)
-    yield from open_fleet(tmp, mh_model, prefill=1, decode=1, routers=1, prefill_nodes=2)
+    yield from open_fleet(tmp, mh_model, prefill=1, decode=1, routers=1, prefill_nodes=2, expert_parallel=True)
 
 
 def test_tp2_prefill_over_two_hosts_feeds_a_decode_on_a_third(tp_fleet, offline):
