@@ -99,7 +99,8 @@ def load_draft(path: str | Path, target: TextConfig, dtype: torch.dtype = torch.
     model = DSparkDraftModel(cfg)
     expected = model.state_dict()
     with safe_open(str(file), framework="pt") as f:
-        names = [n for n in f if not any(n.startswith(s) or f".{s}." in n for s in SHARED_WITH_TARGET)]
+        names = [n for n in f.keys()  # noqa: SIM118 - a safe_open handle is not iterable: keys() it is
+                 if not any(n.startswith(s) or f".{s}." in n for s in SHARED_WITH_TARGET)]
         if not cfg.enable_confidence_head:
             names = [n for n in names if not n.startswith("confidence_head.")]
         unknown = sorted(set(names) - set(expected))

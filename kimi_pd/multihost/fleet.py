@@ -122,6 +122,8 @@ class MultiHostFleet:
             self.wait_http(name, "/health", deadline)
         for name in (*self.role_hosts("router"), "lb"):
             self.wait_http(name, "/ready", deadline)
+        while set(self.lb_servers().values()) != {"UP"} and time.monotonic() < deadline:
+            time.sleep(0.3)                     # the LB's own checks: every router in rotation
 
     def spawn(self, name: str, cmd: list[str], env: dict[str, str]) -> None:
         self.names[name] = name
@@ -161,8 +163,28 @@ class MultiHostFleet:
     def _start_lb(self) -> None:
         routers = [f"{self.host(n).addr}:{roles.ROUTER_PORT}" for n in self.role_hosts("router")]
         cfg = self.spec.workdir / "haproxy.cfg"
-        cfg.write_text(roles.haproxy_config(HAPROXY_CFG.read_text(), routers))
+        cfg.write_text(roles.haproxy_config(HAPROXY_CFG.read_text(), routers, stats_socket=str(self.lb_socket)))
         self.spawn("lb", ["haproxy", "-db", "-f", str(cfg)], {"PATH": "/usr/sbin:/usr/bin:/bin"})
+
+    @property
+    def lb_socket(self) -> Path:
+        return self.spec.workdir / "haproxy.sock"
+
+    def lb_servers(self) -> dict[str, str]:
+        """Each router's state in the LB (UP, DOWN, ...), from HAProxy's stats socket."""
+        import socket
+        try:
+            with socket.socket(socket.AF_UNIX) as sock:
+                sock.settimeout(5)
+                sock.connect(str(self.lb_socket))
+                sock.sendall(b"show stat\n")
+                data = b""
+                while chunk := sock.recv(65536):
+                    data += chunk
+        except OSError:
+            return {}
+        rows = [line.split(",") for line in data.decode().splitlines() if line and not line.startswith("#")]
+        return {r[1]: r[17] for r in rows if len(r) > 17 and r[1].startswith("router-")}
 
     def stop(self, name: str) -> None:
         """Stop one role's process (SIGTERM, then SIGKILL)."""

@@ -55,13 +55,16 @@ def store_argv(bind: str, port: int) -> list[str]:
     return ["/bin/sh", "-c", script, "kimi-pd-store", bind, str(port)]
 
 
-def haproxy_config(template: str, routers: list[str], port: int = LB_PORT) -> str:
-    """deploy/lb/haproxy.cfg with its router list replaced by `routers` (ADDR:PORT each)."""
+def haproxy_config(template: str, routers: list[str], port: int = LB_PORT, stats_socket: str | None = None) -> str:
+    """deploy/lb/haproxy.cfg with its router list replaced by `routers` (ADDR:PORT each); `stats_socket`:
+    a local admin socket too, so a rehearsal can see which routers the LB holds up or down."""
     lines, out = template.splitlines(), []
     for line in lines:
         if line.strip().startswith("server router-"):
             continue
         out.append(line.replace("bind :8000", f"bind :{port}"))
+        if line.strip() == "global" and stats_socket:
+            out.append(f"    stats socket {stats_socket} mode 600 level admin")
         if line.strip().startswith("default-server"):
             indent = line[: len(line) - len(line.lstrip())]
             out.extend(f"{indent}server router-{i} {addr}" for i, addr in enumerate(routers, 1))

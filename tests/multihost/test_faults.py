@@ -207,6 +207,7 @@ def post(fleet, payload: dict) -> httpx.Response:
 
 
 def test_a_router_host_cut_the_lb_moves_on_and_its_streams_end(fleet):
+    assert fleet.lb_servers() == {"router-1": "UP", "router-2": "UP"}
     outs: list[dict] = [{}, {}]
     threads = [threading.Thread(target=read_stream, args=(fleet, fleet.url("lb"), body(f"r{i} {PROMPT}", 2000), out))
                for i, out in enumerate(outs)]
@@ -220,6 +221,7 @@ def test_a_router_host_cut_the_lb_moves_on_and_its_streams_end(fleet):
         for t in threads:                        # the cut router's stream ends once the LB marks it down
             t.join(IDLE_TIMEOUT_S + 60)
         assert not any(t.is_alive() for t in threads), "a stream hung"
+        assert fleet.lb_servers() == {"router-1": "DOWN", "router-2": "UP"}
         for i in range(4):                       # new requests: the LB sends them to router-2
             with fleet.client() as http:
                 resp = http.post(fleet.url("lb") + "/v1/completions", json=body(f"after {i} {PROMPT}", 4), timeout=30)
