@@ -25,7 +25,7 @@ async def watch_engine(runtime, interval_s: float = 0.5, grace_s: float = 1.0,
         tp = getattr(engine.engine, "tp", None)
         if not engine.is_dead and tp is not None and not tp.alive():
             engine.mark_dead(RuntimeError("a tensor-parallel rank of this worker exited"))
-        if engine.is_dead:
+        if engine.failed:
             break
     log.error("engine dead (%r); exiting with %d so supervision restarts this worker", engine._dead,
               EXIT_ENGINE_DEAD)

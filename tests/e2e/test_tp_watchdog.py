@@ -24,6 +24,10 @@ class FakeEngine:
     def is_dead(self) -> bool:
         return self._dead is not None
 
+    @property
+    def failed(self) -> bool:
+        return self._dead is not None
+
     def mark_dead(self, exc: BaseException) -> None:
         self._dead = exc
 
@@ -77,3 +81,19 @@ def test_a_tp_worker_whose_follower_dies_exits_for_supervision(tmp_path, e2e_mod
         code = worker.popen.wait(30)
         assert code == EXIT_ENGINE_DEAD, worker.tail()
         assert time.monotonic() - start < 15
+
+
+def test_watchdog_leaves_a_deliberately_shut_down_engine_alone(tmp_path, e2e_model):
+    from engine.async_engine import AsyncEngine
+    from engine.core.engine import EngineConfig
+    engine = AsyncEngine(EngineConfig(model=str(e2e_model), block_size=4, kda_chunk_size=8, cache_memory_bytes=8 << 20))
+    engine.shutdown()
+    assert engine.is_dead and not engine.failed
+    exits: list[int] = []
+
+    async def scenario():
+        task = asyncio.create_task(watch_engine(FakeRuntime(engine), interval_s=0.01, exit_fn=exits.append))
+        await asyncio.sleep(0.2)
+        task.cancel()
+    asyncio.run(scenario())
+    assert exits == []
