@@ -15,7 +15,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from engine.core.engine import EngineConfig, LLMEngine
@@ -35,7 +35,11 @@ IDLE_POLL_S = 0.05          # how long the engine thread waits for a command whe
 class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None,
                  grammar_budget: GrammarBudget | None = None) -> None:
-        self.engine = engine or LLMEngine(config)
+        if engine is None:
+            if config is None:
+                raise ValueError("AsyncEngine needs an EngineConfig or an LLMEngine")
+            engine = LLMEngine(config)
+        self.engine = engine
         self.grammar_budget = grammar_budget or GrammarBudget()
         # one compile at a time, beside the engine thread: a costly grammar delays other grammars, not steps
         self._grammar_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar")
@@ -52,7 +56,7 @@ class AsyncEngine:
     # ---- public API -----------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt: EngineInput | list[int], params: SamplingParams,
                        export_state: bool = False,
-                       imported: ExportedState | None = None) -> AsyncIterator[RequestOutput]:
+                       imported: ExportedState | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Yield this request's outputs as steps produce them; the last one has `finished=True`."""
         if params.structured_output is not None:
             await self.prepare_grammar(params.structured_output)

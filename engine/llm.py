@@ -5,7 +5,7 @@ import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import fields
-from typing import Any
+from typing import Any, cast
 
 from engine.core.engine import EngineConfig, LLMEngine
 from engine.core.inputs import EngineInput
@@ -59,7 +59,9 @@ class LLM:
              params: SamplingParams | Sequence[SamplingParams] | None = None,
              **render_options: Any) -> list[RequestOutput]:
         """Render each conversation with the K3 XTML renderer (images from content parts), then generate."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        single = bool(messages) and isinstance(messages[0], dict)          # one conversation, not a batch
+        conversations = ([cast("list[dict[str, Any]]", messages)] if single
+                         else cast("list[list[dict[str, Any]]]", messages))
         return self.generate([self.render(c, **render_options) for c in conversations], params)
 
     def render(self, messages: list[dict[str, Any]], **render_options: Any) -> EngineInput:

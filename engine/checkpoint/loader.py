@@ -46,7 +46,7 @@ def _weight_map(ckpt: Path) -> dict[str, str]:
     raise CheckpointError(f"{ckpt}: neither {INDEX_FILE} nor {SINGLE_FILE}")
 
 
-def _check_tensor(name: str, fname: str, got: torch.Tensor | tuple, expected: torch.Tensor) -> None:
+def _check_tensor(name: str, fname: str, got: torch.Tensor, expected: torch.Tensor) -> None:
     shape, dtype = tuple(got.shape), got.dtype
     if shape != tuple(expected.shape):
         raise CheckpointError(f"{fname}: tensor '{name}' has shape {list(shape)}, "

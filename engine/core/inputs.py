@@ -46,10 +46,10 @@ def encode_images(model: KimiK3ForConditionalGeneration, items: list[ImageItem],
     """Run the vision tower once per image; check each placeholder run matches its feature count."""
     if not items:
         return []
-    if not model.has_vision:
+    vcfg = model.config.vision_config
+    if not model.has_vision or vcfg is None:      # a vision tower is built exactly when there is a vision config
         raise InvalidRequest("this model has no vision tower; images are not accepted")
     from engine.model.image_processing import preprocess_image
-    vcfg = model.config.vision_config
     dtype = next(model.language_model.parameters()).dtype
     out = []
     with torch.inference_mode():

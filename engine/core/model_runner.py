@@ -8,6 +8,7 @@ verification) and, when a draft reads them, the captured target features of ever
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -27,6 +28,18 @@ class RunnerOutput:
     # seq index in `out.seqs` -> (first prompt position p, logits [k, V] scoring prompt tokens p+1..p+k),
     # for requests that want prompt logprobs (the last prompt position's logits are its sampling row)
     prompt_logits: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict)
+
+
+class StateTarget(Protocol):
+    """What `import_state` reads and sets of a request: a `Request`, or the stand-in a tensor-parallel
+    worker rank builds from rank 0's broadcast."""
+
+    blocks: list[int]
+    kda_slot: int | None
+    draft_context_ready: bool
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
 
 
 class ModelRunner:
@@ -67,7 +80,7 @@ class ModelRunner:
             self.cache.kda_conv[layer][dst] = self.cache.kda_conv[layer][src]
             self.cache.kda_recurrent[layer][dst] = self.cache.kda_recurrent[layer][src]
 
-    def _page_index(self, req: Request, lo: int, hi: int) -> torch.Tensor:
+    def _page_index(self, req: StateTarget, lo: int, hi: int) -> torch.Tensor:
         pos = torch.arange(lo, hi, device=self.device)
         table = torch.tensor(req.blocks, device=self.device)
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
@@ -85,7 +98,7 @@ class ModelRunner:
             parts["draft"] = self.proposer.export_rows(req.blocks, req.num_prompt_tokens)
         return parts
 
-    def import_state(self, req: Request, state: ExportedState) -> None:
+    def import_state(self, req: StateTarget, state: ExportedState) -> None:
         """Write an exported state into req's pages and working slot (shapes checked, nothing partial)."""
         self.identity.check_compatible(state.identity)
         self._check_import_shapes(state, req.num_prompt_tokens)
@@ -101,7 +114,8 @@ class ModelRunner:
             req.draft_context_ready = same and self.proposer.import_rows(req.blocks, state.draft)
 
     def _check_import_shapes(self, state: ExportedState, num_tokens: int) -> None:
-        expect = {("mla", i): (num_tokens, self.text_config.mla_cache_dim) for i in self.cache.mla_pages}
+        expect: dict[tuple[str, int], tuple[int, ...]] = {
+            ("mla", i): (num_tokens, self.text_config.mla_cache_dim) for i in self.cache.mla_pages}
         expect |= {("kda_conv", i): tuple(c.shape[1:]) for i, c in self.cache.kda_conv.items()}
         expect |= {("kda_recurrent", i): tuple(r.shape[1:]) for i, r in self.cache.kda_recurrent.items()}
         for (kind, layer), shape in expect.items():
@@ -114,7 +128,12 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Run the step; logits (fp32) in `out.seqs` order, see RunnerOutput."""
-        ids, slices, logits_rows, mm_embeds, mm_pos, offsets = [], [], [], [], [], []
+        ids: list[int] = []
+        slices: list[SequenceSlice] = []
+        logits_rows: list[int] = []
+        mm_embeds: list[torch.Tensor] = []
+        mm_pos: list[int] = []
+        offsets: list[int] = []
         prompt_rows: dict[int, tuple[int, list[int]]] = {}
         flat = 0
         for index, s in enumerate(out.seqs):
@@ -123,8 +142,8 @@ class ModelRunner:
             real = s.num_new_tokens - len(s.draft_token_ids)
             ids.extend(s.req.token_at(p) for p in range(lo, lo + real))
             ids.extend(s.draft_token_ids)
-            spec = self.spec_slots(s.req.kda_slot, len(s.draft_token_ids)) if s.verifies else ()
-            slices.append(SequenceSlice(s.num_new_tokens, lo, s.req.kda_slot,
+            spec = self.spec_slots(s.req.slot, len(s.draft_token_ids)) if s.verifies else ()
+            slices.append(SequenceSlice(s.num_new_tokens, lo, s.req.slot,
                                         torch.tensor(s.req.blocks, device=self.device),
                                         reset_kda_state=lo == 0, snapshots=s.snapshots, spec_slots=spec))
             self._gather_images(s.req, lo, lo + real, flat, mm_embeds, mm_pos)
@@ -160,9 +179,11 @@ class ModelRunner:
 
     def _prepare(self, s: ScheduledSeq) -> None:
         if s.import_state:
+            if s.req.imported is None:
+                raise RuntimeError(f"request {s.req.request_id} is scheduled to import a state it does not hold")
             self.import_state(s.req, s.req.imported)
         elif s.resume_from_slot is not None:
-            self.copy_kda_state(s.resume_from_slot, s.req.kda_slot)
+            self.copy_kda_state(s.resume_from_slot, s.req.slot)
 
     def _gather_images(self, req: Request, lo: int, hi: int, flat: int, embeds: list, positions: list) -> None:
         for image in req.images:

@@ -69,6 +69,13 @@ class Request:
     grammar: Any = None                 # structured output matcher (engine.structured_output)
 
     @property
+    def slot(self) -> int:
+        """The working KDA slot, which the scheduler allocates before the request is first scheduled."""
+        if self.kda_slot is None:
+            raise RuntimeError(f"request {self.request_id} is scheduled without a KDA slot")
+        return self.kda_slot
+
+    @property
     def wants_prompt_logprobs(self) -> bool:
         return self.params.prompt_logprobs is not None
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.model.layers import cast, inference_cached, rms_norm, upcast
+from engine.model.layers import NormWeight, cast, inference_cached, rms_norm, upcast
 
 
 def attn_res(sources: list[torch.Tensor], proj_weight: torch.Tensor, norm_weight: torch.Tensor,
@@ -27,7 +27,7 @@ def pseudo_query(proj_weight: torch.Tensor, norm_weight: torch.Tensor) -> torch.
     return upcast(norm_weight) * upcast(proj_weight).view(-1)
 
 
-def site_query(owner: nn.Module, proj: nn.Module, norm: nn.Module) -> torch.Tensor:
+def site_query(owner: nn.Module, proj: nn.Linear, norm: NormWeight) -> torch.Tensor:
     """One AttnRes site's pseudo-query, kept on `owner` for inference (`inference_cached`; a decode
     step has 2 sites per layer)."""
     pw, nw = proj.weight, norm.weight
@@ -39,6 +39,5 @@ class AttnResWeights(nn.Module):
 
     def __init__(self, dim: int) -> None:
         super().__init__()
-        self.norm = nn.Module()
-        self.norm.weight = nn.Parameter(torch.ones(dim))
+        self.norm = NormWeight(dim)
         self.proj = nn.Linear(dim, 1, bias=False)

@@ -124,6 +124,10 @@ class ForwardBatch:
     captured: list[torch.Tensor] = field(default_factory=list)
     decode: StaticDecode | None = None              # set: a capture-safe pure decode step (slices unused)
     token_offsets: list[int] = field(init=False)
+    # built once per forward, shared by every layer of a kind: (slice indices, MLA decode plan / KDA slots)
+    _mla_decode_plan: tuple[list[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] | None = field(
+        default=None, init=False, repr=False)
+    _kda_decode_slots: tuple[list[int], torch.Tensor | slice] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         offsets, pos = [], 0

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from engine.model import choices
-from engine.model.forward_batch import ForwardBatch, HybridCacheTensors, SequenceSlice
+from engine.model.forward_batch import ForwardBatch, HybridCacheTensors, SequenceSlice, StaticDecode
 from engine.model.fused import fuse_linears, project
 from engine.model.kda_ops import (
     causal_conv_step,
@@ -17,7 +17,7 @@ from engine.model.kda_ops import (
     kda_recurrent,
     kda_recurrent_step_,
 )
-from engine.model.layers import cast, inference_cached, l2norm, rms_norm, upcast
+from engine.model.layers import NormWeight, cast, inference_cached, l2norm, rms_norm, upcast
 from shared.model_config import TextConfig
 
 
@@ -51,8 +51,7 @@ class KimiDeltaAttention(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(lac.head_dim, dtype=torch.float32))
         self.b_proj = nn.Linear(d, lac.num_heads, bias=False)
         self.g_proj = nn.Linear(d, hk, bias=False)
-        self.o_norm = nn.Module()
-        self.o_norm.weight = nn.Parameter(torch.ones(lac.head_dim))
+        self.o_norm = NormWeight(lac.head_dim)
         self.o_proj = nn.Linear(hk, d, bias=False)
 
     # ---- per-head parameters -----------------------------------------------------------------
@@ -78,7 +77,7 @@ class KimiDeltaAttention(nn.Module):
         g = kda_gate(self.f_b_proj(f_a).view(-1, h, k), self.head_a_log(), self.dt_bias, self.lower_bound)
         beta = torch.sigmoid(upcast(b))
         if batch.decode is not None:
-            out = self._decode_static(qkv, g, beta, batch)
+            out = self._decode_static(qkv, g, beta, batch, batch.decode)
         else:
             out = self._forward_slices(qkv, g, beta, batch)
         gate = gate.view(-1, h, k)
@@ -116,10 +115,9 @@ class KimiDeltaAttention(nn.Module):
                 self._sequence(s, batch.token_offsets[i], qkv, g, beta, conv_w, cache, out)
         return out
 
-    def _decode_static(self, qkv, g, beta, batch: ForwardBatch) -> torch.Tensor:
+    def _decode_static(self, qkv, g, beta, batch: ForwardBatch, d: StaticDecode) -> torch.Tensor:
         """A capture-safe decode step (`StaticDecode`): every row one token; a fresh row's state is
         zeroed by a mask, not a host branch; the conv kernels are frozen (`freeze_decode_weights`)."""
-        d = batch.decode
         conv_w = getattr(self, "_frozen_conv_weight", None)
         if conv_w is None:
             raise RuntimeError("a static decode step needs freeze_decode_weights() first")
@@ -230,7 +228,7 @@ class KimiDeltaAttention(nn.Module):
 def _decode_slots(idx: list[int], batch: ForwardBatch, device: torch.device) -> torch.Tensor | slice:
     """The KDA slots of the one-token slices `idx` (a slice when they are consecutive): the same for
     every KDA layer of a forward, so built once per batch."""
-    cached = getattr(batch, "_kda_decode_slots", None)
+    cached = batch._kda_decode_slots
     if cached is not None and cached[0] == idx:
         return cached[1]
     ids = [batch.slices[i].kda_slot for i in idx]

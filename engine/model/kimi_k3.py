@@ -13,6 +13,8 @@ onto this code. Layer wiring (docs/model.md, Layer wiring):
 """
 from __future__ import annotations
 
+import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -21,7 +23,7 @@ from torch import nn
 from engine.model.attnres import AttnResWeights, attn_res, site_query
 from engine.model.forward_batch import ForwardBatch
 from engine.model.kda import KDAOptions, KimiDeltaAttention
-from engine.model.layers import RMSNorm, SiTUMLP
+from engine.model.layers import NormWeight, RMSNorm, SiTUMLP
 from engine.model.mla import GatedMLA, MLAOptions
 from engine.model.moe import LatentMoE
 from shared.model_config import ModelConfig, TextConfig
@@ -68,7 +70,8 @@ class DecoderLayer(nn.Module):
         x = self._mix(prefix_sum, blocks, self.mlp_res_proj, self.mlp_res_norm)
         return prefix_sum + self.ffn(self.post_attention_layernorm(x), batch.decode is not None)
 
-    def _mix(self, partial: torch.Tensor, blocks: list[torch.Tensor], proj: nn.Linear, norm: nn.Module) -> torch.Tensor:
+    def _mix(self, partial: torch.Tensor, blocks: list[torch.Tensor], proj: nn.Linear,
+             norm: NormWeight) -> torch.Tensor:
         return attn_res([*blocks, partial], proj.weight, norm.weight, self.eps, site_query(self, proj, norm))
 
 
@@ -82,6 +85,11 @@ class KimiK3TextModel(nn.Module):
         self.output_attn_res_norm, self.output_attn_res_proj = out_site.norm, out_site.proj
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    @property
+    def decoder_layers(self) -> Sequence[DecoderLayer]:
+        """`layers` as what it holds (an nn.ModuleList is untyped); the same object, no copy."""
+        return typing.cast("Sequence[DecoderLayer]", self.layers)
+
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """input_ids [N] -> final normalised hidden states [N, D]."""
         h = self.embed_tokens(input_ids)
@@ -90,7 +98,7 @@ class KimiK3TextModel(nn.Module):
         blocks: list[torch.Tensor] = []
         capture = set(batch.capture_layers)
         by_layer: dict[int, torch.Tensor] = {}
-        for layer in self.layers:
+        for layer in self.decoder_layers:
             h = layer(h, blocks, batch)
             if layer.layer_id in capture:
                 by_layer[layer.layer_id] = h          # the AttnRes block's partial sum after this layer
@@ -145,7 +153,7 @@ class KimiK3ForConditionalGeneration(nn.Module):
     def fuse_linears(self) -> None:
         """Run the linears that read one input as one GEMM each (engine/model/fused.py): after loading
         and any sharding, before serving. The checkpoint's parameters stay, as views of the fused weights."""
-        for layer in self.language_model.model.layers:
+        for layer in self.language_model.model.decoder_layers:
             layer.self_attn.fuse_linears()
             (layer.block_sparse_moe if hasattr(layer, "block_sparse_moe") else layer.mlp).fuse_linears()
 
@@ -159,5 +167,6 @@ class KimiK3ForConditionalGeneration(nn.Module):
         """Precompute what the mixers derive from their weights, for capture-safe decode steps
         (`ForwardBatch.decode`): a captured graph reads these fixed tensors instead."""
         for module in self.language_model.modules():
-            if hasattr(module, "freeze_decode_weights"):
-                module.freeze_decode_weights()
+            freeze = getattr(module, "freeze_decode_weights", None)
+            if freeze is not None:
+                freeze()

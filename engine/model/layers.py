@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +58,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return cast(y, x.dtype)
 
 
+class NormWeight(nn.Module):
+    """A norm's weight alone (checkpoint key `<norm>.weight`): its user applies `rms_norm` with its own eps."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -108,7 +116,13 @@ class SiTUMLP(nn.Module):
         fuse_linears(self, (self.gate_proj, self.up_proj), (1, 1))
 
 
-def linear_weight(module: nn.Module) -> torch.Tensor:
+class Dequantizable(Protocol):
+    """A quantized linear (engine/model/quant.py) that can give back its float weight."""
+
+    def dequantized_weight(self) -> torch.Tensor: ...
+
+
+def linear_weight(module: nn.Linear | Dequantizable) -> torch.Tensor:
     """The float weight `[out, in]` of a plain or quantized linear (absorbed MLA needs it)."""
     if isinstance(module, nn.Linear):
         return module.weight

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from engine.model import choices
-from engine.model.forward_batch import ForwardBatch, SequenceSlice
+from engine.model.forward_batch import ForwardBatch, SequenceSlice, StaticDecode
 from engine.model.fused import fuse_linears, project
 from engine.model.layers import RMSNorm, cast, inference_cached, linear_weight, upcast
 from shared.model_config import TextConfig
@@ -71,7 +71,7 @@ class GatedMLA(nn.Module):
         pages = batch.cache.mla_pages[self.layer_id]
         flat_pages = pages.view(-1, pages.shape[-1])
         if batch.decode is not None:
-            out = self._decode_static(q, latent, flat_pages, batch)
+            out = self._decode_static(q, latent, flat_pages, batch.decode)
         else:
             out = self._forward_slices(q, latent, flat_pages, batch)
         gate = cast(torch.sigmoid(upcast(g)), x.dtype)
@@ -105,10 +105,9 @@ class GatedMLA(nn.Module):
         out[rows] = self._latent_attention(q[rows], flat_pages[index], valid, self._absorb_weights())
 
     def _decode_static(self, q: torch.Tensor, latent: torch.Tensor, flat_pages: torch.Tensor,
-                       batch: ForwardBatch) -> torch.Tensor:
+                       d: StaticDecode) -> torch.Tensor:
         """A capture-safe decode step (`StaticDecode`): every row one token, contexts masked over the
         whole block table, the absorbed weights frozen beforehand (`freeze_decode_weights`)."""
-        d = batch.decode
         weights = getattr(self, "_frozen_absorb", None)
         if weights is None:
             raise RuntimeError("a static decode step needs freeze_decode_weights() first")
@@ -194,7 +193,7 @@ def _decode_plan(idx: list[int], batch: ForwardBatch) -> tuple[torch.Tensor, tor
 
     The same for every MLA layer of a forward (they share block tables), so it is built once per batch.
     """
-    cached = getattr(batch, "_mla_decode_plan", None)
+    cached = batch._mla_decode_plan
     if cached is not None and cached[0] == idx:
         return cached[1]
     slices = [batch.slices[i] for i in idx]

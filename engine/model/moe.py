@@ -1,6 +1,8 @@
 """Latent MoE with a biased sigmoid router and shared experts (docs/model.md, Latent MoE)."""
 from __future__ import annotations
 
+import typing
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -97,7 +99,7 @@ class LatentMoE(nn.Module):
         fuse_linears(self, linears, (1,) * len(linears))
         gemms: list | None = []
         for e in self._local_experts():
-            expert = self.experts[e]
+            expert = self._expert_at(e)
             fused = fuse_linears(expert, (expert.w1, expert.w3), (1, 1))
             w13 = expert.__dict__[FUSED_ATTR].groups[0] if fused else None
             if gemms is not None and isinstance(w13, nn.Linear) and isinstance(expert.w2, nn.Linear):
@@ -107,16 +109,22 @@ class LatentMoE(nn.Module):
         # float experts: the dispatch loop calls their GEMMs directly (no module calls per expert)
         self.__dict__[EXPERT_GEMMS_ATTR] = gemms
 
+    def _expert_at(self, e: int) -> Expert:
+        """Local expert `e`: `experts` is an nn.ModuleList of Expert (another rank's slots hold empty
+        modules after expert-parallel sharding, and only local indices are asked for)."""
+        return typing.cast(Expert, self.experts[e])
+
     def _local_experts(self) -> range:
         lo, hi = self.expert_range if self.expert_range is not None else (0, len(self.experts))
         return range(lo, hi)
 
     def _gate_up(self, e: int, he: torch.Tensor) -> list[torch.Tensor]:
-        expert = self.experts[e]
+        expert = self._expert_at(e)
         return project(expert, he, (expert.w1, expert.w3), (1, 1))
 
     def _expert(self, e: int, he: torch.Tensor) -> torch.Tensor:
-        return self.experts[e].w2(situ(*self._gate_up(e, he), self.beta, self.linear_beta))
+        gate, up = self._gate_up(e, he)
+        return self._expert_at(e).w2(situ(gate, up, self.beta, self.linear_beta))
 
     def _routed_dispatch(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Each chosen expert on its tokens only (the chosen set is read on the host, once)."""
@@ -164,7 +172,8 @@ class LatentMoE(nn.Module):
             return torch.zeros(h.shape, dtype=upcast(h).dtype, device=h.device)
         row = h.contiguous()
         gate_up = _cat([F.linear(row, gemms[e - local.start][0]) for e, _ in chosen])
-        act = situ(*gate_up.split(gate_up.shape[-1] // 2, dim=-1), self.beta, self.linear_beta)
+        gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
+        act = situ(gate, up, self.beta, self.linear_beta)
         out = _cat([F.linear(a, gemms[e - local.start][3]) for a, (e, _) in zip(act.split(1), chosen, strict=False)])
         # a sum over rows adds them in order, bitwise as the scatter does (test_decode_fast_paths)
         return (upcast(out) * weights[0, [slot for _, slot in chosen]].unsqueeze(1)).sum(0, keepdim=True)
@@ -181,7 +190,7 @@ class LatentMoE(nn.Module):
                 runs.append((e, pos, pos + n))
                 pos += n
         act = situ(_cat(gates), _cat(ups), self.beta, self.linear_beta)
-        return _cat([self.experts[e].w2(act[lo:hi]) for e, lo, hi in runs])
+        return _cat([self._expert_at(e).w2(act[lo:hi]) for e, lo, hi in runs])
 
     def _float_experts(self, rows: torch.Tensor, counts: list[int], local: range, gemms: list) -> torch.Tensor:
         """`_any_experts` for fused float experts, calling their GEMMs directly: the same products

@@ -183,6 +183,7 @@ class _DynamicLinearBase(nn.Module):
     """Shared plumbing: checkpoint-named parameters, symmetric-offset check on load, dequantization."""
 
     quant_type: str = ""
+    weight: nn.Parameter                  # the packed integer weight, registered by each subclass
 
     def __init__(self, in_features: int, out_features: int, device: torch.device | str | None,
                  params_dtype: torch.dtype) -> None:

@@ -290,11 +290,11 @@ class MMProjector(nn.Module):
 
     @property
     def linear_1(self) -> nn.Linear:
-        return self.proj[0]
+        return _float_linear(self.proj[0])
 
     @property
     def linear_2(self) -> nn.Linear:
-        return self.proj[2]
+        return _float_linear(self.proj[2])
 
     def merge(self, features: Tensor) -> Tensor:
         """`[rows, cols, D]` -> `[rows/kh * cols/kw, kh*kw*D]`: window-major, row-major in each window."""
@@ -322,3 +322,11 @@ def encode_images(vision_tower: MoonViT, mm_projector: MMProjector, pixel_values
     if not isinstance(pixel_values, (list, tuple)):
         raise TypeError(f"encode_images expects a list of [3, H, W] tensors, got {type(pixel_values).__name__}")
     return [mm_projector(vision_tower(image)) for image in pixel_values]
+
+
+def _float_linear(module: nn.Module) -> nn.Linear:
+    """One of the projector's linears, which stay float: `forward` takes its input dtype and device
+    from `linear_1.weight`."""
+    if not isinstance(module, nn.Linear):
+        raise TypeError(f"the vision projector's linears are float nn.Linear, got {type(module).__name__}")
+    return module

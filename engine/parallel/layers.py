@@ -23,12 +23,13 @@ def _param(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t.detach().clone().contiguous(), requires_grad=False)
 
 
-def shard_out(linear: nn.Module, lo: int, hi: int) -> nn.Module:
+def shard_out(linear: nn.Module, lo: int, hi: int) -> nn.Linear | _DynamicLinearBase:
     """Output rows lo:hi of a float or quantized linear (a column-parallel shard)."""
     if isinstance(linear, nn.Linear):
-        new = nn.Linear(linear.in_features, hi - lo, bias=False, device="meta")
-        new.weight = _param(linear.weight[lo:hi])
-        return new
+        dense = nn.Linear(linear.in_features, hi - lo, bias=False, device="meta")
+        dense.weight = _param(linear.weight[lo:hi])
+        return dense
+    new: _DynamicLinearBase
     if isinstance(linear, W4A8DynamicLinear):
         if lo % 2 or hi % 2:
             raise ValueError(f"W4A8 shard rows {lo}:{hi} split a packed byte (two rows per byte)")
@@ -45,12 +46,13 @@ def shard_out(linear: nn.Module, lo: int, hi: int) -> nn.Module:
     return new
 
 
-def shard_in(linear: nn.Module, lo: int, hi: int) -> nn.Module:
+def shard_in(linear: nn.Module, lo: int, hi: int) -> nn.Linear | _DynamicLinearBase:
     """Input columns lo:hi of a float or quantized linear (a row-parallel shard; outputs are partial)."""
     if isinstance(linear, nn.Linear):
-        new = nn.Linear(hi - lo, linear.out_features, bias=False, device="meta")
-        new.weight = _param(linear.weight[:, lo:hi])
-        return new
+        dense = nn.Linear(hi - lo, linear.out_features, bias=False, device="meta")
+        dense.weight = _param(linear.weight[:, lo:hi])
+        return dense
+    new: _DynamicLinearBase
     if isinstance(linear, W4A8DynamicLinear):
         cols = linear.scale_bias.shape[1]
         width = linear.in_features // cols
@@ -71,7 +73,7 @@ def shard_in(linear: nn.Module, lo: int, hi: int) -> nn.Module:
 class RowParallelLinear(nn.Module):
     """A row (input) shard whose output is summed over the ranks: every rank gets the full output."""
 
-    def __init__(self, inner: nn.Module, group: TPGroup) -> None:
+    def __init__(self, inner: nn.Linear | _DynamicLinearBase, group: TPGroup) -> None:
         super().__init__()
         self.inner, self.group = inner, group
 
@@ -80,18 +82,19 @@ class RowParallelLinear(nn.Module):
         return self.inner.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.inner, _DynamicLinearBase):
-            return self._quantized(x)
-        return self.group.all_reduce(self.inner(x))
+        inner = self.inner
+        if isinstance(inner, _DynamicLinearBase):
+            return self._quantized(x, inner)
+        return self.group.all_reduce(inner(x))
 
-    def _quantized(self, x: torch.Tensor) -> torch.Tensor:
+    def _quantized(self, x: torch.Tensor, inner: _DynamicLinearBase) -> torch.Tensor:
         lead, flat = x.shape[:-1], x.reshape(-1, x.shape[-1]).float()
         absmax = self.group.all_reduce(flat.abs().amax(dim=-1, keepdim=True), op="max")
         scale = absmax / INT8_QMAX
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         x_q = torch.round(flat / safe).clamp(-INT8_QMAX, INT8_QMAX).to(torch.int8)
-        acc = self.group.all_reduce(_exact_int_matmul(x_q, self.inner.int_weight()))
-        out = acc.float() * scale * self.inner.weight_scale.float().reshape(1, -1)
+        acc = self.group.all_reduce(_exact_int_matmul(x_q, inner.int_weight()))
+        out = acc.float() * scale * inner.weight_scale.float().reshape(1, -1)
         return out.to(x.dtype).reshape(*lead, -1)
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from types import SimpleNamespace
 
 import torch
 
@@ -25,6 +24,16 @@ from engine.parallel.comm import TPGroup
 from engine.parallel.state_layout import gather_kda, split_kda
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _ImportTarget:
+    """A worker rank's stand-in for the request rank 0 imports a state into (`StateTarget`)."""
+
+    blocks: list[int]
+    kda_slot: int | None
+    num_prompt_tokens: int
+    draft_context_ready: bool = True
 
 
 class ShardedRunner(ModelRunner):
@@ -75,7 +84,7 @@ class ShardedRunner(ModelRunner):
             ModelRunner.copy_kda_state(self, *args)
         elif kind == "import":
             blocks, slot, num_tokens, state = args
-            req = SimpleNamespace(blocks=blocks, kda_slot=slot, num_prompt_tokens=num_tokens)
+            req = _ImportTarget(blocks=blocks, kda_slot=slot, num_prompt_tokens=num_tokens)
             ModelRunner.import_state(self, req, self.local_state(state))
         elif kind == "export":
             self.group.gather(self._local_kda(args[1]))
@@ -109,6 +118,8 @@ class TPModelRunner(ShardedRunner):
         self.group.broadcast(("export", list(req.blocks), req.kda_slot, req.num_prompt_tokens))
         parts = super().export_state(req)
         shards = self.group.gather(self._local_kda(req.kda_slot))
+        if shards is None:                 # only rank 0 (which runs the engine) exports; gather gives it all
+            raise RuntimeError("export_state runs on rank 0 only")
         parts["kda_conv"], parts["kda_recurrent"] = gather_kda(shards)
         return parts
 

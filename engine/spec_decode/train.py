@@ -17,6 +17,8 @@ import logging
 import math
 import random
 import time
+import typing
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +27,7 @@ import torch.nn.functional as F
 
 from engine.model.forward_batch import ForwardBatch, HybridCacheTensors, SequenceSlice
 from engine.spec_decode.checkpoint import draft_config_for, save_draft
-from engine.spec_decode.draft_model import DraftMLA, DSparkDraftModel, apply_rope, rope_cos_sin
+from engine.spec_decode.draft_model import DraftLayer, DraftMLA, DSparkDraftModel, apply_rope, rope_cos_sin
 from shared.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -154,7 +156,7 @@ def block_logits(draft: DSparkDraftModel, embed, lm_head, features: torch.Tensor
     own_allowed = (block_of[:, None] == block_of[None, :]).expand(b, m * n, m * n)
     allowed = torch.cat([ctx_allowed, own_allowed], dim=-1)
     h, residual = embed(ids.view(b, m * n)), None
-    for layer in draft.layers:
+    for layer in typing.cast("Iterable[DraftLayer]", draft.layers):       # an nn.ModuleList of DraftLayer
         rows = layer.self_attn.cache_rows(context.reshape(b * t, -1), cos_c, sin_c).view(b, t, -1)
         residual = h if residual is None else h + residual
         a = _attention(layer.self_attn, layer.input_layernorm(residual), q_pos, rows, allowed)
@@ -169,15 +171,16 @@ def _batch(data: list[Sequence], rng: random.Random, cfg: DraftTrainConfig, n: i
     seqs = rng.sample(data, min(cfg.batch_sequences, len(data)))
     t = max(s.token_ids.numel() for s in seqs)
     f = seqs[0].features.shape[1]
-    feats, ids, valid, anchors = torch.zeros(len(seqs), t, f), torch.zeros(len(seqs), t, dtype=torch.long), \
-        torch.zeros(len(seqs), t, dtype=torch.bool), []
+    feats, ids, valid = torch.zeros(len(seqs), t, f), torch.zeros(len(seqs), t, dtype=torch.long), \
+        torch.zeros(len(seqs), t, dtype=torch.bool)
+    picked: list[list[int]] = []
     for i, s in enumerate(seqs):
         length = s.token_ids.numel()
         feats[i, :length], ids[i, :length], valid[i, :length] = s.features, s.token_ids, True
         # anchors are tokens the target emitted (serving drafts after each one), with >= 1 label after
         choices = list(range(s.num_prompt, length - 1))
-        anchors.append([rng.choice(choices) for _ in range(cfg.anchors_per_sequence)])
-    anchors = torch.tensor(anchors)
+        picked.append([rng.choice(choices) for _ in range(cfg.anchors_per_sequence)])
+    anchors = torch.tensor(picked)
     label_pos = anchors[:, :, None] + 1 + torch.arange(n)                            # [B, M, n]
     lengths = valid.sum(1)
     label_ok = label_pos < lengths[:, None, None]

@@ -37,7 +37,7 @@ def dense_logits(model: KimiK3ForConditionalGeneration, input_ids: torch.Tensor,
     b, t = input_ids.shape
     h = text.embed_tokens(input_ids).reshape(b * t, -1)
     blocks: list[torch.Tensor] = []
-    for layer in text.layers:
+    for layer in text.decoder_layers:
         h = _layer(layer, h, blocks, b, t, kda_chunk_size)
     sources = [*blocks, h]
     if positions is not None:                           # the output AttnRes and the head are token-wise

@@ -13,9 +13,12 @@ import json
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from engine.training.tasks import FAMILIES, Instance, eval_instances
+
+if TYPE_CHECKING:  # openai is only needed to evaluate through a router
+    from openai.types.chat import ChatCompletionMessageParam
 
 MAX_TOKENS = 256               # the longest answer turn (thinking-on multi_turn) is ~110 tokens
 
@@ -118,12 +121,14 @@ def router_answerer(url: str, concurrency: int = 8, api_key: str = "none", timeo
         kwargs: dict[str, Any] = {}
         if inst.tools:
             kwargs["tools"] = list(inst.tools)
+        # plain dicts in the shape of OpenAI's message params (shared.prompt.chat renders the same ones)
+        messages = cast("list[ChatCompletionMessageParam]", history(inst, thinking, keep_history_reasoning=False))
         resp = client.chat.completions.create(
-            model=model, messages=history(inst, thinking, keep_history_reasoning=False), temperature=0,
+            model=model, messages=messages, temperature=0,
             max_tokens=MAX_TOKENS, extra_body={"chat_template_kwargs": {"thinking": thinking}}, **kwargs)
         msg = resp.choices[0].message
         calls = [{"function": {"name": c.function.name, "arguments": c.function.arguments}}
-                 for c in (msg.tool_calls or [])]
+                 for c in (msg.tool_calls or []) if c.type == "function"]    # K3 calls functions only
         return Answer(msg.content or "", calls, getattr(msg, "reasoning_content", None) or "")
 
     def answer_all(insts: list[Instance], thinking: bool) -> list[Answer]:

@@ -14,6 +14,7 @@ import math
 import os
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -113,7 +114,8 @@ class BatchStream:
         approx = max(1, budget // 160)
         pool = sorted((sample_example(self.tok, self.rng, self.cfg.family_weights, self.cfg.mix)
                        for _ in range(approx * self.cfg.pool_batches)), key=lambda e: len(e.token_ids))
-        batches, current = [], []
+        batches: list[list[Example]] = []
+        current: list[Example] = []
         for e in pool:
             longest = max([len(e.token_ids), *(len(x.token_ids) for x in current)])
             if current and longest * (len(current) + 1) > budget:
@@ -239,7 +241,7 @@ def _train_rank(rank: int, cfg: TrainConfig, out: str | Path | None, progress: b
     return result
 
 
-def _average_gradients(params: list[torch.Tensor], loss: torch.Tensor, dist, workers: int) -> torch.Tensor:
+def _average_gradients(params: Sequence[torch.Tensor], loss: torch.Tensor, dist, workers: int) -> torch.Tensor:
     """Mean of every rank's gradients (one flat all-reduce) and of their losses."""
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads] + [loss.reshape(1)])

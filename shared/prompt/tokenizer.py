@@ -70,7 +70,7 @@ class KimiTokenizer:
         self.eos_token = EOS_TOKEN
         self.model_max_length = model_max_length
         self._memo = SegmentMemo()
-        self.render_memo = RenderMemo()          # whole chat pieces (shared.prompt.chat)
+        self.render_memo: RenderMemo | None = RenderMemo()   # whole chat pieces (shared.prompt.chat); None: off
 
     # ---- loading and saving -------------------------------------------------------------------
 
