@@ -2,7 +2,7 @@
 
 Run: `python -m benchmarks.router_overhead [--requests 200] [--concurrency 1 8 32] [--tokens 16]`.
 
-Starts one prefill and one decode stub worker (benchmarks.stub_worker) and the real router
+Starts one prefill and one decode stub worker (tests.stub_worker) and the real router
 (`python -m kimi_pd router`) on free 127.0.0.1 ports, once per mode:
 
 - decode-only (`--disagg-threshold 100000`): one leg, router -> decode stub;
@@ -43,8 +43,8 @@ from typing import Any
 import httpx
 
 from benchmarks.peers import ensure_venv, peers_for, proc_usage
-from benchmarks.stub_worker import token_text
 from shared.net import free_port
+from tests.stub_worker import token_text
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "router_overhead.json"
@@ -115,7 +115,7 @@ def service(name: str, args: list[str], ready_url: str, log_dir: Path, timeout_s
 
 
 def stub_worker(role: str, port: int, args: argparse.Namespace, log_dir: Path):
-    cmd = ["-m", "benchmarks.stub_worker", "--port", str(port), "--role", role, "--tokens", str(args.tokens),
+    cmd = ["-m", "tests.stub_worker", "--port", str(port), "--role", role, "--tokens", str(args.tokens),
            "--token-delay-ms", str(args.token_delay_ms)]
     return service(f"stub-{role}", cmd, f"http://127.0.0.1:{port}/health", log_dir, args.startup_timeout)
 

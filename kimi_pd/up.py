@@ -20,18 +20,12 @@ import httpx
 
 from kimi_pd.processes import Processes, Supervisor
 from shared.net import free_port
+from shared.redact import redact_url
 from shared.store.embedded import EmbeddedValkey, EmbeddedValkeyError
 from shared.store.factory import REDIS_URL_ENV
 
 READY_TIMEOUT_S = 180.0
 KIMI_PD = [sys.executable, "-m", "kimi_pd"]
-
-
-def redact(url: str) -> str:
-    """A URL without its password (store URLs may carry one)."""
-    from urllib.parse import urlsplit
-    parts = urlsplit(url)
-    return url if not parts.password else url.replace(f":{parts.password}@", ":***@")
 
 
 class PortTaken(ValueError):
@@ -102,7 +96,7 @@ def up(model_dir: str, port: int, num_prefill: int, num_decode: int, redis_url: 
         url = f"http://127.0.0.1:{port}"
         wait_ready(url, fleet, READY_TIMEOUT_S)
         print(f"kimi-pd is up: {url}  ({num_prefill} prefill + {num_decode} decode workers, "
-              f"store {redact(redis_url)})")
+              f"store {redact_url(redis_url)})")
         print(f"logs: {log_dir}/   stop: Ctrl-C")
         print(f"""curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' """
               """-d '{"model": "kimi-k3", "messages": [{"role": "user", "content": "What is 347 + 586?"}]}'""",

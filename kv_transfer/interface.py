@@ -26,7 +26,6 @@ from kv_transfer.metrics import TransferMetrics
 from kv_transfer.payload import ModelIdentity, TransferPayload
 from shared.kv_transfer_params import INTERFACE_VERSION, KVTransferParams  # noqa: F401 - the transports use both
 
-FREE_REASONS = ("released", "expired", "aborted", "shutdown")
 OnFree = Callable[[str, str], None]
 
 

@@ -1,28 +1,38 @@
 """The prefill leg: compute the prompt, stop after the first token, publish the state under a lease,
-answer with the parameters a decode worker needs."""
+answer with the parameters a decode worker needs. Its rules: the answer is one JSON body (never a
+stream), and it serves `/internal/kv/release` for states no decode worker will pull."""
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
+from typing import Any, ClassVar
 
 from engine.core.outputs import RequestOutput
 from kv_transfer.interface import KVSender, TransferConfig, make_sender
 from kv_transfer.metrics import TransferMetrics
 from prefill_worker.handoff import PrefillHandoff
-from shared.kv_transfer_params import KVTransferParams
+from shared.kv_transfer_params import KVTransferParams, LegKind
 from shared.prompt.prepare import PreparedPrompt
 from shared.sampling_params import SamplingParams
-from worker.legs import generate
-from worker.role import LegResult
+from worker.role import EngineCallFn, LegResult, LegRoute
 from worker.runtime import WorkerRuntime
 
 
-class PrefillLeg:
-    kind = "prefill"
+async def _release(leg: PrefillLeg, body: dict[str, Any]) -> dict[str, Any]:
+    """Router -> prefill worker: free a published state no decode worker will pull (client gone)."""
+    request_id = body.get("request_id")
+    return {"released": isinstance(request_id, str) and leg.release(request_id)}
 
-    def __init__(self, rt: WorkerRuntime, config: TransferConfig, metrics: TransferMetrics) -> None:
-        self.rt = rt
+
+class PrefillLeg:
+    kind: ClassVar[LegKind] = "prefill"
+    streams: ClassVar[bool] = False                     # one token, answered whole with the decode's parameters
+    routes: ClassVar[tuple[LegRoute, ...]] = (("/internal/kv/release", _release),)
+
+    def __init__(self, rt: WorkerRuntime, config: TransferConfig, metrics: TransferMetrics,
+                 generate: EngineCallFn) -> None:
+        self.generate = generate
         self.sender: KVSender = make_sender(config, metrics)
         self.handoff = PrefillHandoff(rt.engine, self.sender, config.lease_s)
 
@@ -40,11 +50,12 @@ class PrefillLeg:
         return self.sender.abort(request_id)
 
     async def run(self, prepared: PreparedPrompt, params: SamplingParams, ktp: KVTransferParams,
-                  result: LegResult) -> AsyncIterator[RequestOutput]:
+                  result: LegResult) -> AsyncGenerator[RequestOutput, None]:
         final = None
-        async with aclosing(generate(self.rt, prepared, params, result, export_state=True)) as outputs:
+        async with aclosing(self.generate(prepared, params, result, export_state=True)) as outputs:
             async for out in outputs:
                 final = out
+        assert final is not None, "the engine ended the prefill without output"
         start = time.perf_counter()
         result.kv_transfer_params = await self.handoff.publish(result.request_id)
         result.timings["publish_s"] = time.perf_counter() - start

@@ -1,18 +1,18 @@
 """The router service: OpenAI endpoints in front of the P/D fleet, /health, /ready, /metrics, admin, /dashboard.
 
-Clients created once in the lifespan (router.worker_http for the request path, httpx for health and admin
+Clients created once in the lifespan (router.transport.worker_http for the request path, httpx for health and admin
 calls, the store, background loops) and kept on app.state; routes only compose them. The two
-OpenAI POST endpoints are served through `router.fast_path` (past FastAPI's routing layers).
+OpenAI POST endpoints are served through `router.transport.fast_path` (past FastAPI's routing layers).
 """
 from __future__ import annotations
 
 import asyncio
-import hmac
 import itertools
 import logging
 import secrets
+from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, cast
 
 import httpx
 from fastapi import FastAPI, Request
@@ -23,41 +23,41 @@ from router import health_checker
 from router.connectors import ALIASES as CONNECTOR_ALIASES
 from router.connectors import CONNECTORS
 from router.dashboard import install as install_dashboard
-from router.fast_path import FastPathApp
+from router.helpers import RouterHelpers
 from router.kv_events_relay import KVEventsRelay
 from router.metrics import RouterMetrics
-from router.orchestrator import Orchestrator, Trace
+from router.orchestrator import Orchestrator
 from router.placement.pipeline import build_pipeline
-from router.prompt_source import foreign_detokenize, foreign_tokenize, load_prompt_source
+from router.prompt_source import load_prompt_source
 from router.registry import WorkerRegistry
+from router.request.trace import Trace
 from router.sampling_check import SamplingCheck
 from router.settings import RouterSettings
-from router.upstream import UpstreamError, make_session
+from router.transport.fast_path import FastPathApp
+from router.transport.upstream import UpstreamError, make_session
 from shared.http import (
     ClientDisconnected,
-    bearer_token,
     header,
     install_error_handlers,
     parse_json,
     read_body,
-    read_json_body,
     read_json_object,
     until_disconnect,
 )
-from shared.openai import tokenize as tokenize_api
-from shared.openai.errors import ModelNotFound, OpenAIError, Unauthorized, error_response
-from shared.openai.fanout import fan_out, needs_fan_out
+from shared.openai.errors import OpenAIError, error_response
+from shared.openai.fanout import AnyRequest, fan_out, needs_fan_out
+from shared.openai.helpers import check_admin, check_model, install_helpers
 from shared.openai.ids import header_request_id
 from shared.openai.requests import ChatCompletionRequest, CompletionRequest
-from shared.openai.responses import ModelCard, ModelList
 from shared.store.factory import make_store
 
 log = logging.getLogger(__name__)
+RunOne = Callable[[AnyRequest], Awaitable[Response]]     # fan-out hands each endpoint its own request type
 _ids = itertools.count()
 _INSTANCE = secrets.token_hex(4)               # router replicas never mint the same internal id
 
 
-def create_app(settings: RouterSettings) -> FastAPI:
+def create_app(settings: RouterSettings) -> FastPathApp:
     settings.validate()
 
     @asynccontextmanager
@@ -71,9 +71,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
         pipeline = build_pipeline(**settings.pipeline_spec())
         app.state.settings, app.state.registry, app.state.metrics = settings, registry, metrics
         app.state.prompts = prompts = load_prompt_source(settings.model)
-        app.state.tokenizer = prompts.tokenizer if prompts.kind == "kimi-k3" else None   # K3's, for /tokenize
-        app.state.vision_config = prompts.vision_config
-        app.state.max_model_len = prompts.max_model_len
+        app.state.helpers = RouterHelpers(settings, prompts)      # /v1/models, /tokenize, ... (shared routes)
         app.state.sampling_check = SamplingCheck()
         log.info("prompt hashing: %s (%s)", prompts.kind, settings.model or "no tokenizer")
         app.state.orchestrator = Orchestrator(settings, registry, client, pipeline, metrics, settings.admin_token,
@@ -101,21 +99,22 @@ def create_app(settings: RouterSettings) -> FastAPI:
     app = FastPathApp(title="kimi-pd router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     app.add_exception_handler(UpstreamError, _upstream_error)
-    for path, fn, methods in (("/v1/models", _models, ["GET"]), ("/v1/chat/completions", _chat, ["POST"]),
+    install_helpers(app)
+    for path, fn, methods in (("/v1/chat/completions", _chat, ["POST"]),
                               ("/v1/completions", _completions, ["POST"]), ("/health", _health, ["GET"]),
                               ("/ready", _ready, ["GET"]), ("/metrics", _metrics, ["GET"]),
                               ("/admin/workers", _list_workers, ["GET"]), ("/admin/workers", _add_worker, ["POST"]),
-                              ("/admin/workers/{worker_id:path}/drain", _drain_worker, ["POST"]),
-                              ("/v1/models/{model_id:path}", _model, ["GET"]), ("/tokenize", _tokenize, ["POST"]),
-                              ("/detokenize", _detokenize, ["POST"]), ("/tokenizer_info", _tokenizer_info, ["GET"])):
+                              ("/admin/workers/{worker_id:path}/drain", _drain_worker, ["POST"])):
         app.add_api_route(path, fn, methods=methods)
-    install_dashboard(app, _check_admin, _ready_state)        # /dashboard (page) and /dashboard/state (admin token)
+    # /dashboard (page) and /dashboard/state (admin token)
+    install_dashboard(app, _check_admin, _ready_state)
     app.fast_routes = {"/v1/chat/completions": _chat, "/v1/completions": _completions}
     return app
 
 
-async def _upstream_error(request: Request, exc: UpstreamError) -> JSONResponse:
+async def _upstream_error(request: Request, exc: Exception) -> JSONResponse:
     """A worker's own OpenAI error passes through unchanged; transport failures become 502/503/504."""
+    assert isinstance(exc, UpstreamError)          # registered for UpstreamError only
     if exc.body is not None:
         return JSONResponse(exc.body, status_code=exc.status)
     body = error_response(exc.status, exc.message, code=exc.reason)
@@ -123,70 +122,16 @@ async def _upstream_error(request: Request, exc: UpstreamError) -> JSONResponse:
 
 
 def _check_client(request: Request) -> None:
-    keys = request.app.state.settings.api_keys
-    if keys and not any(hmac.compare_digest(bearer_token(request).encode(), k.encode()) for k in keys):
-        raise Unauthorized("Incorrect API key provided.", code="invalid_api_key")
+    request.app.state.helpers.check_client(request)
 
 
 def _check_admin(request: Request) -> None:
-    token = request.app.state.settings.admin_token
-    if not token or not hmac.compare_digest(bearer_token(request).encode(), token.encode()):
-        raise Unauthorized("admin endpoints need the admin token", code="invalid_admin_token")
-
-
-def _check_model(request: Request, model: str | None) -> None:
-    if model not in (None, *request.app.state.settings.served_model_names):
-        raise ModelNotFound(model)
-
-
-def _card(request: Request, name: str) -> ModelCard:
-    st = request.app.state
-    return ModelCard(id=name, owned_by="kimi-pd", root=st.settings.model or st.settings.served_model_name,
-                     max_model_len=st.max_model_len)
-
-
-async def _models(request: Request) -> JSONResponse:
-    """Every served name, as vLLM lists them (aliases of one model)."""
-    _check_client(request)
-    cards = [_card(request, name) for name in request.app.state.settings.served_model_names]
-    return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
-
-
-async def _model(request: Request, model_id: str) -> JSONResponse:
-    _check_client(request)
-    _check_model(request, model_id)
-    return JSONResponse(_card(request, model_id).model_dump(mode="json"))
-
-
-async def _tokenize(request: Request) -> JSONResponse:
-    _check_client(request)
-    st = request.app.state
-    limit = request.app.state.settings.max_request_bytes
-    req = tokenize_api.TokenizeRequest.model_validate(await read_json_body(request, limit))
-    _check_model(request, req.model)
-    if st.tokenizer is None:                       # an HF tokenizer, or none (text mode refuses)
-        return JSONResponse(foreign_tokenize(st.prompts, req))
-    return JSONResponse(tokenize_api.tokenize(req, st.tokenizer, st.max_model_len, st.vision_config))
-
-
-async def _detokenize(request: Request) -> JSONResponse:
-    _check_client(request)
-    limit = request.app.state.settings.max_request_bytes
-    req = tokenize_api.DetokenizeRequest.model_validate(await read_json_body(request, limit))
-    _check_model(request, req.model)
-    if request.app.state.tokenizer is None:
-        return JSONResponse(foreign_detokenize(request.app.state.prompts, req))
-    return JSONResponse(tokenize_api.detokenize(req, request.app.state.tokenizer))
-
-
-async def _tokenizer_info(request: Request) -> JSONResponse:
-    _check_client(request)
-    return JSONResponse(request.app.state.prompts.tokenizer_info())
+    check_admin(request, request.app.state.settings.admin_token)
 
 
 async def _serve(request: Request, endpoint: str, req, prepare, body_bytes: int) -> Response:
     st = request.app.state
-    _check_model(request, req.model)
+    check_model(st.helpers, req.model)
     if st.prompts.kind == "kimi-k3":
         st.sampling_check(req)                   # reject bad parameters here, before any worker is busy
     # a small prompt renders and tokenises in less time than a hop to a thread costs; big ones must not
@@ -228,9 +173,9 @@ async def _chat(request: Request) -> Response:
     req = ChatCompletionRequest.model_validate(body)
     st = request.app.state
 
-    def one(sub: ChatCompletionRequest):
+    def one(sub: ChatCompletionRequest) -> Awaitable[Response]:
         return _serve(request, "chat", sub, lambda: st.prompts.prepare_chat(sub), size)
-    return await (fan_out(req, one) if needs_fan_out(req) else one(req))
+    return await (fan_out(req, cast(RunOne, one)) if needs_fan_out(req) else one(req))
 
 
 async def _completions(request: Request) -> Response:
@@ -238,9 +183,9 @@ async def _completions(request: Request) -> Response:
     body, size = await _bounded_body(request)
     req = CompletionRequest.model_validate(body)
 
-    def one(sub: CompletionRequest):
+    def one(sub: CompletionRequest) -> Awaitable[Response]:
         return _serve(request, "completions", sub, lambda: request.app.state.prompts.prepare_completion(sub), size)
-    return await (fan_out(req, one) if needs_fan_out(req) else one(req))
+    return await (fan_out(req, cast(RunOne, one)) if needs_fan_out(req) else one(req))
 
 
 async def _health(request: Request) -> JSONResponse:
@@ -251,7 +196,8 @@ def _ready_state(registry: WorkerRegistry) -> dict:
     usable = [s for s in registry.states() if s.healthy and not s.is_draining]
     roles = {s.info.role for s in usable}
     ready = "both" in roles or {"prefill", "decode"} <= roles or "decode" in roles
-    return {"ready": ready, "workers": {r: sum(s.info.role == r for s in usable) for r in ("prefill", "decode", "both")},
+    workers = {r: sum(s.info.role == r for s in usable) for r in ("prefill", "decode", "both")}
+    return {"ready": ready, "workers": workers,
             "store": "none" if registry.store is None else "ok" if registry.store_ok else "unavailable"}
 
 

@@ -6,10 +6,10 @@ import os
 
 from router.kv_events_relay import parse_kv_events_flag
 from router.settings import RouterSettings
+from shared.env import ADMIN_TOKEN_ENV, CLIENT_KEYS_ENV
 from shared.store.factory import REDIS_URL_ENV
 
-API_KEYS_ENV = "KIMI_PD_API_KEYS"          # comma-separated client keys (optional)
-ADMIN_TOKEN_ENV = "KIMI_PD_ADMIN_TOKEN"
+API_KEYS_ENV = CLIENT_KEYS_ENV            # comma-separated client keys (optional)
 WORKER_API_KEY_ENV = "KIMI_PD_WORKER_API_KEY"  # the key workers expect (their KIMI_PD_API_KEY), if any
 
 
@@ -84,10 +84,10 @@ def run_router(args: argparse.Namespace, model_dir: str | None) -> int:
     import uvicorn
 
     from router.app import create_app
-    from router.front import front_protocol_class
+    from router.transport.front import front_protocol_class
     settings = settings_from_args(args, model_dir)
     app = create_app(settings)
-    # the two OpenAI POST routes are served by the protocol itself (router/front.py); the rest by the app
+    # the two OpenAI POST routes are served by the protocol itself (router/transport/front.py); the rest by the app
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level, access_log=False,
                 timeout_graceful_shutdown=30,
                 http=front_protocol_class(args.header_timeout, app, settings.max_request_bytes))

@@ -99,7 +99,6 @@ class WorkerRegistry:
         self.store_ok = store is None
         self._empty_since: float | None = None
         self._instance: str | None = None            # the store server's run id, to notice restarts
-        self.last_refresh = 0.0
         self.unsized: set[str] = set()                # static workers whose /metrics are still to be asked
         self.load_scrapes: dict[str, asyncio.Task] = {}   # stock vLLM /metrics reads under way (health_checker)
         for info in self.static.values():
@@ -189,7 +188,7 @@ class WorkerRegistry:
                 await self._sync_events(store, wid)
             if not self.store_ok:
                 log.info("state store reachable again; registry rebuilt (%d workers)", len(self.discovered))
-            self.store_ok, self.last_refresh = True, time.time()
+            self.store_ok = True
         except Exception as exc:                             # noqa: BLE001 - keep routing on the last known state
             if self.store_ok:
                 log.warning("state store unavailable, routing on the last known state: %s", exc)

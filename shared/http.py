@@ -136,7 +136,7 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[Request, int], None
 
 # a server that cancels a request's task itself when its client goes away puts an object with a
 # `disconnected` flag and the request's `task` under this key of the ASGI scope's "extensions"
-# (router.front): then no watcher task is needed
+# (router.transport.front): then no watcher task is needed
 DISCONNECT_EXTENSION = "kimi-pd.cancel-on-disconnect"
 
 

@@ -7,29 +7,28 @@ body, or, once a stream has started, as an SSE `error` event followed by [DONE].
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
-from typing import Any
+from typing import Any, cast
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from engine.core.inputs import Resume
-from shared.http import bearer_token, install_error_handlers, read_json_body, read_json_object, until_disconnect
-from shared.kv_transfer_params import KVTransferParams
-from shared.openai import tokenize as tokenize_api
+from shared.http import install_error_handlers, read_json_body, read_json_object, until_disconnect
+from shared.kv_transfer_params import KVTransferParams, LegKind
 from shared.openai.convert import to_sampling_params
-from shared.openai.errors import ModelNotFound, OpenAIError, Unauthorized, error_from_exception
+from shared.openai.errors import ModelNotFound, OpenAIError, error_from_exception
 from shared.openai.fanout import fan_out, needs_fan_out
+from shared.openai.helpers import check_admin, install_helpers
 from shared.openai.ids import header_request_id
 from shared.openai.prompts import prepare_chat, prepare_completion
 from shared.openai.requests import ChatCompletionRequest, CompletionRequest
-from shared.openai.responses import ModelCard, ModelList
 from shared.openai.sse import SSE_DONE, sse_error
 from worker import responses
+from worker.helpers import WorkerHelpers
 from worker.legs import new_request_id, run_leg
 from worker.role import LegResult
 from worker.runtime import WorkerRuntime
@@ -47,18 +46,16 @@ def create_app(runtime: WorkerRuntime) -> FastAPI:
     app = FastAPI(title=f"kimi-pd {runtime.role.name} worker", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.runtime = runtime
+    app.state.helpers = WorkerHelpers(runtime)          # /v1/models, /tokenize, ... (shared routes)
     install_error_handlers(app, _count_error)
-    app.add_api_route("/v1/models", _models, methods=["GET"])
+    install_helpers(app)
     app.add_api_route("/v1/chat/completions", _chat, methods=["POST"])
     app.add_api_route("/v1/completions", _completions, methods=["POST"])
-    app.add_api_route("/v1/models/{model_id:path}", _model, methods=["GET"])
-    app.add_api_route("/tokenize", _tokenize, methods=["POST"])
-    app.add_api_route("/detokenize", _detokenize, methods=["POST"])
-    app.add_api_route("/tokenizer_info", _tokenizer_info, methods=["GET"])
     app.add_api_route("/health", _health, methods=["GET"])
     app.add_api_route("/metrics", _metrics, methods=["GET"])
     app.add_api_route("/admin/drain", _drain, methods=["POST"])
-    app.add_api_route("/internal/kv/release", _release, methods=["POST"])
+    for path, kind, handle in runtime.role.routes(runtime.settings.transfer_secret):
+        app.add_api_route(path, _leg_route(kind, handle), methods=["POST"])
     return app
 
 
@@ -77,14 +74,7 @@ def _rt(request: Request) -> WorkerRuntime:
 
 
 def _check_api_key(request: Request) -> None:
-    """The worker's API key, or the internal token routers send; needed when either is configured."""
-    s = _rt(request).settings
-    if s.api_key is None and not s.internal_auth:
-        return
-    given = bearer_token(request).encode()
-    accepted = [k for k in (s.api_key, s.admin_token if s.internal_auth else None) if k]
-    if not any(hmac.compare_digest(given, k.encode()) for k in accepted):
-        raise Unauthorized("Incorrect API key provided.", code="invalid_api_key")
+    request.app.state.helpers.check_client(request)
 
 
 def _check_model(rt: WorkerRuntime, model: str | None) -> str:
@@ -92,47 +82,6 @@ def _check_model(rt: WorkerRuntime, model: str | None) -> str:
     if model not in (None, served):
         raise ModelNotFound(model)
     return served
-
-
-def _card(rt: WorkerRuntime) -> ModelCard:
-    return ModelCard(id=rt.settings.served_model_name, owned_by="kimi-pd", root=rt.engine.engine.config.model,
-                     max_model_len=rt.engine.engine.max_model_len)
-
-
-async def _models(request: Request) -> JSONResponse:
-    _check_api_key(request)
-    return JSONResponse(ModelList(data=[_card(_rt(request))]).model_dump(mode="json"))
-
-
-async def _model(request: Request, model_id: str) -> JSONResponse:
-    _check_api_key(request)
-    rt = _rt(request)
-    _check_model(rt, model_id)
-    return JSONResponse(_card(rt).model_dump(mode="json"))
-
-
-async def _tokenize(request: Request) -> JSONResponse:
-    _check_api_key(request)
-    rt = _rt(request)
-    req = tokenize_api.TokenizeRequest.model_validate(await read_json_body(request, rt.settings.max_request_bytes))
-    _check_model(rt, req.model)
-    body = await asyncio.to_thread(tokenize_api.tokenize, req, rt.tokenizer, rt.engine.engine.max_model_len,
-                                   rt.model_config.vision_config)
-    return JSONResponse(body)
-
-
-async def _detokenize(request: Request) -> JSONResponse:
-    _check_api_key(request)
-    rt = _rt(request)
-    req = tokenize_api.DetokenizeRequest.model_validate(await read_json_body(request, rt.settings.max_request_bytes))
-    _check_model(rt, req.model)
-    return JSONResponse(tokenize_api.detokenize(req, rt.tokenizer))
-
-
-async def _tokenizer_info(request: Request) -> JSONResponse:
-    _check_api_key(request)
-    rt = _rt(request)
-    return JSONResponse(tokenize_api.tokenizer_info(rt.tokenizer, rt.engine.engine.max_model_len))
 
 
 async def _validated_then_fanned_out(request: Request, model_cls, one) -> Response:
@@ -174,12 +123,13 @@ async def _completion_one(request: Request, req: CompletionRequest) -> Response:
 
 async def _serve(request: Request, rt: WorkerRuntime, endpoint: str, req, params, prepared,
                  stream_fn: Callable, whole_fn: Callable) -> Response:
-    result = LegResult(new_request_id(endpoint, req.request_id or header_request_id(request.headers.get("x-request-id"))))
+    client_id = req.request_id or header_request_id(request.headers.get("x-request-id"))
+    result = LegResult(new_request_id(endpoint, client_id))
     ktp = KVTransferParams.parse(req.kv_transfer_params)
     spec = req.kimi_pd_resume
     resume = Resume(list(spec.token_ids), spec.seed_offset) if spec is not None else None
     outputs = run_leg(rt, prepared, params, ktp, result, resume)
-    streaming = req.stream and (ktp is None or ktp.leg != "prefill")
+    streaming = req.stream and rt.streams(ktp)
     if streaming:
         # errors before the first token are plain 4xx/5xx; a client gone by then cancels the request
         first = await until_disconnect(request, _first_or_error(outputs))
@@ -209,14 +159,15 @@ async def _first_or_error(outputs: AsyncIterator) -> Any:
         raise OpenAIError("the request ended without output") from None
 
 
-async def _prepend(first, rest: AsyncIterator) -> AsyncIterator:
+async def _prepend(first: Any, rest: AsyncGenerator) -> AsyncGenerator:
     async with aclosing(rest):
         yield first
         async for item in rest:
             yield item
 
 
-async def _guarded_stream(rt: WorkerRuntime, endpoint: str, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+async def _guarded_stream(rt: WorkerRuntime, endpoint: str, chunks: AsyncGenerator[bytes, None]
+                         ) -> AsyncGenerator[bytes, None]:
     """Relay chunks; a failure after the stream started becomes an SSE error event, then [DONE]."""
     try:
         async for chunk in chunks:
@@ -229,13 +180,13 @@ async def _guarded_stream(rt: WorkerRuntime, endpoint: str, chunks: AsyncIterato
         status, body = error_from_exception(exc)
         rt.metrics.requests.labels(endpoint=endpoint, outcome="server_error").inc()
         detail = body.error
-        yield sse_error(status, detail.message, detail.type, detail.code)
+        yield sse_error(status, detail.message, detail.type, cast(str | None, detail.code))   # ours: never an int
         yield SSE_DONE
     finally:
         await chunks.aclose()
 
 
-async def _until_done_or_disconnect(request: Request, outputs: AsyncIterator) -> Any:
+async def _until_done_or_disconnect(request: Request, outputs: AsyncGenerator) -> Any:
     """Run to the final output; if the client goes away first, stop (the engine request is aborted)."""
     async def consume():
         last = None
@@ -260,24 +211,24 @@ async def _health(request: Request) -> JSONResponse:
 async def _metrics(request: Request) -> Response:
     rt = _rt(request)
     rt.metrics.sample_engine(rt.engine.stats())
-    if rt.spec_metrics is not None:
-        rt.spec_metrics.observe(rt.engine.engine.spec_stats.drain())
+    spec_stats = rt.engine.engine.spec_stats
+    if rt.spec_metrics is not None and spec_stats is not None:
+        rt.spec_metrics.observe(spec_stats.drain())
     return Response(generate_latest(rt.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 def _check_admin(request: Request) -> None:
-    token = _rt(request).settings.admin_token
-    if not token or not hmac.compare_digest(bearer_token(request).encode(), token.encode()):
-        raise Unauthorized("admin and internal endpoints need the admin token", code="invalid_admin_token")
+    check_admin(request, _rt(request).settings.admin_token, "admin and internal endpoints need the admin token")
 
 
-async def _release(request: Request) -> JSONResponse:
-    """Router -> prefill worker: free a published state no decode worker will pull (client gone)."""
-    _check_admin(request)
-    rt = _rt(request)
-    request_id = (await read_json_object(request, _rt(request).settings.max_request_bytes)).get("request_id")
-    freed = isinstance(request_id, str) and rt.release(request_id)
-    return JSONResponse({"released": freed})
+def _leg_route(kind: LegKind, handle: Callable) -> Callable:
+    """An internal route a leg adds (e.g. the prefill's `/internal/kv/release`): admin token, JSON object."""
+    async def route(request: Request) -> JSONResponse:
+        _check_admin(request)
+        rt = _rt(request)
+        body = await read_json_object(request, rt.settings.max_request_bytes)
+        return JSONResponse(await handle(rt.legs[kind], body))
+    return route
 
 
 async def _drain(request: Request) -> JSONResponse:

@@ -13,11 +13,12 @@ from engine.core.engine import LLMEngine
 from kv_transfer.interface import TransferConfig
 from kv_transfer.metrics import get_metrics
 from kv_transfer.payload import ModelIdentity
-from shared.kv_transfer_params import LegKind
+from shared.kv_transfer_params import KVTransferParams, LegKind
 from shared.model_config import ModelConfig
 from shared.prompt.tokenizer import KimiTokenizer
 from shared.store.factory import make_store
 from shared.workers import WorkerInfo
+from worker.engine_call import EngineCall
 from worker.metrics import WorkerMetrics
 from worker.presence import WorkerPresence
 from worker.role import Leg, Role
@@ -39,6 +40,10 @@ class WorkerRuntime:
     presence: WorkerPresence | None = None
     draining: bool = False
     spec_metrics: SpecDecodeMetrics | None = None          # when speculating
+    generate: EngineCall = field(init=False)    # the engine call, handed to every leg
+
+    def __post_init__(self) -> None:
+        self.generate = EngineCall(self.engine, self.metrics)
 
     @classmethod
     def build(cls, settings: WorkerSettings, role: Role) -> WorkerRuntime:
@@ -76,7 +81,7 @@ class WorkerRuntime:
         if self.role.serves_transfers(s.transfer_secret):
             config, xfer_metrics = self.transfer_config(), get_metrics(self.metrics.registry)
             for make_leg in self.role.legs:
-                leg = make_leg(self, config, xfer_metrics)
+                leg = make_leg(self, config, xfer_metrics, self.generate)
                 await leg.start()
                 self.legs[leg.kind] = leg
         if s.store_url:
@@ -95,9 +100,10 @@ class WorkerRuntime:
                           transfer_engine_id=s.worker_id, block_size=eng.config.block_size,
                           capacity_tokens=eng.capacity_tokens, hash_root=eng.hash_root, started_at=time.time())
 
-    def release(self, request_id: str) -> bool:
-        """Free a published state no decode worker will pull (the router's client went away)."""
-        return any(leg.release(request_id) for leg in self.legs.values())
+    def streams(self, ktp: KVTransferParams | None) -> bool:
+        """Whether the leg this request asks for streams its answer (a local request does)."""
+        leg = self.legs.get(ktp.leg) if ktp is not None and ktp.leg != "local" else None
+        return True if leg is None else leg.streams
 
     def begin_drain(self) -> None:
         """First step of a shutdown (called from the signal handler): report draining and deregister now,

@@ -13,11 +13,10 @@ from typing import Literal
 
 from engine.core.engine import EngineConfig
 from engine.structured_output import GrammarBudget
+from shared.env import ADMIN_TOKEN_ENV, CLIENT_KEYS_ENV
 
 TRANSFER_SECRET_ENV = "KIMI_PD_TRANSFER_SECRET"
-ADMIN_TOKEN_ENV = "KIMI_PD_ADMIN_TOKEN"
 API_KEY_ENV = "KIMI_PD_API_KEY"
-CLIENT_KEYS_ENV = "KIMI_PD_API_KEYS"          # the router's client keys: when set, workers need internal auth
 INTERNAL_AUTH_ENV = "KIMI_PD_INTERNAL_AUTH"
 WILDCARDS = ("0.0.0.0", "::", "")                # bind addresses that name no host another one can reach
 

@@ -12,17 +12,18 @@ import itertools
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from engine.checkpoint.loader import load_checkpoint
 from engine.core.cache_manager import HybridCacheManager, budget_cache
 from engine.core.inputs import EngineInput, Resume, encode_images, validate_tokens
-from engine.core.model_runner import ModelRunner
+from engine.core.model_runner import ModelRunner, RunnerOutput
 from engine.core.outputs import CompletionOutput, PromptLogprob, RequestOutput
 from engine.core.request import Request, RequestStatus
-from engine.core.scheduler import Scheduler, SchedulerConfig
+from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.core.state_export import ExportedState, StateIdentity
 from engine.dtypes import TORCH_DTYPE_NAMES, torch_dtype
 from engine.graphs.config import CompilationConfig
@@ -31,9 +32,10 @@ from engine.model.kda import KDAOptions
 from engine.model.kimi_k3 import ModelOptions
 from engine.sampler import SamplingState, sample
 from engine.spec_decode.config import DraftConfig, SpeculativeConfig
-from engine.spec_decode.proposer import DraftRequest, DSparkProposer
+from engine.spec_decode.proposer import DSparkProposer
 from engine.spec_decode.stats import SpecDecodeStats
-from engine.spec_decode.verify import verify
+from engine.spec_decode.step import SpecDecodeStep
+from engine.spec_decode.verify import VerifyResult
 from engine.structured_output import GrammarCompiler
 from engine.token_constraints import bad_words_token_ids
 from shared.errors import InvalidRequest, InvalidTokenIds, RequestTooLarge
@@ -77,11 +79,23 @@ class EngineConfig:
         checks = {"max_num_seqs": self.max_num_seqs >= 1, "max_num_batched_tokens": self.max_num_batched_tokens >= 1,
                   "block_size": self.block_size >= 1, "kda_chunk_size": self.kda_chunk_size >= 1,
                   "snapshot_interval_blocks": self.snapshot_interval_blocks >= 1,
-                  "dtype": self.dtype in TORCH_DTYPE_NAMES, "export_lease_s": self.export_lease_s is None or self.export_lease_s > 0,
+                  "dtype": self.dtype in TORCH_DTYPE_NAMES,
+                  "export_lease_s": self.export_lease_s is None or self.export_lease_s > 0,
                   "tensor_parallel_size": self.tensor_parallel_size >= 1}
         bad = [k for k, ok in checks.items() if not ok]
         if bad:
             raise ValueError(f"invalid engine settings: {', '.join(f'{k}={getattr(self, k)!r}' for k in bad)}")
+
+
+@dataclass
+class StepBatch:
+    """One step's requests after the forward: who samples (and from which logits row), whose drafts
+    were verified, and the draft context of the tokens kept."""
+
+    sampling: list[Request] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
+    verified: list[tuple[Request, VerifyResult]] = field(default_factory=list)
+    context: list[tuple[list[int], int, torch.Tensor]] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -101,14 +115,8 @@ class LLMEngine:
         text = self.model.config.text_config
         self.max_model_len = min(config.max_model_len or text.max_position_embeddings, text.max_position_embeddings)
         dtype_bytes = torch.finfo(torch_dtype(config.dtype)).bits // 8
-        self.spec = SpeculativeConfig.parse(config.speculative_config)
-        draft_cfg = None
-        if self.spec is not None:
-            self.spec = self.spec.with_model_path()
-            draft_cfg = DraftConfig.from_dir(self.spec.model)
-            draft_cfg.check_target(text)
-            self.spec = self.spec.resolve(draft_cfg, self.max_model_len)
-        num_spec = self.spec.num_speculative_tokens if self.spec else 0
+        self.spec, draft_cfg = self._speculative_config(text)
+        num_spec = (self.spec.num_speculative_tokens or 0) if self.spec else 0       # resolved: never None
         self.cache_config = budget_cache(text, config.cache_memory_bytes, config.block_size, config.max_num_seqs,
                                          config.num_snapshot_slots if config.num_snapshot_slots is not None
                                          else 2 * config.max_num_seqs, dtype_bytes,
@@ -132,6 +140,9 @@ class LLMEngine:
                             CompilationConfig.parse(config.compilation_config), config.enforce_eager)
         self.hash_root = root_hash(config.model_id or config_hash)
         self.eos_token_ids = {self.tokenizer.eos_id}
+        self.speculation = (SpecDecodeStep(self.spec, self.proposer, self.spec_stats, self.runner, self.cache,
+                                           self.eos_token_ids, self.max_model_len)
+                            if self.spec and self.proposer and self.spec_stats else None)
         self.grammars = GrammarCompiler(self.tokenizer, text.vocab_size)   # compiles on first use
         self.requests: dict[str, Request] = {}
         self.held: dict[str, float] = {}                       # request id -> lease expiry (monotonic)
@@ -141,6 +152,16 @@ class LLMEngine:
         log.info("engine ready: %d MLA pages x %d tokens (%d tokens), %d+%d KDA slots",
                  self.cache_config.num_blocks, config.block_size, self.capacity_tokens,
                  self.cache_config.num_working_slots, self.cache_config.num_snapshot_slots)
+
+    def _speculative_config(self, text) -> tuple[SpeculativeConfig | None, DraftConfig | None]:
+        """`--speculative-config` resolved against its draft and this target (None: no speculation)."""
+        spec = SpeculativeConfig.parse(self.config.speculative_config)
+        if spec is None:
+            return None, None
+        spec = spec.with_model_path()
+        draft_cfg = DraftConfig.from_dir(spec.model)
+        draft_cfg.check_target(text)
+        return spec.resolve(draft_cfg, self.max_model_len), draft_cfg
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks, if any (idempotent; a TP=1 engine holds no processes)."""
@@ -267,7 +288,7 @@ class LLMEngine:
             raise KeyError(f"no held state for request {request_id!r}")
         parts = self.runner.export_state(req)
         top = req.output_top_logprobs[0] if req.output_top_logprobs else None
-        extra = {"draft_id": self.proposer.draft_id} if self.proposer else {}
+        extra: dict[str, Any] = {"draft_id": self.proposer.draft_id} if self.proposer else {}
         if req.prompt_logprobs is not None:       # they travel with the state to the decode worker
             extra["prompt_logprobs"] = [None if e is None else e.to_wire() for e in req.prompt_logprobs]
         first_token = req.output_token_ids[0] if req.output_token_ids else -1     # -1: max_tokens=0
@@ -298,7 +319,8 @@ class LLMEngine:
         return self.scheduler.has_work or bool(self._pending_outputs)
 
     def step(self) -> list[RequestOutput]:
-        """One forward for the scheduled requests; returns every output produced since the last step."""
+        """One forward for the scheduled requests; returns every output produced since the last step:
+        schedule, execute, account (computed tokens, verified drafts), sample, propose."""
         pending, self._pending_outputs = self._pending_outputs, []
         self.expire_leases()
         out = self.scheduler.schedule()
@@ -306,93 +328,72 @@ class LLMEngine:
             return pending
         started = time.perf_counter()
         result = self.runner.execute(out)
+        batch = self._account(out, result)
+        if self.speculation is not None:           # before commit publishes blocks or a finish frees them
+            self.speculation.write_context(batch.context)
+        for s in out.seqs:
+            self.cache.commit(s.req)
+        pending += self._finish_scored_only(batch)
+        outputs = self._sample(batch, result.logits)
+        verify_s = time.perf_counter() - started if batch.verified else None
+        outputs += [self._append_tokens(req, c.token_ids, c.logprobs, c.top_logprobs) for req, c in batch.verified]
+        if self.speculation is not None:
+            self.speculation.propose(batch.sampling + [r for r, _ in batch.verified], verify_s)
+        return pending + outputs
+
+    def _account(self, out: SchedulerOutput, result: RunnerOutput) -> StepBatch:
+        """What the forward computed, per request: prompt logprobs, computed tokens, verified drafts,
+        the rows to sample from, and the draft context of the tokens kept."""
         for index, (start, chunk_logits) in result.prompt_logits.items():
             record_prompt_logprobs(out.seqs[index].req, start, chunk_logits)
-        row, sampling, sample_rows, verified, context = 0, [], [], [], []
+        batch, row = StepBatch(), 0
         for s, offset in zip(out.seqs, result.token_offsets, strict=False):
             req = s.req
             req.first_scheduled_time = req.first_scheduled_time or time.monotonic()
             if s.verifies:
+                assert self.speculation is not None
                 n = len(s.draft_token_ids)
-                checked = self._verify(req, s, result.logits[row: row + n + 1])
+                checked = self.speculation.verify(s, result.logits[row: row + n + 1])
                 row += n + 1
                 consumed = checked.num_consumed
-                if consumed < n + 1:
-                    self.runner.rollback_kda(req.kda_slot, consumed)
-                req.num_computed_tokens += consumed
-                self.cache.trim(req, req.num_computed_tokens)
-                verified.append((req, checked))
+                batch.verified.append((req, checked))
             else:
                 req.num_computed_tokens += s.num_new_tokens
                 consumed = s.num_new_tokens
                 if s.samples:
-                    sampling.append(req)
-                    sample_rows.append(row)
+                    batch.sampling.append(req)
+                    batch.sample_rows.append(row)
                     row += 1
             if result.features is not None:
-                context.append((req.blocks, s.num_computed_before, result.features[offset: offset + consumed]))
-        if self.proposer is not None:               # before commit publishes blocks or a finish frees them
-            self.proposer.write_context(context)
-        for s in out.seqs:
-            self.cache.commit(s.req)
-        scored_only = [r for r in sampling if r.max_tokens == 0]
-        if scored_only:          # max_tokens=0 (prompt scoring): the prompt is computed, nothing is generated
-            keep = [i for i, r in enumerate(sampling) if r.max_tokens > 0]
-            sampling, sample_rows = [sampling[i] for i in keep], [sample_rows[i] for i in keep]
-            pending += [self._finish_scored_only(req) for req in scored_only]
+                batch.context.append((req.blocks, s.num_computed_before, result.features[offset: offset + consumed]))
+        return batch
+
+    def _finish_scored_only(self, batch: StepBatch) -> list[RequestOutput]:
+        """max_tokens=0 (prompt scoring): the prompt is computed, nothing is generated; they leave the batch."""
+        keep = [i for i, r in enumerate(batch.sampling) if r.max_tokens > 0]
+        if len(keep) == len(batch.sampling):
+            return []
+        scored = [r for r in batch.sampling if r.max_tokens == 0]
+        batch.sampling, batch.sample_rows = [batch.sampling[i] for i in keep], [batch.sample_rows[i] for i in keep]
+        outputs = []
+        for req in scored:
+            if req.export_state:
+                self._hold(req, "length", None)
+            else:
+                self._finish(req, "length", None)
+            outputs.append(self._output(req, "", []))
+        return outputs
+
+    def _sample(self, batch: StepBatch, logits: torch.Tensor) -> list[RequestOutput]:
+        """One token for each request whose step reached the end of its known tokens."""
+        if not batch.sampling:
+            return []
         states = [SamplingState(params=r.params, prompt_token_ids=r.prompt_token_ids,
                                 output_token_ids=r.output_token_ids, generator=r.generator,
-                                bad_words_token_ids=r.bad_words_token_ids, grammar=r.grammar) for r in sampling]
-        sampled = sample(result.logits[sample_rows], states, self.eos_token_ids) if sampling else None
-        verify_s = time.perf_counter() - started if verified else None
-        outputs = [self._append_tokens(req, [tok], [lp], [top]) for req, tok, lp, top in
-                   zip(sampling, sampled.token_ids, sampled.logprobs, sampled.top_logprobs, strict=False)] if sampled else []
-        outputs += [self._append_tokens(req, c.token_ids, c.logprobs, c.top_logprobs) for req, c in verified]
-        if self.proposer is not None:
-            draft_started = time.perf_counter()
-            drafted = self._propose([req for req in sampling + [r for r, _ in verified]])
-            self.spec_stats.record_times(time.perf_counter() - draft_started if drafted else None, verify_s)
-        return pending + outputs
-
-    def _finish_scored_only(self, req: Request) -> RequestOutput:
-        if req.export_state:
-            self._hold(req, "length", None)
-        else:
-            self._finish(req, "length", None)
-        return self._output(req, "", [])
-
-    # ---- speculative decoding ---------------------------------------------------------------------
-    def _verify(self, req: Request, s, logits: torch.Tensor):
-        state = SamplingState(req.params, req.prompt_token_ids, req.output_token_ids, req.generator,
-                              req.bad_words_token_ids, req.grammar)
-        checked = verify(logits, s.draft_token_ids, state, self.eos_token_ids,
-                         s.num_computed_before, req.sampling_seed, req.spec_draft_logits)
-        self.spec_stats.record_draft(len(s.draft_token_ids), checked.num_accepted_drafts)
-        req.spec_token_ids, req.spec_draft_logits = [], None
-        return checked
-
-    def num_drafts_for(self, req: Request) -> int:
-        """How many tokens to draft for `req` now (0: it does not speculate this step).
-
-        Bounded by its remaining output (a verify step emits up to drafts+1 tokens), the context
-        length, and the draft's `max_model_len` (longer sequences decode without speculation)."""
-        if not req.draft_context_ready or req.status != RequestStatus.RUNNING \
-                or req.num_tokens != req.num_computed_tokens + 1:
-            return 0
-        n = self.spec.num_speculative_tokens
-        if req.num_tokens + n > self.spec.max_model_len:
-            return 0
-        return max(0, min(n, req.max_tokens - len(req.output_token_ids) - 1, self.max_model_len - req.num_tokens))
-
-    def _propose(self, candidates: list[Request]) -> int:
-        reqs = [(r, self.num_drafts_for(r)) for r in candidates]
-        reqs = [(r, k) for r, k in reqs if k > 0]
-        blocks = self.proposer.propose([DraftRequest(r.blocks, r.num_computed_tokens, r.output_token_ids[-1], k,
-                                                     0.0 if r.params.is_greedy else r.params.temperature,
-                                                     r.sampling_seed) for r, k in reqs])
-        for (req, _), block in zip(reqs, blocks, strict=False):
-            req.spec_token_ids, req.spec_draft_logits = block.token_ids, block.logits
-        return len(reqs)
+                                bad_words_token_ids=r.bad_words_token_ids, grammar=r.grammar) for r in batch.sampling]
+        sampled = sample(logits[batch.sample_rows], states, self.eos_token_ids)
+        return [self._append_tokens(req, [tok], [lp], [top]) for req, tok, lp, top in
+                zip(batch.sampling, sampled.token_ids, sampled.logprobs, sampled.top_logprobs, strict=False)]
 
     # ---- outputs ----------------------------------------------------------------------------------
     def _append_token(self, req: Request, token: int, logprob: float, top) -> RequestOutput:
@@ -473,8 +474,13 @@ def record_prompt_logprobs(req: Request, start: int, logits: torch.Tensor) -> No
     chosen = logprobs.gather(1, targets.unsqueeze(1))
     ranks = (logprobs > chosen).sum(dim=-1) + 1
     n = req.params.prompt_logprobs or 0
-    top_values, top_ids = logprobs.topk(n, dim=-1) if n else (None, None)
     chosen_l, ranks_l = chosen.squeeze(1).tolist(), ranks.tolist()
-    tops = list(zip(top_ids.tolist(), top_values.tolist(), strict=False)) if n else [([], [])] * len(chosen_l)
-    for i, (token_id, lp, rank, (ids, values)) in enumerate(zip(targets.tolist(), chosen_l, ranks_l, tops, strict=False)):
+    if n:
+        top_values, top_ids = logprobs.topk(n, dim=-1)
+        tops = list(zip(top_ids.tolist(), top_values.tolist(), strict=False))
+    else:
+        tops = [([], [])] * len(chosen_l)
+    rows = zip(targets.tolist(), chosen_l, ranks_l, tops, strict=False)
+    assert req.prompt_logprobs is not None              # sized when the request was added
+    for i, (token_id, lp, rank, (ids, values)) in enumerate(rows):
         req.prompt_logprobs[start + 1 + i] = PromptLogprob(token_id, lp, rank, list(zip(ids, values, strict=False)))

@@ -37,10 +37,6 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
-    @property
-    def cumulative_logprob(self) -> float:
-        return float(sum(self.logprobs))
-
 
 @dataclass
 class RequestOutput:

@@ -17,8 +17,6 @@ import torch
 
 from engine.model.forward_batch import ForwardBatch, HybridCacheTensors, StaticDecode
 
-INPUT_NAMES = ("input_ids", "seq_lens", "block_tables", "kda_slots", "fresh")
-
 
 @dataclass(frozen=True, order=True)
 class DecodeShape:

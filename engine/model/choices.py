@@ -1,7 +1,9 @@
 """Every place where public Kimi-K3 sources disagree, and the reading this project implements.
 
-MODEL.md section 14 lists the conflicts. The model code imports these constants instead of
-re-deciding, so changing a reading is a one-line edit here (and the parity tests say what broke).
+docs/model.md section 14 lists the conflicts. The constants are switches: the model code imports
+them instead of re-deciding, so changing one changes the reading (and the parity tests say what broke).
+The notes at the end are readings fixed by the shape of the code itself: they are documented here, and
+changing one means changing that code, not a constant.
 """
 from __future__ import annotations
 
@@ -13,21 +15,16 @@ A_LOG_PER_HEAD: bool = True
 # the HF-derived reference uses 1e-6. We follow the serving engines.
 MLA_LATENT_NORM_USES_RMS_NORM_EPS: bool = True
 
-# KDA recurrent state layout: key-major [H, K, V] (fla convention). V-first kernels transpose
-# at their boundary.
-KDA_STATE_LAYOUT: str = "key_major"
-
-# KDA short-conv state keeps the last W-1 pre-conv inputs of q, k, v, concatenated along channels
-# in that order: shape [W-1, 3*H*K] (vLLM's "SD" orientation).
-KDA_CONV_STATE_KEEPS_W_MINUS_1: bool = True
-
 # W4A8 routed experts are per-channel (group_size 0); int4 pairs are packed along the output
 # dimension, low nibble = even row, high nibble = odd row (vLLM-Ascend `_pack_int4_to_int8` order).
 W4A8_GROUP_SIZE: int = 0
 W4A8_LOW_NIBBLE_IS_EVEN_ROW: bool = True
 
+# ---- notes: readings fixed by the code's shape (no switch) -------------------------------------
 # `vt_hidden_size` (1024 vs 1152): always read from the checkpoint's vision_config.
-
+# KDA recurrent state layout: key-major [H, K, V] (fla convention). V-first kernels transpose
+# at their boundary.
+# KDA short-conv state keeps the last W-1 pre-conv inputs of q, k, v, concatenated along channels
+# in that order: shape [W-1, 3*H*K] (vLLM's "SD" orientation).
 # The `<|media_pad|>` placeholder is expanded by the prompt builder to one token per merged image
 # patch, so token positions, prefix hashes and cache lengths all count image tokens.
-MEDIA_PAD_EXPANDED_IN_PROMPT: bool = True

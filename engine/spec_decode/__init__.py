@@ -1,1 +1,1 @@
-"""DSpark speculative decoding (DSPARK.md): draft config + checkpoint, draft model, proposer, verification."""
+"""DSpark speculative decoding (docs/dspark.md): draft config + checkpoint, draft model, proposer, verification."""

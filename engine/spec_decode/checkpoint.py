@@ -1,4 +1,4 @@
-"""Draft checkpoints in the `k3_dspark` layout: `config.json` + `model.safetensors` (DSPARK.md 3.1, 3.3).
+"""Draft checkpoints in the `k3_dspark` layout: `config.json` + `model.safetensors` (docs/dspark.md 3.1, 3.3).
 
 `create_draft_checkpoint` sizes a random draft for a given target (tests, and the start point of
 `train-draft`); `load_draft` validates names, shapes and the fit to the target, and returns the
@@ -99,8 +99,8 @@ def load_draft(path: str | Path, target: TextConfig, dtype: torch.dtype = torch.
     model = DSparkDraftModel(cfg)
     expected = model.state_dict()
     with safe_open(str(file), framework="pt") as f:
-        names = [n for n in f.keys()  # noqa: SIM118 - a safe_open handle is not iterable: keys() it is
-                 if not any(n.startswith(s) or f".{s}." in n for s in SHARED_WITH_TARGET)]
+        stored = f.keys()                        # safetensors' safe_open is not iterable: keys() it is
+        names = [n for n in stored if not any(n.startswith(s) or f".{s}." in n for s in SHARED_WITH_TARGET)]
         if not cfg.enable_confidence_head:
             names = [n for n in names if not n.startswith("confidence_head.")]
         unknown = sorted(set(names) - set(expected))

@@ -135,7 +135,7 @@ _MUST_BE_FALSE = ("mla_use_nope", "mla_use_output_gate", "mla_use_qk_norm", "dsp
 
 @dataclass(frozen=True)
 class DraftConfig:
-    """`config.json` of a `k3_dspark` draft (DSPARK.md 3.1). Keys we do not model are kept in `extra`."""
+    """`config.json` of a `k3_dspark` draft (docs/dspark.md 3.1). Keys we do not model are kept in `extra`."""
 
     hidden_size: int
     num_hidden_layers: int

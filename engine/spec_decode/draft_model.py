@@ -1,4 +1,4 @@
-"""The K3 DSpark draft (DSPARK.md 3.3): a dense MLA stack with RoPE, fed by the target's features.
+"""The K3 DSpark draft (docs/dspark.md 3.3): a dense MLA stack with RoPE, fed by the target's features.
 
 Context tokens never run through the draft layers: their features become, per draft layer, an MLA
 cache row `[kv_a_layernorm(c) | RoPE(k_pe, pos)]` (`context_kv`). A draft step runs only the query
@@ -8,6 +8,8 @@ plus the whole block (non-causal inside the block). Tensor names equal the check
 `confidence_head.proj`); the embedding and LM head are the target's, passed in, never stored.
 """
 from __future__ import annotations
+
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -53,7 +55,8 @@ class DraftMLA(nn.Module):
     def __init__(self, cfg: DraftConfig) -> None:
         super().__init__()
         d, nh = cfg.hidden_size, cfg.num_attention_heads
-        self.num_heads, self.nope, self.rope, self.v_dim = nh, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.num_heads, self.nope = nh, cfg.qk_nope_head_dim
+        self.rope, self.v_dim = cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_lora, self.theta = cfg.kv_lora_rank, cfg.rope_theta
         self.scale = (self.nope + self.rope) ** -0.5
         self.q_a_proj = nn.Linear(d, cfg.q_lora_rank, bias=False)
@@ -131,12 +134,16 @@ class DSparkDraftModel(nn.Module):
             self.confidence_head = ConfidenceHead(cfg.hidden_size + (cfg.markov_rank if cfg.confidence_head_with_markov
                                                                      else 0))
 
+    @property
+    def _layers(self) -> list[DraftLayer]:
+        return cast("list[DraftLayer]", self.layers)      # an nn.ModuleList of them
+
     # ---- context ---------------------------------------------------------------------------
     def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Target features [T, target_hidden*L] at `positions` -> cache rows [layers, T, kv_lora+rope]."""
         context = self.context_norm(self.context_proj(features.to(self.context_proj.weight.dtype)))
         cos, sin = rope_cos_sin(positions, self.cfg.qk_rope_head_dim, self.cfg.rope_theta)
-        return torch.stack([layer.self_attn.cache_rows(context, cos, sin) for layer in self.layers])
+        return torch.stack([layer.self_attn.cache_rows(context, cos, sin) for layer in self._layers])
 
     # ---- query block -----------------------------------------------------------------------
     def block_hidden(self, embeds: torch.Tensor, positions: torch.Tensor,
@@ -147,12 +154,13 @@ class DSparkDraftModel(nn.Module):
         """
         cos, sin = rope_cos_sin(positions, self.cfg.qk_rope_head_dim, self.cfg.rope_theta)
         h, residual = embeds, None
-        for j, layer in enumerate(self.layers):
+        for j, layer in enumerate(self._layers):
             residual = h if residual is None else h + residual
             x = layer.input_layernorm(residual)
             a = layer.self_attn(x, cos, sin, contexts[j], block)
             residual = a + residual
             h = layer.mlp(layer.post_attention_layernorm(residual))
+        assert residual is not None                    # a draft has at least one layer
         return self.final_norm(h + residual)
 
     def markov_bias(self, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

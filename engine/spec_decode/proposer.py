@@ -50,7 +50,8 @@ class DSparkProposer:
             log.warning("draft %s was made for another target (%s, this is %s): outputs stay exact, "
                         "acceptance will be low", spec.model, made_for, target_model.config.identity_hash())
         self.spec = spec
-        self.num_spec = spec.num_speculative_tokens
+        assert spec.num_speculative_tokens is not None, "resolve the config against its draft first"
+        self.num_spec: int = spec.num_speculative_tokens
         self.block_size = block_size
         self.device = device
         lm = target_model.language_model
@@ -129,7 +130,7 @@ class DSparkProposer:
             else:
                 logits = base[:, i] + bias
             picked = logits.argmax(dim=-1)
-            if keep_logits:
+            if logits_out is not None:
                 logits_out[:, i] = logits.cpu()
                 for r, req in enumerate(reqs):
                     if req.temperature > 0:
@@ -143,6 +144,6 @@ class DSparkProposer:
         for r, req in enumerate(reqs):
             k = req.num_drafts
             out.append(DraftBlock(tokens[r, :k].tolist(),
-                                  logits_out[r, :k] if keep_logits and req.temperature > 0 else None,
+                                  logits_out[r, :k] if logits_out is not None and req.temperature > 0 else None,
                                   conf_l[r][:k] if conf_l else None))
         return out

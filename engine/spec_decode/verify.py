@@ -1,4 +1,4 @@
-"""Verification of a draft block against the target's N+1 logit rows (DSPARK.md 3.5).
+"""Verification of a draft block against the target's N+1 logit rows (docs/dspark.md 3.5).
 
 Row i of the target logits is the distribution of the token after `[last, d_0..d_{i-1}]`. Each row
 first goes through exactly the processing plain sampling applies, with the output extended by the
@@ -181,7 +181,8 @@ def _result(raw: Tensor, tokens: list[int], accepted: int, state: SamplingState)
     if n is None:
         return VerifyResult(tokens, chosen, [None] * len(tokens), accepted)
     values, ids = raw[: len(tokens)].topk(min(n, raw.shape[1]), dim=-1)
-    tops = [list(zip(i, v, strict=False)) for i, v in zip(ids.tolist(), values.tolist(), strict=False)]
+    tops: list[list[tuple[int, float]] | None] = [
+        list(zip(i, v, strict=False)) for i, v in zip(ids.tolist(), values.tolist(), strict=False)]
     return VerifyResult(tokens, chosen, tops, accepted)
 
 

@@ -7,7 +7,6 @@ name keeps its relative position and the chat renderer and parsers work on both.
 from __future__ import annotations
 
 NUM_SPECIAL_TOKENS = 256
-K3_NUM_BPE_RANKS = 163584
 
 NAMED_SPECIAL_OFFSETS: dict[str, int] = {
     "[BOS]": 0,

@@ -13,7 +13,6 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
 import msgpack
 import redis.asyncio as aioredis
@@ -25,6 +24,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.typing import EncodableT, StreamRangeResponse
 
 from shared.kv_events import KVEventBatch, decode_batch, encode_batch
+from shared.redact import redact_url
 from shared.store.base import (
     DEFAULT_EVENTS_MAXLEN,
     DEFAULT_READ_LIMIT,
@@ -97,14 +97,6 @@ def _event_rows(rows: StreamRangeResponse | None) -> list[tuple[int, KVEventBatc
             raise TypeError(f"kv event entry {entry_id!r} has no fields")
         out.append((int(_bytes(entry_id).split(b"-", 1)[0]), decode_batch(_bytes(fields[b"b"]))))
     return out
-
-
-def redact_url(url: str) -> str:
-    """`url` without credentials or query, for logs and errors."""
-    parts = urlsplit(url)
-    if parts.scheme == "unix":
-        return f"unix://{parts.path}"
-    return f"{parts.scheme}://{parts.hostname}:{parts.port or 6379}"
 
 
 class _Keys:

@@ -12,10 +12,10 @@ import time
 import uvicorn
 from fastapi.testclient import TestClient
 
-from benchmarks.stub_worker import StubSettings
-from benchmarks.stub_worker import create_app as stub_app
 from router.app import create_app
 from router.settings import RouterSettings
+from tests.stub_worker import StubSettings
+from tests.stub_worker import create_app as stub_app
 
 
 def serve_stub(role: str) -> tuple[str, uvicorn.Server]:

@@ -93,9 +93,9 @@ class Fleet:
         return self._spawn(name, [*KIMI_PD, *argv], port)
 
     def stub(self, role: str, name: str, *extra: str) -> Proc:
-        """A model-free OpenAI stub worker (benchmarks/stub_worker.py) with deterministic timings."""
+        """A model-free OpenAI stub worker (tests/stub_worker.py) with deterministic timings."""
         port = free_port()
-        cmd = [sys.executable, "-m", "benchmarks.stub_worker", "--port", str(port), "--role", role, *extra]
+        cmd = [sys.executable, "-m", "tests.stub_worker", "--port", str(port), "--role", role, *extra]
         return self._spawn(name, cmd, port)
 
     def router(self, name: str, *extra: str, port: int | None = None, env: dict[str, str] | None = None) -> Proc:

@@ -1,4 +1,4 @@
-"""router.front: the router's own HTTP protocol for the two OpenAI POST routes, served by uvicorn as
+"""router.transport.front: the router's own HTTP protocol for the two OpenAI POST routes, served by uvicorn as
 `kimi-pd router` serves it, in front of stub workers on loopback. Same answers as the ASGI path,
 the body bound before parsing, OpenAI errors, keep-alive, chunked streams, a leaving client cancels."""
 from __future__ import annotations
@@ -12,11 +12,11 @@ import httpx
 import pytest
 import uvicorn
 
-from benchmarks.stub_worker import StubSettings
-from benchmarks.stub_worker import create_app as stub_app
 from router.app import create_app
-from router.front import front_protocol_class
 from router.settings import RouterSettings
+from router.transport.front import front_protocol_class
+from tests.stub_worker import StubSettings
+from tests.stub_worker import create_app as stub_app
 
 MAX_BYTES = 4096
 CHAT = {"model": "kimi-k3", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4}
@@ -72,12 +72,12 @@ def test_chat_answer_headers_and_keep_alive(router):
 
 
 def test_stream_is_chunked_sse_ending_in_done(router):
-    with httpx.Client(base_url=router, headers=AUTH, timeout=20) as client:
-        with client.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as reply:
-            assert reply.status_code == 200
-            assert reply.headers["transfer-encoding"] == "chunked"
-            assert reply.headers["content-type"].startswith("text/event-stream")
-            text = "".join(reply.iter_text())
+    with httpx.Client(base_url=router, headers=AUTH, timeout=20) as client, \
+            client.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as reply:
+        assert reply.status_code == 200
+        assert reply.headers["transfer-encoding"] == "chunked"
+        assert reply.headers["content-type"].startswith("text/event-stream")
+        text = "".join(reply.iter_text())
     events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     assert "".join(json.loads(e)["choices"][0]["delta"].get("content") or "" for e in events[:-1])

@@ -130,7 +130,7 @@ def test_requests_that_cannot_be_sent_say_nothing_about_the_worker():
     """A request the router could not even build (e.g. an illegal header) is not a worker failure."""
     import httpx
 
-    from router.upstream import classify
+    from router.transport.upstream import classify
     local = classify(httpx.LocalProtocolError("illegal header value"), "decode")
     assert local.health_outcome is None and local.status == 500
     assert classify(httpx.ConnectError("refused"), "decode").health_outcome is False

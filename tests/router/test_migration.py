@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from router.migration import RelayedStream, continuation_body
+from router.request.migration import RelayedStream, continuation_body
 
 
 def chunk(delta: dict | None = None, ids=None, finish=None, cid="chatcmpl-a", text=None) -> bytes:

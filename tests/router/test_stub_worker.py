@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 
-from benchmarks.stub_worker import StubSettings, create_app, token_text
-from router.upstream import error_body
+from router.transport.upstream import error_body
 from shared.kv_transfer_params import KVTransferParams
 from shared.openai.legs import decode_body, prefill_body, wire_body
 from shared.openai.requests import ChatCompletionRequest, CompletionRequest
 from shared.openai.responses import ChatCompletion, ChatCompletionChunk, Completion, CompletionChunk
 from shared.openai.sse import SSEEvent, SSEParser
+from tests.stub_worker import StubSettings, create_app, token_text
 
 with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=".*httpx.*starlette.testclient")   # httpx is this project's client

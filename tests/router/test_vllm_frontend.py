@@ -157,11 +157,19 @@ def test_metrics_parser_sums_engines_and_refuses_other_pages():
 
 
 def test_connector_table():
-    assert connector("NixlConnector").answers_params and connector("nixl").vllm
-    assert not connector("kimi-pd").vllm and connector("kimi-pd").prefill_params(None)["do_remote_decode"]
+    """The same facts the flag table held, asked of each connector's behaviour (tests/router/
+    test_connectors.py covers the whole prepare / adopt / decode contract)."""
+    from router.request.trace import Trace
+    from router.transport.upstream import UpstreamError
+    with pytest.raises(UpstreamError, match="no kv_transfer_params"):       # nixl promises an answer
+        connector("NixlConnector").adopt(Trace("r1", "chat"), None, None, connector("nixl").prepare("r1"), None)
+    assert connector("nixl").vllm
+    assert not connector("kimi-pd").vllm and connector("kimi-pd").prepare("r1").params["do_remote_decode"]
     moon = connector("MooncakeConnector")
-    assert moon.router_transfer_id and moon.new_transfer_id("r1") != moon.new_transfer_id("r1")
-    assert connector("nixl").new_transfer_id("r1") is None
+    first, second = moon.prepare("r1"), moon.prepare("r1")
+    assert first.transfer_id and first.transfer_id != second.transfer_id
+    assert first.params["transfer_id"] == first.transfer_id
+    assert connector("nixl").prepare("r1").transfer_id is None
     assert engine_id_from_query({"1": {"engine_id": "b"}, "0": {"engine_id": "a"}}) == "a"
     assert engine_id_from_query({}) is None and engine_id_from_query({"0": {"engine_id": ""}}) is None
     with pytest.raises(ValueError, match="unknown --kv-connector"):

@@ -1,19 +1,19 @@
-"""router.worker_http against raw loopback servers: every way a worker call can fail maps to the
-failure the orchestrator acts on (router.upstream.classify), and keep-alive reuse works."""
+"""router.transport.worker_http against raw loopback servers: every way a worker call can fail maps to the
+failure the orchestrator acts on (router.transport.upstream.classify), and keep-alive reuse works."""
 from __future__ import annotations
 
 import asyncio
 
 import pytest
 
-from router.upstream import classify
-from router.worker_http import (
+from router.transport.upstream import classify
+from router.transport.worker_http import (
     ConnectFailed,
     Disconnected,
-    InvalidRequest,
     Origin,
     ProtocolError,
     ReadTimeout,
+    UnsendableRequest,
     WorkerClient,
 )
 from shared.net import free_port as _free_port
@@ -28,7 +28,8 @@ def _ok(body: bytes = OK_BODY, extra: bytes = b"") -> bytes:
 
 async def _read_request(reader: asyncio.StreamReader) -> bytes:
     head = await reader.readuntil(b"\r\n\r\n")
-    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length"))
     return head + await reader.readexactly(length)
 
 
@@ -132,7 +133,8 @@ def test_close_before_any_answer_is_disconnected_and_replayable_only_when_safe()
         safe = classify(info.value, "prefill", replay_safe=True)
         assert (safe.reason, safe.status, safe.retryable) == ("disconnected", 502, True)
         unsafe = classify(info.value, "decode", replay_safe=False)
-        assert (unsafe.reason, unsafe.status, unsafe.retryable, unsafe.health_outcome) == ("transport", 502, False, False)
+        assert (unsafe.reason, unsafe.status, unsafe.retryable,
+                unsafe.health_outcome) == ("transport", 502, False, False)
     run(main())
 
 
@@ -206,11 +208,11 @@ def test_malformed_and_cut_off_answers_are_protocol_errors():
 def test_a_request_that_cannot_be_built_is_the_routers_fault():
     async def main():
         client = WorkerClient()
-        with pytest.raises(InvalidRequest) as info:
+        with pytest.raises(UnsendableRequest) as info:
             await _post(client, "http://127.0.0.1:1", headers={"x-request-id": "a\r\nx-evil: 1"})
         err = classify(info.value, "decode")
         assert (err.status, err.health_outcome, err.retryable) == (500, None, False)
-        with pytest.raises(InvalidRequest):
+        with pytest.raises(UnsendableRequest):
             client.origin("ftp://example.com")
     run(main())
 

@@ -59,12 +59,12 @@ def tokens(outputs) -> list[list[int]]:
 def oracle_drafts(llm: LLM, references: dict[tuple[int, ...], list[int]], wrong_at) -> None:
     """Replace the draft with the known greedy continuation, corrupted at `wrong_at(step)` (None: exact),
     so tests control how many drafts each verification accepts."""
-    engine = llm.engine
+    speculation = llm.engine.speculation          # the engine's speculative step (engine/spec_decode/step.py)
     counter = iter(range(10**9))
 
-    def propose(candidates):
+    def propose(candidates, verify_s=None):
         for req in candidates:
-            k = engine.num_drafts_for(req)
+            k = speculation.num_drafts_for(req)
             if k == 0:
                 continue
             full = references[tuple(req.prompt_token_ids)]
@@ -78,4 +78,4 @@ def oracle_drafts(llm: LLM, references: dict[tuple[int, ...], list[int]], wrong_
             req.spec_token_ids = drafts
         return len(candidates)
 
-    engine._propose = propose
+    speculation.propose = propose

@@ -70,7 +70,8 @@ def cases(plain_llm, free):
 
 @pytest.fixture(scope="module")
 def plain(plain_llm, free, cases):
-    outs = dict(zip(NAMES, tokens(plain_llm.generate([PROMPTS[n] for n in NAMES], [cases[n] for n in NAMES])), strict=False))
+    generated = plain_llm.generate([PROMPTS[n] for n in NAMES], [cases[n] for n in NAMES])
+    outs = dict(zip(NAMES, tokens(generated), strict=False))
     changed = [n for n in NAMES if n != "free" and outs[n] != free[n]]
     assert changed == NAMES[:-1]                   # every constraint changes the output: the tests can fail
     return outs
@@ -100,7 +101,7 @@ def fresh(request):
 
     yield get
     for llm in used:
-        llm.engine.__dict__.pop("_propose", None)
+        llm.engine.speculation.__dict__.pop("propose", None)
 
 
 def _delta(llm, before):
@@ -112,12 +113,12 @@ def _delta(llm, before):
 def oracle_drafts(llm, references: dict[tuple[int, ...], list[int]], wrong_at) -> None:
     """Draft the known continuation (padded past its end with token 0, so short structured outputs are
     drafted too), corrupted at `wrong_at(step)` (None: exact)."""
-    engine = llm.engine
+    speculation = llm.engine.speculation          # the engine's speculative step (engine/spec_decode/step.py)
     counter = iter(range(10**9))
 
-    def propose(candidates):
+    def propose(candidates, verify_s=None):
         for req in candidates:
-            k = engine.num_drafts_for(req)
+            k = speculation.num_drafts_for(req)
             if k:
                 v = req.num_computed_tokens
                 drafts = (references[tuple(req.prompt_token_ids)][v + 1: v + 1 + k] + [0] * k)[:k]
@@ -127,7 +128,7 @@ def oracle_drafts(llm, references: dict[tuple[int, ...], list[int]], wrong_at) -
                 req.spec_token_ids = drafts
         return len(candidates)
 
-    engine._propose = propose
+    speculation.propose = propose
 
 
 def _references(plain: dict[str, list[int]]) -> dict[tuple[int, ...], list[int]]:
@@ -201,7 +202,7 @@ def test_grammar_is_at_the_emitted_tokens_after_every_step_and_cancel_leaks_noth
     for n in names:
         engine.add_request(n, PROMPTS[n], cases[n])
     checked, outs = 0, {}
-    for step in range(4):
+    for _ in range(4):
         for o in engine.step():
             outs[o.request_id] = o
         for req in engine.requests.values():
@@ -261,7 +262,8 @@ def test_constrained_speculation_across_preemption_equals_plain(tiny_dir, draft7
     budget = dict(enable_prefix_caching=False, max_num_seqs=2, num_snapshot_slots=0,
                   cache_memory_bytes=2 * 8 * 12800 + 15 * (768 + 2 * 4 * 24 * 4))
     tight = make_llm(tiny_dir, speculative_config=spec(draft7), **budget)
-    oracle_drafts(tight, {tuple(p): p + r for p, r in zip(prompts, reference, strict=False)}, wrong_at=lambda s: (s * 3) % 9)
+    oracle_drafts(tight, {tuple(p): p + r for p, r in zip(prompts, reference, strict=False)},
+                  wrong_at=lambda s: (s * 3) % 9)
     outs = tight.generate(prompts, params)
     assert tokens(outs) == reference
     assert re.fullmatch("[a-z]{1,20}", outs[0].output.text)

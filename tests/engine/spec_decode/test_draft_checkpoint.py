@@ -1,4 +1,4 @@
-"""Draft checkpoints: the k3_dspark layout (DSPARK.md 3.1/3.3), the CLI, the validating loader."""
+"""Draft checkpoints: the k3_dspark layout (docs/dspark.md 3.1/3.3), the CLI, the validating loader."""
 from __future__ import annotations
 
 import json

@@ -92,7 +92,8 @@ def test_preemption_mid_speculation_equals_plain(tiny_dir, draft7):
     budget = dict(enable_prefix_caching=False, max_num_seqs=2, num_snapshot_slots=0,
                   cache_memory_bytes=2 * 8 * 12800 + 15 * (768 + 2 * 4 * 24 * 4))
     tight = make_llm(tiny_dir, speculative_config=spec(draft7), **budget)
-    oracle_drafts(tight, {tuple(p): p + r for p, r in zip(prompts, reference, strict=False)}, wrong_at=lambda s: (s * 3) % 9)
+    oracle_drafts(tight, {tuple(p): p + r for p, r in zip(prompts, reference, strict=False)},
+                  wrong_at=lambda s: (s * 3) % 9)
     assert tokens(tight.generate(prompts, params)) == reference
     assert tight.engine.scheduler.num_preemptions > 0
     assert tight.engine.spec_stats.num_drafts > 0
@@ -180,7 +181,7 @@ def test_bad_speculative_configs_fail_at_startup(tiny_dir, draft7, tmp_path):
         "max len": (spec(draft7, max_model_len=10**6), "max_model_len"),
         "adaptive": (spec(draft7, enable_adaptive_verification=True), "not supported"),
     }
-    for name, (cfg, message) in cases.items():
+    for cfg, message in cases.values():
         with pytest.raises(SpecConfigError, match=message):
             LLMEngine(EngineConfig(model=str(tiny_dir), speculative_config=cfg, **SETTINGS))
     with pytest.raises(SpecConfigError, match="not valid JSON"):

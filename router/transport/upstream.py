@@ -14,13 +14,13 @@ from typing import Any
 import httpx
 import orjson
 
-from router.worker_http import (
+from router.transport.worker_http import (
     KEEPALIVE_S,
     ConnectFailed,
     Disconnected,
-    InvalidRequest,
     Origin,
     ReadTimeout,
+    UnsendableRequest,
     WorkerClient,
     WorkerHTTPError,
 )
@@ -46,9 +46,9 @@ class UpstreamError(Exception):
         return True if self.status < 500 else None
 
 
-# what a failed call to a worker can raise: router.worker_http on the request path, httpx on admin/health calls
+# what a failed call to a worker can raise: router.transport.worker_http on the request path,
+# httpx on admin/health calls
 TRANSPORT_ERRORS = (WorkerHTTPError, asyncio.TimeoutError, httpx.HTTPError)
-JSON_HEADERS = {"content-type": "application/json"}
 
 # the worker closed the connection (or reset it) before any response: a pooled keep-alive connection
 # it was closing as we reused it, or a worker that died on receipt; nothing was answered
@@ -58,7 +58,7 @@ DISCONNECTED = (Disconnected, httpx.RemoteProtocolError)
 def classify(exc: BaseException, leg: str, replay_safe: bool = False) -> UpstreamError:
     """Client-facing messages name the leg, never internal addresses (those go to the log)."""
     log.warning("%s worker call failed: %s: %s", leg, type(exc).__name__, exc)
-    if isinstance(exc, (httpx.LocalProtocolError, httpx.UnsupportedProtocol, httpx.InvalidURL, InvalidRequest)):
+    if isinstance(exc, (httpx.LocalProtocolError, httpx.UnsupportedProtocol, httpx.InvalidURL, UnsendableRequest)):
         # the request could not be built or sent: the router's problem, never the worker's
         return UpstreamError("request", f"the {leg} request could not be sent", 500, worker_fault=False)
     if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout, ConnectFailed)):
@@ -84,7 +84,7 @@ def leg_timeout(connect_s: float, read_s: float) -> LegTimeout:
 
 
 def make_session() -> WorkerClient:
-    """The pooled client of the request path (router.worker_http: httptools parser, keep-alive, raw
+    """The pooled client of the request path (router.transport.worker_http: httptools parser, keep-alive, raw
     bytes: bodies are relayed, never re-encoded)."""
     return WorkerClient(KEEPALIVE_S)
 

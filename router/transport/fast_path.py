@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Mapping
+from typing import cast
 
 from fastapi import FastAPI
 from starlette.requests import Request
@@ -48,7 +49,7 @@ class FastPathApp(FastAPI):
         handlers = self.exception_handlers
         for cls in type(exc).__mro__:
             if cls in handlers:
-                return await handlers[cls](request, exc)
+                return await cast(Awaitable[Response], handlers[cls](request, exc))     # ours are async
         raise exc
 
 
@@ -66,6 +67,7 @@ class EventStreamResponse(StreamingResponse):
 
     async def __call__(self, scope, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
+        assert task is not None                      # called by the server, inside its task
         gone = False
 
         async def watch() -> None:

@@ -1,6 +1,6 @@
 """A model-free OpenAI-compatible worker that speaks vLLM's P/D protocol, for router benchmarks and tests.
 
-Run: `python -m benchmarks.stub_worker --port P --role prefill|decode|both [--tokens N] [--token-delay-ms D]
+Run: `python -m tests.stub_worker --port P --role prefill|decode|both [--tokens N] [--token-delay-ms D]
 [--first-token-delay-ms F]` (a streamed reply's first token comes F + D ms after the request, each later
 one D ms after the previous: known TTFT and TPOT for checking benchmark clients).
 
@@ -265,7 +265,7 @@ def create_app(settings: StubSettings) -> FastAPI:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.stub_worker", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m tests.stub_worker", description=__doc__.splitlines()[0])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--role", choices=ROLES, default="both")

@@ -4,10 +4,11 @@ Decode legs are asked for `return_token_ids`: each chunk carries the ids of the 
 delivers. `RelayedStream` parses each complete SSE event, records those ids (the tokens the client
 has seen), the response id and whether a finish reason passed, and forwards the event as it came
 unless the client must see it changed: without the ids unless the client asked for them, under the
-first worker's response id, and without the role chunk of a continuation. When the worker dies, `continuation_body` is the
-request for another decode worker: the same request plus `kimi_pd_resume` (delivered tokens and the
-seeded generator's offset), which that worker prefills (its prefix cache holds most of the prompt)
-and continues from - greedy, token for token what the first worker would have produced.
+first worker's response id, and without the role chunk of a continuation. When the worker dies,
+`continuation_body` is the request for another decode worker: the same request plus `kimi_pd_resume`
+(delivered tokens and the seeded generator's offset), which that worker prefills (its prefix cache
+holds most of the prompt) and continues from - greedy, token for token what the first worker would
+have produced.
 """
 from __future__ import annotations
 
@@ -91,7 +92,8 @@ class RelayedStream:
     def _track(self, body: dict[str, Any]) -> tuple[bool, bool]:
         """Record the chunk's token ids and finish, strip the ids unless the client asked for them:
         (whether the body changed, whether it is a role-only chunk)."""
-        choices = body.get("choices") if isinstance(body.get("choices"), list) else []
+        listed = body.get("choices")
+        choices: list[Any] = listed if isinstance(listed, list) else []
         role_only = changed = False
         for choice in choices:
             if not isinstance(choice, dict):
@@ -134,7 +136,8 @@ def continuation_body(body: dict[str, Any], stream: RelayedStream, first_token_a
 
 
 def _has_content(choice: dict[str, Any]) -> bool:
-    delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
+    given = choice.get("delta")
+    delta: dict[str, Any] = given if isinstance(given, dict) else {}
     return bool(choice.get("text") or delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"))
 
 

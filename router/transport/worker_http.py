@@ -9,23 +9,25 @@ of idle connections (LIFO, dropped after `keepalive_s` idle, before a worker's o
 closes them), TCP_NODELAY on every socket, a connect bound and an idle-read bound.
 
 Failures are typed so the caller can tell whether the worker ever saw the request
-(`router.upstream.classify` maps them):
+(`router.transport.upstream.classify` maps them):
 
 - `ConnectFailed`: no connection (refused, unreachable, connect timeout): the request was never sent;
 - `Disconnected`: the connection closed or reset before any byte of a response (a pooled connection
   the worker was closing as it was reused, or a worker that died on receipt);
 - `ReadTimeout`: no bytes for longer than the read bound;
 - `ProtocolError`: a malformed response, or one cut off mid-body;
-- `InvalidRequest`: the request could not be built (a bad URL or header): the router's own fault.
+- `UnsendableRequest`: the request could not be built (a bad URL or header): the router's own fault.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import ssl
 from collections import deque
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
+from typing import cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -38,7 +40,7 @@ class WorkerHTTPError(Exception):
     """A call to a worker failed in transport (never an HTTP status: those are answers)."""
 
 
-class InvalidRequest(WorkerHTTPError):
+class UnsendableRequest(WorkerHTTPError):
     """The request could not be built or sent (bad URL, illegal header): the router's fault."""
 
 
@@ -79,9 +81,9 @@ class Origin:
             parts = urlsplit(url)
             port = parts.port
         except ValueError as exc:
-            raise InvalidRequest(f"bad worker URL {url!r}: {exc}") from None
+            raise UnsendableRequest(f"bad worker URL {url!r}: {exc}") from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise InvalidRequest(f"bad worker URL {url!r}: give http[s]://host[:port]")
+            raise UnsendableRequest(f"bad worker URL {url!r}: give http[s]://host[:port]")
         default = 443 if parts.scheme == "https" else 80
         return cls(parts.scheme, parts.hostname, port or default, parts.path.rstrip("/"))
 
@@ -89,7 +91,7 @@ class Origin:
 def _check_header(value: str) -> bytes:
     raw = value.encode("latin-1")
     if b"\r" in raw or b"\n" in raw or b"\0" in raw:
-        raise InvalidRequest("a header value holds a line break")
+        raise UnsendableRequest("a header value holds a line break")
     return raw
 
 
@@ -101,16 +103,19 @@ class WorkerResponse:
     __slots__ = ("status", "headers", "_conn")
 
     def __init__(self, conn: _Connection, status: int, headers: dict[str, str]) -> None:
-        self.status, self.headers, self._conn = status, headers, conn
+        self.status, self.headers = status, headers
+        self._conn: _Connection | None = conn
 
     async def read(self) -> bytes:
         conn, parts = self._conn, []
+        assert conn is not None, "read after release or close"
         while (chunk := await conn.next_body()) is not None:
             parts.append(chunk)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
-    async def iter_any(self) -> AsyncIterator[bytes]:
+    async def iter_any(self) -> AsyncGenerator[bytes, None]:
         conn = self._conn
+        assert conn is not None, "read after release or close"
         while True:
             chunk = await conn.next_body()
             if chunk is None:
@@ -135,7 +140,7 @@ class _Connection(asyncio.Protocol):
 
     def __init__(self, pool: WorkerClient, origin: Origin) -> None:
         self.pool, self.origin = pool, origin
-        self.transport: asyncio.Transport | None = None
+        self.transport: asyncio.Transport               # set by connection_made, before any use
         self.parser = httptools.HttpResponseParser(self)
         self.loop = asyncio.get_running_loop()
         self.lost = False
@@ -156,14 +161,12 @@ class _Connection(asyncio.Protocol):
         self.last_read = 0.0
 
     # ---- asyncio.Protocol ----
-    def connection_made(self, transport: asyncio.Transport) -> None:
-        self.transport = transport
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)        # a stream connection
         sock = transport.get_extra_info("socket")
         if sock is not None:
-            try:
+            with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)      # no Nagle stall on small writes
-            except OSError:
-                pass
 
     def data_received(self, data: bytes) -> None:
         self.got_bytes = True

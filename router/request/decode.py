@@ -1,0 +1,180 @@
+"""The decode leg: the client's request (plus the transfer parameters its connector builds) on the
+chosen decode worker; a worker that cannot be reached is replaced by another before anything was sent.
+
+Retry rules: a connect failure is retried anywhere; a leg carrying transfer parameters is never
+replayed after the worker may have consumed them (only decode-only bodies are replay-safe); a whole
+(non-streamed) answer whose worker died answering is asked again, decode-only, of another worker.
+A stream is handed to the relay (router/request/relay.py), which migrates it if its worker dies.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from fastapi.responses import Response
+
+from router.connectors import connector
+from router.placement.ledger import Leg
+from router.placement.pipeline import NoWorkerAvailable
+from router.placement.types import RoutingContext, WorkerState
+from router.request.fleet import Fleet
+from router.request.trace import PATHS, Trace, trace_headers
+from router.transport.upstream import TRANSPORT_ERRORS, UpstreamError, classify, dumps, error_body, parse_object
+from router.transport.worker_http import WorkerResponse
+from shared.openai.legs import wire_body
+from shared.openai.requests import SamplingRequest
+
+
+@dataclass
+class Route:
+    """Where a request's decode leg may go: placement's context, the workers, and those already tried."""
+
+    ctx: RoutingContext
+    states: list[WorkerState]
+    tried: set[str] = field(default_factory=set)
+
+
+@dataclass
+class Opened:
+    worker: WorkerState
+    resp: WorkerResponse
+    leg: Leg
+
+
+def decode_body(fleet: Fleet, trace: Trace, req: SamplingRequest) -> dict:
+    """The decode leg's body: the client's request and what the pool's connector hands the decode."""
+    body = wire_body(req)
+    params = connector(trace.kv_connector).decode_params(trace)
+    if params is None:
+        body.pop("kv_transfer_params", None)        # clients never steer transfers (SSRF, lease tampering)
+    else:
+        body["kv_transfer_params"] = params
+    if req.stream:
+        body["return_token_ids"] = True             # what a migration resumes from (stripped for the client)
+    return fleet.for_worker(body)
+
+
+class DecodeLeg:
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+
+    async def whole(self, trace: Trace, body: dict, opened: Opened, route: Route) -> Response:
+        """A non-streamed answer; nothing reached the client yet, so a worker that died answering
+        costs a retry (decode-only, on another worker), not the answer."""
+        fleet = self.fleet
+        for attempt in range(fleet.s.max_attempts):
+            try:
+                return await self._read_whole(trace, opened)
+            except UpstreamError as err:
+                fleet.metrics.leg_failures.labels(leg="decode", reason=err.reason).inc()
+                if err.status < 500 or attempt + 1 >= fleet.s.max_attempts:
+                    raise
+                try:
+                    retry = {k: v for k, v in body.items() if k != "kv_transfer_params"}   # decode-only
+                    opened = await self.open(trace, retry, False, fleet.pick(route.ctx, route.states, route.tried),
+                                             route)
+                except (UpstreamError, NoWorkerAvailable):
+                    fleet.metrics.migrations.labels(outcome="failed").inc()
+                    raise err from None
+                fleet.metrics.migrations.labels(outcome="ok").inc()
+                trace.decode_worker = opened.worker.worker_id
+        raise AssertionError("unreachable")
+
+    async def open(self, trace: Trace, body: dict, stream: bool, worker: WorkerState, route: Route) -> Opened:
+        """Open a decode leg; workers that cannot be reached are replaced by others (`route.tried` grows)."""
+        fleet = self.fleet
+        for attempt in range(fleet.s.max_attempts):
+            route.tried.add(worker.worker_id)
+            # decode-only: the decode worker computes the uncached prompt; it is settled by the first
+            # streamed chunk or the whole answer. With a transferred state there is no prefill work.
+            leg = fleet.registry.ledger.open(worker.worker_id, 0 if "kv_transfer_params" in body
+                                             else route.ctx.uncached_tokens(worker.info))
+            try:
+                return Opened(worker, await self._send(worker, trace, body, stream), leg)
+            except BaseException as err:
+                fleet.registry.ledger.settle(leg, calibrate=False)
+                if not isinstance(err, UpstreamError):
+                    raise
+                fleet.metrics.leg_failures.labels(leg="decode", reason=err.reason).inc()
+                if not (err.retryable and attempt + 1 < fleet.s.max_attempts):
+                    raise
+                try:
+                    worker = fleet.pick(route.ctx, route.states, route.tried)
+                except NoWorkerAvailable:
+                    raise err from None                  # nobody else: report the real failure
+                fleet.metrics.retries.labels(leg="decode").inc()
+        raise AssertionError("unreachable")
+
+    async def _send(self, worker: WorkerState, trace: Trace, body: dict, stream: bool) -> WorkerResponse:
+        """Send the decode leg; returns an open response with a 2xx status (its `begin` still open).
+
+        A stream's reads are bounded by the idle timeout; a whole answer arrives only when generation is
+        done, so its read is bounded by the decode timeout instead.
+        """
+        fleet = self.fleet
+        fleet.registry.begin(worker.worker_id)
+        timeout = fleet.timeouts["stream" if stream else "whole"]
+        try:
+            resp = await fleet.session.post(fleet.origin(worker), PATHS[trace.endpoint], dumps(body),
+                                            fleet.headers(trace, worker), connect_timeout=timeout.connect_s,
+                                            read_timeout=timeout.read_s)
+        except TRANSPORT_ERRORS as exc:
+            err = classify(exc, "decode", replay_safe="kv_transfer_params" not in body)
+            fleet.registry.end(worker.worker_id, ok=err.health_outcome)
+            raise err from exc
+        except BaseException:
+            fleet.registry.end(worker.worker_id, ok=None)
+            raise
+        if resp.status >= 400:
+            await self._refused(worker, trace, resp)
+        trace.decode_connected = True                   # from here on the decode worker owns the prefill lease
+        self._observe_transfer(resp)
+        return resp
+
+    async def _refused(self, worker: WorkerState, trace: Trace, resp: WorkerResponse) -> None:
+        status = resp.status
+        try:
+            content = await resp.read()
+        except TRANSPORT_ERRORS:
+            content = b""
+        resp.close()
+        self.fleet.registry.end(worker.worker_id, ok=status < 500)
+        raise UpstreamError(f"http_{status // 100}xx", f"the decode worker answered {status}",
+                            status, error_body(content),
+                            retryable=status == 503 and trace.kv_transfer_params is None)
+
+    def _observe_transfer(self, resp: WorkerResponse) -> None:
+        for header, histogram in (("x-kv-pull-seconds", self.fleet.metrics.transfer_seconds),
+                                  ("x-queue-seconds", self.fleet.metrics.decode_queue)):
+            value = resp.headers.get(header)
+            if value:
+                histogram.observe(float(value))
+
+    async def _read_whole(self, trace: Trace, opened: Opened) -> Response:
+        fleet, (worker, resp, leg) = self.fleet, (opened.worker, opened.resp, opened.leg)
+        outcome: bool | None = None
+        try:
+            content = await resp.read()
+            body = parse_object(content, "decode")
+            outcome = True
+        except TRANSPORT_ERRORS as exc:
+            err = classify(exc, "decode")
+            outcome = err.health_outcome
+            raise err from exc
+        except UpstreamError:
+            outcome = False
+            raise
+        finally:
+            fleet.registry.ledger.settle(leg, calibrate=bool(outcome))
+            if outcome:
+                resp.release()                          # read to the end: the connection goes back to the pool
+            else:
+                resp.close()
+            fleet.registry.end(worker.worker_id, outcome)
+        if trace.cached_tokens is not None and isinstance(body.get("usage"), dict):
+            body["usage"]["prompt_tokens_details"] = {"cached_tokens": trace.cached_tokens}
+        body.pop("kv_transfer_params", None)
+        elapsed = time.perf_counter() - trace.start
+        fleet.metrics.ttft.observe(elapsed)
+        fleet.metrics.e2e.observe(elapsed)
+        return Response(dumps(body), media_type="application/json", headers=trace_headers(trace))

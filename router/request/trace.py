@@ -1,0 +1,36 @@
+"""What the router records of one request as it moves: the leg decisions, the workers, the transfer."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from shared.kv_transfer_params import KVTransferParams
+
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}     # endpoint -> the workers' path
+
+
+@dataclass
+class Trace:
+    request_id: str                                  # the router's own id: what workers see (never the client's)
+    endpoint: str
+    client_request_id: str | None = None             # the client's validated id, for logs only
+    decision: str = "none"
+    start: float = field(default_factory=time.perf_counter)
+    prefill_worker: str | None = None
+    decode_worker: str | None = None
+    cached_tokens: int | None = None
+    kv_transfer_params: KVTransferParams | None = None
+    decode_params: dict | None = None                # a stock vLLM decode leg's kv_transfer_params, as sent
+    kv_connector: str = "kimi-pd"                    # the P/D protocol of this request's pool
+    decode_connected: bool = False
+    outcome: str | None = None                       # a stream's outcome, set when its relay ends
+
+
+def trace_headers(trace: Trace) -> dict[str, str]:
+    """Where a request went: for clients' tracing and for tests (worker ids, never secrets)."""
+    headers = {"x-request-id": trace.request_id, "x-kimi-pd-decision": trace.decision}
+    if trace.prefill_worker:
+        headers["x-kimi-pd-prefill-worker"] = trace.prefill_worker
+    if trace.decode_worker:
+        headers["x-kimi-pd-decode-worker"] = trace.decode_worker
+    return headers
