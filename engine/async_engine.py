@@ -46,6 +46,7 @@ class AsyncEngine:
         self._commands: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future]] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
+        self._shutting_down = False               # shutdown() was called: a death that is no failure
         self._dead: BaseException | None = None
         self._stalled = False
         self._busy_since: float | None = None              # monotonic start of the command or step now running
@@ -136,11 +137,24 @@ class AsyncEngine:
         since = self._busy_since
         return 0.0 if since is None else max(0.0, time.monotonic() - since)
 
+    def mark_dead(self, exc: BaseException) -> None:
+        """Fail the engine from outside (e.g. one of its ranks exited): streams end, calls raise EngineDead."""
+        if self._dead is None:
+            self._die(exc)
+            self._stop.set()
+            self._commands.put((lambda: None, concurrent.futures.Future()))
+
     @property
     def is_dead(self) -> bool:
         return self._dead is not None
 
+    @property
+    def failed(self) -> bool:
+        """Dead, and not because it was shut down: a step raised or `mark_dead` was called."""
+        return self._dead is not None and not self._shutting_down
+
     def shutdown(self, timeout: float = 10.0) -> None:
+        self._shutting_down = True
         self._stop.set()
         self._commands.put((lambda: None, concurrent.futures.Future()))
         self._thread.join(timeout)

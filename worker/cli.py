@@ -32,12 +32,14 @@ def settings_from_args(args: argparse.Namespace, model_dir: str) -> WorkerSettin
                           export_lease_s=None,                      # the transfer lease is the one clock
                           model_id=args.served_model_name, speculative_config=speculative,
                           tensor_parallel_size=args.tensor_parallel_size,
-                          enable_expert_parallel=args.enable_expert_parallel,
+                          enable_expert_parallel=args.enable_expert_parallel, master_addr=args.master_addr,
+                          master_port=args.master_port, nnodes=args.nnodes, node_rank=args.node_rank,
                           compilation_config=args.compilation_config, enforce_eager=args.enforce_eager)
     extra = {"worker_id": args.worker_id} if args.worker_id else {}
     return WorkerSettings(engine=engine, host=args.host, port=args.port,
                           served_model_name=args.served_model_name, advertise_url=args.advertise_url,
                           transfer_transport=args.kv_transport, transfer_host=args.kv_host,
+                          transfer_advertise_host=args.kv_advertise_host,
                           transfer_port=args.kv_port, transfer_streams=args.kv_streams,
                           transfer_secret=secret.encode(), kv_lease_s=args.kv_lease_s,
                           kv_load_failure_policy=args.kv_load_failure_policy, store_url=args.redis_url,
@@ -55,6 +57,9 @@ def run_worker(args: argparse.Namespace, role: Role, model_dir: str) -> int:
     from worker.runtime import WorkerRuntime
 
     settings = settings_from_args(args, model_dir)
+    if args.headless:
+        from engine.parallel.launch import run_headless
+        return run_headless(settings.engine)
     runtime = WorkerRuntime.build(settings, role)
     config = uvicorn.Config(create_app(runtime), host=settings.host, port=settings.port, log_level=args.log_level,
                             access_log=False, timeout_graceful_shutdown=30, http=protocol_class(args.header_timeout))

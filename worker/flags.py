@@ -20,6 +20,17 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+def add_multi_host_args(p: argparse.ArgumentParser) -> None:
+    """One tensor-parallel engine over several hosts (vLLM's and torchrun's names)."""
+    p.add_argument("--master-addr", default="127.0.0.1",
+                   help="ranks on several hosts: node 0's address, where every rank meets (torch.distributed's)")
+    p.add_argument("--master-port", type=int, default=0, help="the rendezvous port on --master-addr (0: any, one host)")
+    p.add_argument("--nnodes", type=int, default=1, help="hosts the tensor-parallel ranks are spread over (evenly)")
+    p.add_argument("--node-rank", type=int, default=0, help="this host's index; node 0 holds rank 0 and serves")
+    p.add_argument("--headless", action="store_true",
+                   help="run only this node's ranks (node-rank > 0): no HTTP server, no registration")
+
+
 def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="checkpoint directory (default: the tiny generated one)")
     p.add_argument("--host", default="127.0.0.1")
@@ -41,6 +52,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="ranks (processes, one device each) sharing the model; gloo on CPU, nccl/hccl on accelerators")
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="split the routed experts whole across the tensor-parallel ranks")
+    add_multi_host_args(p)
     p.add_argument("--compilation-config", default=None,
                    help='JSON, vLLM\'s fields: {"cudagraph_mode": "FULL_DECODE_ONLY", '
                         '"cudagraph_capture_sizes": [1, 2, 4, 8]}')
@@ -51,7 +63,11 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-id", default=None)
     p.add_argument("--advertise-url", default=None, help="URL routers should use (default http://HOST:PORT)")
     p.add_argument("--kv-transport", default="tcp", choices=["tcp", "mooncake", "torch-dist"])
-    p.add_argument("--kv-host", default="127.0.0.1")
+    p.add_argument("--kv-host", default="127.0.0.1",
+                   help="where the KV transfer server listens (0.0.0.0: every interface)")
+    p.add_argument("--kv-advertise-host", default=None,
+                   help="the address decode workers pull KV state from (default --kv-host; required when that "
+                        "is 0.0.0.0)")
     p.add_argument("--kv-port", type=int, default=0)
     p.add_argument("--kv-streams", type=int, default=2,
                    help="parallel TCP streams per pull (2 x 8 MiB chunks measured best on 2 cores)")

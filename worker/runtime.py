@@ -73,7 +73,7 @@ class WorkerRuntime:
         return TransferConfig(identity=ModelIdentity(i.config_hash, i.dtype, i.layer_schedule, i.block_size),
                               secret=s.transfer_secret, transport=s.transfer_transport, engine_id=s.worker_id,
                               host=s.transfer_host, port=s.transfer_port, streams=s.transfer_streams,
-                              lease_s=s.kv_lease_s)
+                              lease_s=s.kv_lease_s, advertise_host=s.transfer_advertise_host)
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -88,13 +88,15 @@ class WorkerRuntime:
             store = make_store(s.store_url, s.namespace)
             self.presence = WorkerPresence(store, self.worker_info(), self.engine, s.heartbeat_s, s.registration_ttl_s)
             self.presence.start()
+        from worker.watchdog import watch_engine
+        self._watchdog = asyncio.create_task(watch_engine(self), name="engine-watchdog")
         log.info("worker %s (%s) serving %s at %s", s.worker_id, self.role.name, s.served_model_name, s.url)
 
     def worker_info(self) -> WorkerInfo:
         s, eng = self.settings, self.engine.engine
         port = next((leg.transfer_port for leg in self.legs.values() if leg.transfer_port), 0)
         return WorkerInfo(worker_id=s.worker_id, role=self.role.name, url=s.url, model_id=s.served_model_name,
-                          transfer_host=s.transfer_host, transfer_port=port,
+                          transfer_host=s.transfer_address, transfer_port=port,
                           transfer_engine_id=s.worker_id, block_size=eng.config.block_size,
                           capacity_tokens=eng.capacity_tokens, hash_root=eng.hash_root, started_at=time.time())
 
@@ -114,6 +116,9 @@ class WorkerRuntime:
 
     async def stop(self) -> None:
         """Deregister first (routers stop sending), then stop the legs' transfers and the engine."""
+        watchdog = getattr(self, "_watchdog", None)
+        if watchdog is not None:
+            watchdog.cancel()
         if self.presence:
             await self.presence.stop()
         for leg in self.legs.values():

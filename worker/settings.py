@@ -18,6 +18,7 @@ from shared.env import ADMIN_TOKEN_ENV, CLIENT_KEYS_ENV
 TRANSFER_SECRET_ENV = "KIMI_PD_TRANSFER_SECRET"
 API_KEY_ENV = "KIMI_PD_API_KEY"
 INTERNAL_AUTH_ENV = "KIMI_PD_INTERNAL_AUTH"
+WILDCARDS = ("0.0.0.0", "::", "")                # bind addresses that name no host another one can reach
 
 
 def internal_auth_default() -> bool:
@@ -42,7 +43,8 @@ class WorkerSettings:
     worker_id: str = field(default_factory=lambda: f"w-{secrets.token_hex(4)}")
     advertise_url: str | None = None
     transfer_transport: str = "tcp"
-    transfer_host: str = "127.0.0.1"
+    transfer_host: str = "127.0.0.1"             # where the transfer server binds
+    transfer_advertise_host: str | None = None    # what decode workers are told to pull from (default: the bind)
     transfer_port: int = 0
     transfer_streams: int = 2
     transfer_secret: bytes = field(default=b"", repr=False)
@@ -62,10 +64,21 @@ class WorkerSettings:
     def url(self) -> str:
         return self.advertise_url or f"http://{self.host}:{self.port}"
 
+    @property
+    def transfer_address(self) -> str:
+        """The transfer host other workers connect to: never a wildcard, which they would read as themselves."""
+        return self.transfer_advertise_host or self.transfer_host
+
     def validate(self) -> None:
         if self.internal_auth and not self.admin_token:
             raise ValueError(f"internal auth is on (the fleet has client keys): set {ADMIN_TOKEN_ENV}, the token "
                              "routers authenticate with")
+        if self.transfer_address in WILDCARDS:
+            raise ValueError(f"--kv-host {self.transfer_host} listens on every interface: give --kv-advertise-host, "
+                             "the address decode workers on other hosts reach this one at")
+        if self.store_url and not self.advertise_url and self.host in WILDCARDS:
+            raise ValueError(f"--host {self.host} listens on every interface: give --advertise-url, the URL routers on "
+                             "other hosts reach this worker at (it is registered in the store)")
         if self.kv_load_failure_policy not in ("recompute", "fail"):
             raise ValueError("kv_load_failure_policy must be recompute or fail")
         self.engine.validate()

@@ -69,6 +69,11 @@ class EngineConfig:
     enable_expert_parallel: bool = False   # routed experts split whole across those ranks
     compilation_config: dict | str | None = None   # vLLM's --compilation-config: {"cudagraph_mode": ...}
     enforce_eager: bool = False            # never capture graphs
+    # ranks on several hosts (vLLM's --master-addr/--master-port/--nnodes/--node-rank; engine/parallel/launch.py)
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0                   # 0: any free port (one host only)
+    nnodes: int = 1
+    node_rank: int = 0
 
     def validate(self) -> None:
         checks = {"max_num_seqs": self.max_num_seqs >= 1, "max_num_batched_tokens": self.max_num_batched_tokens >= 1,

@@ -3,10 +3,18 @@
 gloo on CPU, nccl on CUDA, hccl on Ascend NPUs (torch-npu); control messages (the commands rank 0
 broadcasts) always go over a gloo group, so they never need device buffers. One group per process:
 an engine with TP > 1 owns the default process group until `close()`.
+
+Two clocks: the model's collectives (and gathers to rank 0) time out after `collective_timeout_s()`
+(120 s, $KIMI_PD_TP_TIMEOUT_S), so a rank that stops answering mid-step fails the step; a follower
+waiting for rank 0's next command waits on a group of its own with a timeout of days, because an
+idle worker sends no commands at all (with one clock, 120 quiet seconds killed every follower).
+The rendezvous is rank 0's `master_addr:port`; on another host gloo talks over the interface that
+reaches it ($GLOO_SOCKET_IFNAME unless already set), never loopback.
 """
 from __future__ import annotations
 
 import datetime
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +22,13 @@ import torch
 import torch.distributed as dist
 
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+TP_TIMEOUT_ENV = "KIMI_PD_TP_TIMEOUT_S"
+IDLE_TIMEOUT_S = 7 * 24 * 3600.0          # waiting for the next command: an idle worker may stay idle for days
+
+
+def collective_timeout_s() -> float:
+    """How long a rank waits for the others inside one step before the step fails."""
+    return float(os.environ.get(TP_TIMEOUT_ENV) or 120.0)
 
 
 def rank_device(device: str, rank: int) -> str:
@@ -28,15 +43,21 @@ class TPGroup:
 
     rank: int
     world_size: int
-    control: Any            # gloo group for pickled commands
+    control: Any            # gloo group for rank 0's pickled commands: the idle clock
+    sync: Any = None        # gloo group for gathers to rank 0: the collective clock
 
     @classmethod
-    def join(cls, rank: int, world_size: int, port: int, device: str, timeout_s: float = 120.0) -> TPGroup:
+    def join(cls, rank: int, world_size: int, port: int, device: str, timeout_s: float | None = None,
+             master_addr: str = "127.0.0.1") -> TPGroup:
         backend = _BACKENDS.get(torch.device(device).type, "gloo")
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
-        control = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo")
-        return cls(rank, world_size, control)
+        from engine.parallel.netif import pin_gloo_interface
+        pin_gloo_interface(master_addr)
+        timeout = datetime.timedelta(seconds=timeout_s or collective_timeout_s())
+        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{port}", rank=rank, world_size=world_size,
+                                timeout=timeout)
+        control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=IDLE_TIMEOUT_S))
+        sync = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+        return cls(rank, world_size, control, sync)
 
     def close(self) -> None:
         if dist.is_initialized():
@@ -62,5 +83,5 @@ class TPGroup:
     def gather(self, obj: Any) -> list[Any] | None:
         """Every rank's `obj`, in rank order, on rank 0 (None elsewhere)."""
         out = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(obj, out, dst=0, group=self.control)
+        dist.gather_object(obj, out, dst=0, group=self.sync)
         return out

@@ -53,7 +53,8 @@ def test_workers_advertise_the_node_address(role):
     args = parsed_role(role)
     url = urlparse(args.advertise_url)
     assert (url.hostname, url.port) == (NODE_ENV["KIMI_PD_HOST_ADDR"], args.port)
-    assert args.kv_host == NODE_ENV["KIMI_PD_HOST_ADDR"], "decode workers pull KV state from this address"
+    assert args.kv_advertise_host == NODE_ENV["KIMI_PD_HOST_ADDR"], "decode workers pull KV state from this address"
+    assert args.kv_host == NODE_ENV["KIMI_PD_BIND"], "the transfer server listens where the HTTP server does"
     assert NODE_ENV["KIMI_PD_HOST_ADDR"] in args.worker_id and str(args.port) in args.worker_id, "unique per node"
     if role == "prefill":
         assert args.kv_port == int(NODE_ENV["KIMI_PD_KV_PORT"])
