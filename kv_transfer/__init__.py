@@ -12,7 +12,6 @@ and its invariants are in `kv_transfer.interface`; metric names in `kv_transfer.
 
 from kv_transfer.errors import (
     AuthenticationFailed,
-    ConfigError,
     CorruptFrame,
     DuplicateRequest,
     IdentityMismatch,
@@ -22,6 +21,7 @@ from kv_transfer.errors import (
     ProtocolMismatch,
     RequestAborted,
     SenderShutdown,
+    TransferConfigError,
     TransferError,
     UnknownRequest,
 )
@@ -40,7 +40,7 @@ from kv_transfer.metrics import TransferMetrics, get_metrics
 from kv_transfer.payload import ModelIdentity, TransferPayload
 
 __all__ = [
-    "INTERFACE_VERSION", "AuthenticationFailed", "ConfigError", "CorruptFrame", "DuplicateRequest",
+    "INTERFACE_VERSION", "AuthenticationFailed", "TransferConfigError", "CorruptFrame", "DuplicateRequest",
     "IdentityMismatch", "KVReceiver", "KVSender", "KVTransferParams", "LeaseExpired",
     "ModelIdentity", "PeerClosed", "PeerTimeout", "ProtocolMismatch", "RequestAborted",
     "SenderShutdown", "TransferConfig", "TransferError", "TransferMetrics", "TransferPayload",

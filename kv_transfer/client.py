@@ -13,7 +13,7 @@ import msgpack
 import torch
 
 from kv_transfer.arena import ReceiveArenas
-from kv_transfer.errors import ConfigError, CorruptFrame, PeerTimeout, ProtocolMismatch, TransferError
+from kv_transfer.errors import CorruptFrame, PeerTimeout, ProtocolMismatch, TransferConfigError, TransferError
 from kv_transfer.handshake import client_handshake
 from kv_transfer.interface import INTERFACE_VERSION, KVReceiver, KVTransferParams, TransferConfig
 from kv_transfer.metrics import TransferMetrics, get_metrics
@@ -115,7 +115,7 @@ class ControlReceiver(KVReceiver):
                                    f"this receiver speaks {self.transport_name!r}")
         host, port, request_id = params.remote_host, params.remote_port, params.remote_request_id
         if not (params.do_remote_prefill and host and request_id) or not isinstance(port, int) or not 0 < port < 65536:
-            raise ConfigError("kv_transfer_params lack do_remote_prefill/remote_host/port/request_id")
+            raise TransferConfigError("kv_transfer_params lack do_remote_prefill/remote_host/port/request_id")
         state_bytes = params.state_bytes if isinstance(params.state_bytes, int) else None
         return Target(host, port, request_id, state_bytes)
 

@@ -14,7 +14,7 @@ class TransferError(Exception):
     code = "transfer_error"
 
 
-class ConfigError(TransferError):
+class TransferConfigError(TransferError):
     """The transfer config or the params handed to a transport are unusable."""
 
     code = "config"
@@ -89,7 +89,7 @@ class SenderShutdown(TransferError):
 _BY_CODE = {
     cls.code: cls
     for cls in (
-        TransferError, ConfigError, UnknownRequest, DuplicateRequest, LeaseExpired, RequestAborted,
+        TransferError, TransferConfigError, UnknownRequest, DuplicateRequest, LeaseExpired, RequestAborted,
         AuthenticationFailed, IdentityMismatch, ProtocolMismatch, CorruptFrame, PeerTimeout,
         PeerClosed, SenderShutdown,
     )

@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kv_transfer.errors import ConfigError
+from kv_transfer.errors import TransferConfigError
 from kv_transfer.metrics import TransferMetrics
 from kv_transfer.payload import ModelIdentity, TransferPayload
 from shared.kv_transfer_params import INTERFACE_VERSION, KVTransferParams  # noqa: F401 - the transports use both
@@ -69,22 +69,22 @@ class TransferConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.secret, bytes) or len(self.secret) < 16:
-            raise ConfigError("secret must be bytes, at least 16 of them")
+            raise TransferConfigError("secret must be bytes, at least 16 of them")
         if not 1 <= self.streams <= 64:
-            raise ConfigError("streams must be in [1, 64]")
+            raise TransferConfigError("streams must be in [1, 64]")
         if not 64 << 10 <= self.chunk_bytes <= 256 << 20:
-            raise ConfigError("chunk_bytes must be in [64 KiB, 256 MiB]")
+            raise TransferConfigError("chunk_bytes must be in [64 KiB, 256 MiB]")
         if self.verify_data is not True and self.verify_data is not False:
-            raise ConfigError("verify_data must be a bool")
+            raise TransferConfigError("verify_data must be a bool")
         if not self.verify_data and (self.transport == "tcp" or (
                 self.transport == "mooncake" and self.mooncake_protocol == "tcp")):
-            raise ConfigError(f"verify_data=False is refused for {self.transport!r} over TCP: "
+            raise TransferConfigError(f"verify_data=False is refused for {self.transport!r} over TCP: "
                               "only a fabric that authenticates itself may skip the MAC check")
         if self.recv_pool_bytes < 0:
-            raise ConfigError("recv_pool_bytes must be >= 0")
+            raise TransferConfigError("recv_pool_bytes must be >= 0")
         timeouts = (self.connect_timeout_s, self.read_timeout_s, self.transfer_timeout_s)
         if min(*timeouts, self.lease_s, self.sweep_interval_s) <= 0:
-            raise ConfigError("timeouts, lease_s and sweep_interval_s must be positive")
+            raise TransferConfigError("timeouts, lease_s and sweep_interval_s must be positive")
 
 
 class KVSender(abc.ABC):
@@ -163,7 +163,7 @@ def transports() -> list[str]:
 
 def _resolve(name: str, index: int) -> type:
     if name not in _TRANSPORTS:
-        raise ConfigError(f"unknown transport {name!r}; known: {', '.join(transports())}")
+        raise TransferConfigError(f"unknown transport {name!r}; known: {', '.join(transports())}")
     module = importlib.import_module(_TRANSPORTS[name][0])
     return getattr(module, _TRANSPORTS[name][index])
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from kv_transfer.errors import ConfigError, CorruptFrame, PeerTimeout, TransferError
+from kv_transfer.errors import CorruptFrame, PeerTimeout, TransferConfigError, TransferError
 from kv_transfer.interface import TransferConfig
 from kv_transfer.leases import Lease
 from kv_transfer.server import HeldState
@@ -64,11 +64,11 @@ def _new_engine(host: str, metadata: str, protocol: str, device: str) -> Any:
     try:
         from mooncake.engine import TransferEngine
     except ImportError as exc:
-        raise ConfigError("mooncake transport needs `pip install mooncake-transfer-engine-non-cuda` "
+        raise TransferConfigError("mooncake transport needs `pip install mooncake-transfer-engine-non-cuda` "
                           "(or mooncake-transfer-engine) and the system package libibverbs1") from exc
     engine = TransferEngine()
     if engine.initialize(host, metadata, protocol, device) != 0:
-        raise ConfigError(f"mooncake engine failed to initialize on {host} ({protocol}, {metadata})")
+        raise TransferConfigError(f"mooncake engine failed to initialize on {host} ({protocol}, {metadata})")
     return engine
 
 
@@ -203,7 +203,7 @@ class MooncakeReceiver(SidebandReceiver):
                     tagger: DataTagger | None) -> None:
         engine = self._engine
         if engine is None:
-            raise ConfigError("MooncakeReceiver.start() was not awaited")
+            raise TransferConfigError("MooncakeReceiver.start() was not awaited")
         session, remote = manifest.get("session"), manifest.get("addrs")
         local, sizes = _regions(tensors)
         if not isinstance(session, str) or not isinstance(remote, list) or len(remote) != len(local):

@@ -30,7 +30,7 @@ from typing import TypeGuard
 import torch
 import torch.distributed as dist
 
-from kv_transfer.errors import ConfigError, CorruptFrame
+from kv_transfer.errors import CorruptFrame, TransferConfigError
 from kv_transfer.payload import flat_bytes
 from kv_transfer.server import HeldState
 from kv_transfer.sideband import DataTagger, SidebandReceiver, SidebandSender
@@ -39,7 +39,7 @@ from kv_transfer.wire import Channel
 
 def _require_group() -> None:
     if not dist.is_available() or not dist.is_initialized():
-        raise ConfigError("torch-dist transport needs an initialized torch.distributed process group")
+        raise TransferConfigError("torch-dist transport needs an initialized torch.distributed process group")
 
 
 def _valid_peer(rank: object) -> TypeGuard[int]:
@@ -54,7 +54,7 @@ def _exchange(tensors: list[torch.Tensor], peer: int, tag: int, send: bool, time
     works = [(i, op(flat_bytes(t), peer, tag=tag)) for i, t in enumerate(tensors) if t.numel()]
     for i, work in works:
         if work is None:  # torch posts nothing for a rank outside the default group
-            raise ConfigError(f"rank {dist.get_rank()} is not in the process group of peer {peer}")
+            raise TransferConfigError(f"rank {dist.get_rank()} is not in the process group of peer {peer}")
         work.wait(timeout=timedelta(seconds=timeout_s))
         if landed is not None:
             landed(i)
@@ -100,7 +100,7 @@ class TorchDistReceiver(SidebandReceiver):
     async def start(self) -> None:
         _require_group()
         if not self.config.verify_data and dist.get_backend() == "gloo":
-            raise ConfigError("verify_data=False is refused on gloo: its bytes cross plain TCP")
+            raise TransferConfigError("verify_data=False is refused on gloo: its bytes cross plain TCP")
 
     def _pull_fields(self) -> dict:
         _require_group()

@@ -24,13 +24,6 @@ def bucket_for(batch: int, sizes: tuple[int, ...]) -> int | None:
     return None
 
 
-def padded_rows(batch: int, bucket: int) -> range:
-    """Rows of a padded batch that are padding (their outputs are discarded)."""
-    if bucket < batch:
-        raise ValueError(f"bucket {bucket} smaller than the batch {batch}")
-    return range(batch, bucket)
-
-
 def context_ladder(max_blocks: int, first: int = 8) -> tuple[int, ...]:
     """Block-table widths a decode graph is captured for: first, 2*first, ... doubling, then max_blocks.
 

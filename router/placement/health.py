@@ -14,9 +14,9 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
-from router.placement.types import CircuitState, WorkerState
+from router.placement.types import CircuitState
 
 Clock = Callable[[], float]
 
@@ -160,7 +160,3 @@ class HealthTracker:
 
     def forget(self, worker_id: str) -> None:
         self._workers.pop(worker_id, None)
-
-    def annotate(self, state: WorkerState) -> WorkerState:
-        """`state` with this tracker's `healthy` and `circuit` for its worker."""
-        return replace(state, healthy=self.is_healthy(state.worker_id), circuit=self.circuit(state.worker_id))

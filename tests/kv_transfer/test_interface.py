@@ -8,7 +8,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from kv_transfer.errors import ConfigError, CorruptFrame, LeaseExpired, TransferError, error_from_code
+from kv_transfer.errors import CorruptFrame, LeaseExpired, TransferConfigError, TransferError, error_from_code
 from kv_transfer.interface import KVTransferParams, make_receiver, make_sender, transports
 from kv_transfer.metrics import get_metrics
 from kv_transfer.payload import ModelIdentity, TensorSpec, spec_of
@@ -38,7 +38,7 @@ def test_params_carry_vllm_fields_and_ignore_unknown_ones() -> None:
      {"chunk_bytes": 1024}, {"read_timeout_s": 0}, {"lease_s": -1}],
 )
 def test_config_rejects_bad_values(bad: dict) -> None:
-    with pytest.raises(ConfigError):
+    with pytest.raises(TransferConfigError):
         config(**bad)
     with pytest.raises(TypeError):
         config(no_such_option=1)
@@ -53,7 +53,7 @@ def test_registry_builds_each_transport_and_refuses_unknown_ones() -> None:
     assert isinstance(make_sender(config(), metrics()), TcpSender)
     assert isinstance(make_receiver(config(), metrics()), TcpReceiver)
     assert make_sender(config(transport="torch-dist"), metrics()).transport_name == "torch-dist"
-    with pytest.raises(ConfigError, match="unknown transport 'rdma'"):
+    with pytest.raises(TransferConfigError, match="unknown transport 'rdma'"):
         make_sender(config(transport="rdma"))
 
 
@@ -114,9 +114,9 @@ def test_metrics_are_shared_per_registry() -> None:
 def test_data_verification_is_on_by_default_and_never_off_over_tcp() -> None:
     assert config().verify_data is True
     for transport, protocol in (("tcp", "tcp"), ("mooncake", "tcp")):
-        with pytest.raises(ConfigError, match="refused"):
+        with pytest.raises(TransferConfigError, match="refused"):
             config(transport=transport, mooncake_protocol=protocol, verify_data=False)
-    with pytest.raises(ConfigError, match="bool"):
+    with pytest.raises(TransferConfigError, match="bool"):
         config(transport="mooncake", mooncake_protocol="rdma", verify_data=0)   # only an explicit False
     trusted = config(transport="mooncake", mooncake_protocol="rdma", verify_data=False)
     assert trusted.verify_data is False

@@ -92,7 +92,7 @@ def test_verification_cannot_be_switched_off_on_gloo() -> None:
     (a one-rank group in this process, torn down afterwards)."""
     import torch.distributed as dist
 
-    from kv_transfer.errors import ConfigError
+    from kv_transfer.errors import TransferConfigError
     from kv_transfer.interface import make_receiver
     from tests.kv_transfer.helpers import run
 
@@ -101,7 +101,7 @@ def test_verification_cannot_be_switched_off_on_gloo() -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
                             timeout=timedelta(seconds=10))
     try:
-        with pytest.raises(ConfigError, match="gloo"):
+        with pytest.raises(TransferConfigError, match="gloo"):
             run(make_receiver(config(transport="torch-dist", verify_data=False), metrics()).start())
         run(make_receiver(config(transport="torch-dist"), metrics()).start())      # default: fine
     finally:

@@ -8,9 +8,7 @@ from router.placement import (
     CircuitState,
     HealthConfig,
     HealthTracker,
-    WorkerState,
 )
-from shared.workers import WorkerInfo
 
 CLOSED, OPEN, HALF = CircuitState.CLOSED, CircuitState.OPEN, CircuitState.HALF_OPEN
 STREAK = BreakerConfig(consecutive_failures=3, min_requests=100, cooldown_s=30.0)
@@ -98,22 +96,20 @@ def test_active_checks(checks, healthy):
     assert t.is_healthy("w") is healthy
 
 
-def test_passive_outcomes_drive_circuit_and_annotate_worker_state():
+def test_passive_outcomes_drive_circuit_and_health():
     clock = FakeClock()
     t = tracker(clock)
-    state = WorkerState(WorkerInfo("w", "decode", "http://w", "m"))
     for _ in range(3):
         t.record_outcome("w", ok=False)
     t.record_check("w", ok=False)
     t.record_check("w", ok=False)
-    annotated = t.annotate(state)
-    assert (annotated.healthy, annotated.circuit) == (False, OPEN)
+    assert (t.is_healthy("w"), t.circuit("w")) == (False, OPEN)
     assert t.circuit("other") is CLOSED and t.is_healthy("other")
     clock.now += 30
     assert t.circuit("w") is HALF
     t.record_outcome("w", ok=True)
     t.record_check("w", ok=True)
-    assert t.annotate(state) == state            # healthy, closed again
+    assert (t.is_healthy("w"), t.circuit("w")) == (True, CLOSED)   # healthy, closed again
     t.record_outcome("w", ok=False)
     t.forget("w")
     assert t.circuit("w") is CLOSED

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.graphs.buckets import bucket_for, capture_sizes, padded_rows
+from engine.graphs.buckets import bucket_for, capture_sizes
 from engine.graphs.config import CompilationConfig
 
 
@@ -19,9 +19,6 @@ def test_default_ladder_is_vllms_cut_at_max_num_seqs():
 def test_bucket_is_the_smallest_holding_the_batch():
     sizes = (1, 2, 4, 8)
     assert [bucket_for(b, sizes) for b in range(1, 10)] == [1, 2, 4, 4, 8, 8, 8, 8, None]
-    assert list(padded_rows(3, 4)) == [3] and not padded_rows(4, 4)
-    with pytest.raises(ValueError):
-        padded_rows(5, 4)
 
 
 def test_compilation_config_parses_vllm_json_and_refuses_the_rest():
