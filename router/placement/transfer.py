@@ -95,17 +95,21 @@ def transfer_decision(uncached_tokens: int, threshold_tokens: int, transfer_s: f
 
 
 class TransferCosts:
-    """Per decode worker fits; the only state. Not thread-safe (the router's event loop owns it)."""
+    """Per decode worker fits, and one over every pull that a worker not measured yet borrows (its links
+    are most likely the pool's). The only state. Not thread-safe (the router's event loop owns it)."""
 
     def __init__(self, config: TransferCostConfig = TransferCostConfig()) -> None:
         self.config = config
         self._fits: dict[str, TransferFit] = {}
+        self._pool = TransferFit()
 
     def observe(self, worker_id: str, tokens: int, seconds: float) -> None:
         self._fits[worker_id] = observe(self._fits.get(worker_id, TransferFit()), tokens, seconds, self.config)
+        self._pool = observe(self._pool, tokens, seconds, self.config)
 
     def expected_s(self, worker_id: str, tokens: int) -> float | None:
-        return expected_seconds(self._fits.get(worker_id, TransferFit()), tokens, self.config)
+        fit = self._fits.get(worker_id, TransferFit())
+        return expected_seconds(fit if fit.samples >= self.config.min_samples else self._pool, tokens, self.config)
 
     def forget(self, worker_id: str) -> None:
         self._fits.pop(worker_id, None)

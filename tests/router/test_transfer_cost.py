@@ -60,11 +60,14 @@ def test_estimates_need_measurements_and_follow_a_link_that_slows():
     slowed = fit_of(*[(1000, 0.01)] * 5, *[(1000, 1.0)] * 200)     # decay forgets the fast link
     assert expected_seconds(slowed, 1000, CFG) == pytest.approx(1.0, rel=0.05)
     costs = TransferCosts()
+    assert costs.expected_s("d", 1000) is None
     costs.observe("d", 1000, 0.1)
     costs.observe("d", 0, 5.0)                                      # nothing moved: ignored
-    assert costs.expected_s("d", 1000) == pytest.approx(0.1) and costs.expected_s("other", 1000) is None
+    costs.observe("e", 1000, 0.3)
+    assert costs.expected_s("d", 1000) == pytest.approx(0.1) and costs.expected_s("e", 1000) == pytest.approx(0.3)
+    assert costs.expected_s("new", 1000) == pytest.approx(0.2, rel=0.02)    # not measured: the pool's estimate
     costs.forget("d")
-    assert costs.expected_s("d", 1000) is None
+    assert costs.expected_s("d", 1000) == pytest.approx(0.2, rel=0.02)
 
 
 def test_invalid_config_is_refused():
