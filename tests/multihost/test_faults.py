@@ -65,7 +65,7 @@ def test_kv_link_capped_at_100_mbit_answers_stay_exact(fleet, offline):
     assert held(fleet) == 0
 
 
-SLOW_CAP = "4mbit"          # where a long prompt's state (~200 bytes a token on the tiny model) takes ~1 s to move
+SLOW_CAP = "2mbit"          # a long prompt's state (some 200 KB on the tiny model) takes close to a second here
 LONG_PROMPT = " ".join(["the lighthouse keeper counted the boats along the shore"] * 40)
 SHORT_PROMPT = " ".join(["the lighthouse keeper counted the boats along the shore"] * 5)
 
