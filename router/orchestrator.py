@@ -23,8 +23,8 @@ from fastapi.responses import Response
 
 from router.metrics import RouterMetrics
 from router.placement.context import build_context
-from router.placement.pipeline import NoWorkerAvailable, Pipeline, decide_disaggregation
-from router.placement.transfer import Decision, Reason, transfer_decision
+from router.placement.pipeline import Decision, NoWorkerAvailable, Pipeline, decide_disaggregation
+from router.placement.transfer import Reason, transfer_decision
 from router.placement.types import RoutingContext, WorkerState
 from router.registry import WorkerRegistry
 from router.request.decode import DecodeLeg, Route, decode_body

@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-Decision = Literal["decode-only", "prefill-decode"]
+from router.placement.pipeline import Decision
+
 # why a decision was made: the metric `decision_reasons_total{decision, reason}` counts these
 Reason = Literal["below-threshold", "no-prefill-worker", "transfer-unknown", "transfer-cheaper", "transfer-slower"]
 
