@@ -48,6 +48,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--namespace", default="default")
     p.add_argument("--disagg-threshold", type=int, default=32,
                    help="decode-only when fewer prompt tokens than this are uncached on the decode worker")
+    p.add_argument("--transfer-aware", action=argparse.BooleanOptionalAction, default=False,
+                   help="also decode-only when the decode worker's measured state pulls say moving the prompt's "
+                        "state takes longer than it would take to prefill the uncached tokens itself")
     p.add_argument("--max-attempts", type=int, default=3)
     p.add_argument("--connect-timeout", type=float, default=2.0)
     p.add_argument("--prefill-timeout", type=float, default=120.0)
@@ -75,6 +78,7 @@ def settings_from_args(args: argparse.Namespace, model_dir: str | None) -> Route
                           static_cache_tokens=args.static_cache_tokens, max_request_bytes=args.max_request_bytes,
                           prefill_tokens_per_s=args.prefill_tokens_per_s,
                           namespace=args.namespace, disagg_threshold_tokens=args.disagg_threshold,
+                          transfer_aware=args.transfer_aware,
                           max_attempts=args.max_attempts, connect_timeout_s=args.connect_timeout,
                           prefill_timeout_s=args.prefill_timeout, idle_timeout_s=args.idle_timeout,
                           health_check_s=args.health_check_interval,

@@ -3,6 +3,7 @@
   requests_total{endpoint, decision, outcome}   decision: prefill-decode | decode-only | none;
                                                  outcome: ok | error | cancelled (the client left)
   decisions_total{decision}                      placement decisions
+  decision_reasons_total{decision, reason}       ... and why (router/placement/transfer.py Reason)
   leg_failures_total{leg, reason}                leg: prefill | decode; reason: connect, timeout, http_5xx, ...
   retries_total{leg}                             a connect failure retried on another worker
   prefill_fallbacks_total{reason}                prefill pool down/failing: decode computed the prompt
@@ -60,6 +61,8 @@ class RouterMetrics:
 
         self.requests = counter("requests_total", "Finished requests", ["endpoint", "decision", "outcome"])
         self.decisions = counter("decisions_total", "Placement decisions", ["decision"])
+        self.decision_reasons = counter("decision_reasons_total", "Placement decisions by why they were made",
+                                        ["decision", "reason"])
         self.leg_failures = counter("leg_failures_total", "Failed legs", ["leg", "reason"])
         self.prefill_fallbacks = counter("prefill_fallbacks_total", "Prefill legs that fell back to decode-only",
                                          ["reason"])

@@ -1,6 +1,7 @@
 """One client request through the fleet (docs/design.md "Request path"): its outline.
 
     place decode worker D (prefix + load) -> decide: uncached tokens on D < threshold ? decode-only
+        : expected state pull to D > D prefilling the uncached tokens ? decode-only (router/placement/transfer.py)
     prefill-decode: P leg (max_tokens=1, do_remote_decode) -> kv_transfer_params -> D leg (streamed)
 
 Each stage lives in its own module of router/request/: the prefill leg (`prefill`), the decode leg
@@ -22,7 +23,8 @@ from fastapi.responses import Response
 
 from router.metrics import RouterMetrics
 from router.placement.context import build_context
-from router.placement.pipeline import NoWorkerAvailable, Pipeline, decide_disaggregation
+from router.placement.pipeline import Decision, NoWorkerAvailable, Pipeline, decide_disaggregation
+from router.placement.transfer import Reason, transfer_decision
 from router.placement.types import RoutingContext, WorkerState
 from router.registry import WorkerRegistry
 from router.request.decode import DecodeLeg, Route, decode_body
@@ -67,7 +69,10 @@ class Orchestrator:
         states = self.registry.states()
         ctx = self._context(trace, prepared, states, "decode")
         decode = self.fleet.pick(ctx, states, exclude=set())
-        trace.decision, prefill_ctx, passed = self._decide(ctx, decode, states)
+        trace.decision, reason, prefill_ctx, passed = self._decide(ctx, decode, states)
+        self.metrics.decision_reasons.labels(decision=trace.decision, reason=reason).inc()
+        if trace.decision == "prefill-decode":
+            trace.transfer_tokens = ctx.uncached_tokens(decode.info)
         trace.kv_connector = self.registry.connector_of(decode.worker_id).name
         if trace.decision == "prefill-decode":
             assert prefill_ctx is not None
@@ -86,13 +91,15 @@ class Orchestrator:
                              images=prepared.image_spans(), cache_salt=prepared.cache_salt)
 
     def _decide(self, ctx: RoutingContext, decode: WorkerState, states: list[WorkerState]
-                ) -> tuple[str, RoutingContext | None, tuple[WorkerState, ...] | None]:
-        """Decode-only when little of the prompt is uncached on the chosen decode worker, or when no
-        prefill worker passes the same filters placement uses. Returns the decision, the prefill
-        context and the workers that passed the prefill filters (the prefill pick reuses them).
+                ) -> tuple[Decision, Reason, RoutingContext | None, tuple[WorkerState, ...] | None]:
+        """Decode-only when little of the prompt is uncached on the chosen decode worker, when no
+        prefill worker passes the same filters placement uses, or when moving the state is expected to take
+        longer than the decode worker computing it (`transfer_decision`). Returns the decision, why, the
+        prefill context and the workers that passed the prefill filters (the prefill pick reuses them).
         The threshold is asked first: it needs no filter pass."""
-        if decode.info.role != "prefill" and ctx.uncached_tokens(decode.info) < self.s.disagg_threshold_tokens:
-            return "decode-only", None, None
+        uncached = ctx.uncached_tokens(decode.info)
+        if decode.info.role != "prefill" and uncached < self.s.disagg_threshold_tokens:
+            return "decode-only", "below-threshold", None, None
         prefill_ctx = replace(ctx, role="prefill")      # same prompt hashes and cached prefixes
         try:
             passed = self.pipeline.candidates(prefill_ctx, states)
@@ -100,8 +107,12 @@ class Orchestrator:
             passed = ()
         kind = self.registry.connector_of(decode.worker_id).name
         if not any(w.info.role == "prefill" and self.registry.connector_of(w.worker_id).name == kind for w in passed):
-            return "decode-only", prefill_ctx, passed    # no prefill worker speaks this decode's protocol
-        return decide_disaggregation(ctx, decode, self.s.disagg_threshold_tokens), prefill_ctx, passed
+            return "decode-only", "no-prefill-worker", prefill_ctx, passed    # none speaks this decode's protocol
+        decide_disaggregation(ctx, decode, self.s.disagg_threshold_tokens)     # refuses a prefill worker as D
+        decision, reason = transfer_decision(uncached, self.s.disagg_threshold_tokens,
+                                             self.registry.transfer.expected_s(decode.worker_id, uncached),
+                                             decode.tokens_per_s)
+        return decision, reason, prefill_ctx, passed
 
     async def _call_decode(self, trace: Trace, req: SamplingRequest, decode: WorkerState, route: Route) -> Response:
         """Open the decode leg (the decode pool's protocol only); relay a stream, or read the whole answer."""

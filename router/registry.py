@@ -24,6 +24,7 @@ from router.connectors import CONNECTORS, Connector, connector
 from router.placement.health import HealthTracker
 from router.placement.ledger import LedgerConfig, WorkLedger
 from router.placement.prefix_index import ApproximatePrefixIndex, PrefixIndex
+from router.placement.transfer import TransferCostConfig, TransferCosts
 from router.placement.types import WorkerState
 from router.settings import RouterSettings
 from shared.hashing import root_hash
@@ -94,6 +95,7 @@ class WorkerRegistry:
         self.health = HealthTracker()
         self.index = CombinedIndex(settings.approximate_index_blocks)
         self.ledger = WorkLedger(LedgerConfig(tokens_per_s=settings.prefill_tokens_per_s), clock)
+        self.transfer = TransferCosts(TransferCostConfig(enabled=settings.transfer_aware))
         self._since: dict[str, _SinceReport] = {}
         self._event_seq: dict[str, int] = {}
         self.store_ok = store is None
@@ -223,6 +225,7 @@ class WorkerRegistry:
         self.health.forget(worker_id)
         self.index.approximate.drop_worker(worker_id)
         self.ledger.forget(worker_id)
+        self.transfer.forget(worker_id)
         self._since.pop(worker_id, None)
 
     def _forget_events(self, worker_id: str) -> None:

@@ -26,6 +26,9 @@ class RouterSettings:
     health_check_s: float = 2.0
     health_timeout_s: float = 2.0                 # per probe; a busy worker answers /health late, not never
     disagg_threshold_tokens: int = 32             # below this many uncached tokens on D: decode-only
+    # above the threshold, also decode-only when moving the state is expected to take longer than D prefilling
+    # it (router/placement/transfer.py); off: the threshold alone decides
+    transfer_aware: bool = False
     connect_timeout_s: float = 2.0
     prefill_timeout_s: float = 120.0
     decode_timeout_s: float = 600.0               # whole decode leg

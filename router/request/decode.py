@@ -160,7 +160,7 @@ class DecodeLeg:
         if resp.status >= 400:
             await self._refused(worker, trace, resp)
         trace.decode_connected = True                   # from here on the decode worker owns the prefill lease
-        self._observe_transfer(resp)
+        self._observe_transfer(resp, trace, worker)
         return resp
 
     async def _refused(self, worker: WorkerState, trace: Trace, resp: WorkerResponse) -> None:
@@ -175,12 +175,17 @@ class DecodeLeg:
                             status, error_body(content),
                             retryable=status == 503 and trace.kv_transfer_params is None)
 
-    def _observe_transfer(self, resp: WorkerResponse) -> None:
+    def _observe_transfer(self, resp: WorkerResponse, trace: Trace, worker: WorkerState) -> None:
+        """Record the decode worker's pull and queue times; a pull also teaches placement what moving
+        this many tokens' state to that worker costs (router/placement/transfer.py)."""
         for header, histogram in (("x-kv-pull-seconds", self.fleet.metrics.transfer_seconds),
                                   ("x-queue-seconds", self.fleet.metrics.decode_queue)):
             value = resp.headers.get(header)
             if value:
                 histogram.observe(float(value))
+        pulled = resp.headers.get("x-kv-pull-seconds")
+        if pulled and trace.transfer_tokens > 0:
+            self.fleet.registry.transfer.observe(worker.worker_id, trace.transfer_tokens, float(pulled))
 
     async def _read_whole(self, trace: Trace, opened: Opened) -> Response:
         fleet, (worker, resp, leg) = self.fleet, (opened.worker, opened.resp, opened.leg)

@@ -46,6 +46,7 @@ class PrefillLeg:
                     reason, exc)
         self.fleet.metrics.prefill_fallbacks.labels(reason=reason).inc()
         trace.decision, trace.kv_transfer_params, trace.decode_params = "decode-only", None, None
+        trace.transfer_tokens = 0                        # nothing to pull: no transfer to learn from
 
     async def _attempts(self, trace: Trace, req: SamplingRequest, ctx: RoutingContext, states: list[WorkerState],
                         exclude: set[str], passed: tuple[WorkerState, ...] | None) -> None:

@@ -20,6 +20,7 @@ class Trace:
     decode_worker: str | None = None
     cached_tokens: int | None = None
     kv_transfer_params: KVTransferParams | None = None
+    transfer_tokens: int = 0                         # prompt tokens whose state the decode worker is to pull
     decode_params: dict | None = None                # a stock vLLM decode leg's kv_transfer_params, as sent
     kv_connector: str = "kimi-pd"                    # the P/D protocol of this request's pool
     decode_connected: bool = False

@@ -1,8 +1,10 @@
-"""Faults between hosts, on one fleet (in this order): the KV link capped at 100 Mbit/s, the store
+"""Faults between hosts, on one fleet (in this order): the KV link capped at 100 Mbit/s (exact answers),
+then slower (TTFT grows by the pull; a transfer-aware router computes short prompts on D), the store
 host partitioned for 20 s, the link to a decode host cut mid-stream, a router host cut. Links are
 set down at the bridge (silence, no resets) and always set up again, also when a test fails."""
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -15,6 +17,7 @@ import redis
 from engine import SamplingParams
 from kimi_pd.multihost.fleet import ROUTER_TUNING
 from kimi_pd.multihost.netns import inside
+from kimi_pd.multihost.roles import KIMI_PD, ROUTER_PORT, role_argv, role_env
 from tests.e2e.fleet import metric
 from tests.multihost.conftest import open_fleet
 
@@ -59,6 +62,84 @@ def test_kv_link_capped_at_100_mbit_answers_stay_exact(fleet, offline):
     finally:
         for name in fleet.role_hosts("prefill"):
             fleet.net.uncap(name)
+    assert held(fleet) == 0
+
+
+SLOW_CAP = "2mbit"          # a long prompt's state (some 200 KB on the tiny model) takes close to a second here
+LONG_PROMPT = " ".join(["the lighthouse keeper counted the boats along the shore"] * 40)
+SHORT_PROMPT = " ".join(["the lighthouse keeper counted the boats along the shore"] * 5)
+
+
+def pulled_s(fleet) -> float:
+    """Seconds the decode workers have spent pulling prefill states, all told (what they report)."""
+    return sum(metric_on(fleet, n, "kimi_pd_worker_kv_pull_seconds_sum") for n in fleet.role_hosts("decode"))
+
+
+def ttft(fleet, url: str, prompt: str) -> tuple[float, float, str]:
+    """(time to the first streamed token, seconds the decode worker spent pulling the state, decision)."""
+    before = pulled_s(fleet)
+    start, first = time.monotonic(), None
+    with fleet.client() as http, http.stream("POST", url + "/v1/completions", json={**body(prompt, 4), "stream": True},
+                                             timeout=httpx.Timeout(60, read=90)) as resp:
+        assert resp.status_code == 200
+        decision = resp.headers["x-kimi-pd-decision"]
+        for line in resp.iter_lines():
+            if first is None and line.startswith("data: {") and '"text"' in line:
+                first = time.monotonic() - start
+    assert first is not None, "no token came"
+    return first, pulled_s(fleet) - before, decision
+
+
+def ready(fleet, url: str) -> bool:
+    try:
+        with fleet.client() as http:
+            return http.get(url + "/ready", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@contextlib.contextmanager
+def transfer_aware_router(fleet) -> Iterator[str]:
+    """One more router, on the client host, that weighs transfer cost (`--transfer-aware`); the fleet's own
+    routers keep the threshold-only rule, so what this one learns changes no other test's placement."""
+    env = fleet.node_env("client")
+    fleet.spawn("client", [*KIMI_PD, *role_argv("router", env)[1:], *ROUTER_TUNING, "--transfer-aware"],
+                role_env("router", env))
+    url = f"http://{fleet.host('client').addr}:{ROUTER_PORT}"
+    try:
+        deadline = time.monotonic() + 60
+        while not ready(fleet, url) and time.monotonic() < deadline:
+            time.sleep(0.3)
+        assert ready(fleet, url), fleet.log("client")
+        yield url
+    finally:
+        fleet.stop("client")
+
+
+def test_capped_kv_link_ttft_grows_by_the_transfer_and_short_prompts_go_decode_only(fleet):
+    """At SLOW_CAP a long prompt's TTFT grows by about the extra pull time the decode worker reports; a
+    transfer-aware router that saw such pulls computes a short prompt on the decode worker instead."""
+    with transfer_aware_router(fleet) as aware:
+        fast, pull_fast, _ = ttft(fleet, fleet.url("lb"), "fast " + LONG_PROMPT)
+        for name in fleet.role_hosts("prefill"):
+            fleet.net.cap(name, SLOW_CAP, burst="16kb")
+        try:
+            slow, pull_slow, decision = ttft(fleet, fleet.url("lb"), "slow " + LONG_PROMPT)
+            assert decision == "prefill-decode"
+            _, pull_taught, taught = ttft(fleet, aware, "teach " + LONG_PROMPT)       # its first: cost unknown
+            assert taught == "prefill-decode" and pull_taught > 0.3
+            _, _, control = ttft(fleet, fleet.url("lb"), "control " + SHORT_PROMPT)
+            _, pulled, short = ttft(fleet, aware, "short " + SHORT_PROMPT)
+        finally:
+            for name in fleet.role_hosts("prefill"):
+                fleet.net.uncap(name)
+        with inside(fleet.host("client").ns):
+            reasons = metric(aware, "kimi_pd_router_decision_reasons_total", reason="transfer-slower")
+    extra = pull_slow - pull_fast
+    assert extra > 0.3, f"the cap made the pull visible ({pull_fast:.3f}s -> {pull_slow:.3f}s)"
+    assert 0.5 * extra <= slow - fast <= extra + 1.5, f"TTFT {fast:.3f}s -> {slow:.3f}s, pull +{extra:.3f}s"
+    assert control == "prefill-decode", "the threshold alone splits the short prompt"
+    assert short == "decode-only" and pulled == 0 and reasons == 1, "moving it costs more than computing it"
     assert held(fleet) == 0
 
 

@@ -40,11 +40,12 @@ class Reply:
     chunks: list[bytes] | None = None
     cut: bool = False
     fail: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)     # e.g. a decode worker's x-kv-pull-seconds
 
 
 class FakeResponse:
     def __init__(self, reply: Reply) -> None:
-        self.reply, self.status, self.headers = reply, reply.status, {}
+        self.reply, self.status, self.headers = reply, reply.status, dict(reply.headers)
         self.released = self.closed = False
 
     async def read(self) -> bytes:
