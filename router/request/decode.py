@@ -80,15 +80,7 @@ class DecodeLeg:
                     fleet.metrics.leg_failures.labels(leg="decode", reason=err.reason).inc()
                     raise
             except UpstreamError as err:
-                if not _worth_another_worker(err) or attempt + 1 >= fleet.s.max_attempts:
-                    raise
-                try:
-                    worker = fleet.pick(route.ctx, route.states, route.tried)
-                except NoWorkerAvailable:
-                    fleet.metrics.migrations.labels(outcome="failed").inc()
-                    raise err from None
-                body = {k: v for k, v in body.items() if k != "kv_transfer_params"}     # decode-only
-                fleet.metrics.migrations.labels(outcome="ok").inc()
+                worker, body = self._replacement(err, attempt, route, body)
                 trace.decode_worker = worker.worker_id
         raise AssertionError("unreachable")
 
@@ -101,16 +93,22 @@ class DecodeLeg:
             try:
                 return await self.open(trace, body, True, worker, route), body
             except UpstreamError as err:
-                if not _worth_another_worker(err) or attempt + 1 >= fleet.s.max_attempts:
-                    raise
-                try:
-                    worker = fleet.pick(route.ctx, route.states, route.tried)
-                except NoWorkerAvailable:
-                    fleet.metrics.migrations.labels(outcome="failed").inc()
-                    raise err from None
-                body = {k: v for k, v in body.items() if k != "kv_transfer_params"}     # decode-only
-                fleet.metrics.migrations.labels(outcome="ok").inc()
+                worker, body = self._replacement(err, attempt, route, body)
         raise AssertionError("unreachable")
+
+    def _replacement(self, err: UpstreamError, attempt: int, route: Route, body: dict) -> tuple[WorkerState, dict]:
+        """Another decode worker and the decode-only body for it, after `err` lost the leg before anything
+        reached the client; re-raises `err` when it is not worth another worker or none is left."""
+        fleet = self.fleet
+        if not _worth_another_worker(err) or attempt + 1 >= fleet.s.max_attempts:
+            raise err
+        try:
+            worker = fleet.pick(route.ctx, route.states, route.tried)
+        except NoWorkerAvailable:
+            fleet.metrics.migrations.labels(outcome="failed").inc()
+            raise err from None
+        fleet.metrics.migrations.labels(outcome="ok").inc()
+        return worker, {k: v for k, v in body.items() if k != "kv_transfer_params"}     # decode-only
 
     async def open(self, trace: Trace, body: dict, stream: bool, worker: WorkerState, route: Route) -> Opened:
         """Open a decode leg; workers that cannot be reached are replaced by others (`route.tried` grows)."""
