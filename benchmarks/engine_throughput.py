@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import torch
 from engine.checkpoint.create import create_checkpoint
 from engine.core.cache_manager import bytes_per_slot
 from engine.core.engine import EngineConfig, LLMEngine
+from kimi_pd.planner.measure import decode_step_seconds as measured_decode_step
 from shared.sampling_params import SamplingParams
 
 
@@ -59,19 +59,8 @@ def state_bytes_per_step(engine: LLMEngine, batch: int, context: int) -> int:
 
 
 def decode_step_seconds(engine: LLMEngine, batch: int, prompt_len: int, steps: int) -> float:
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"b{batch}-{i}", [(7 * i + j) % 1000 for j in range(prompt_len)], params)
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
-        engine.step()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-    for rid in list(engine.requests):
-        engine.abort(rid)
-    return statistics.median(times)
+    prompts = [[(7 * i + j) % 1000 for j in range(prompt_len)] for i in range(batch)]
+    return measured_decode_step(engine, prompts, steps)
 
 
 def ttft(engine: LLMEngine, rid: str, prompt: list[int]) -> tuple[float, int]:

@@ -53,11 +53,13 @@ def state_bytes(engine, rid: str, prompt: list[int]) -> int:
     return sum(t.numel() * t.element_size() for t in state.to_parts()[1].values())
 
 
-def decode_step_seconds(engine, batch: int, steps: int = 6) -> float:
+def decode_step_seconds(engine, prompts: list[list[int]], steps: int = 6) -> float:
+    """Median seconds of one decode step with `prompts` (one sequence each) all past their prefill; the
+    engine holds nothing afterwards. Shared with benchmarks/engine_throughput.py."""
     from shared.sampling_params import SamplingParams
     params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"d{batch}-{i}", _prompt(64, 1000 + i), params)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"d{len(prompts)}-{i}", prompt, params)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
         engine.step()
     times = []
@@ -112,7 +114,7 @@ def measure(model: str, lengths: tuple[int, ...] = PREFILL_LENGTHS,
         first_token_seconds(engine, "cold", _prompt(longest, 77))
         half = _prompt(longest, 77)[: longest // 2] + _prompt(longest - longest // 2, 78)
         hit_s, cached = first_token_seconds(engine, "hit", half)
-        steps = [[b, decode_step_seconds(engine, b)] for b in batches]
+        steps = [[b, decode_step_seconds(engine, [_prompt(64, 1000 + i) for i in range(b)])] for b in batches]
         max_batch = engine.config.max_num_seqs
     finally:
         engine.close()
