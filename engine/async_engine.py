@@ -21,6 +21,7 @@ from typing import Any
 from engine.core.engine import EngineConfig, LLMEngine
 from engine.core.inputs import EngineInput
 from engine.core.outputs import RequestOutput
+from engine.parallel.dp_engine import create_engine
 from engine.core.state_export import ExportedState
 from engine.structured_output import GrammarBudget
 from shared.errors import EngineDead, InvalidRequest
@@ -38,7 +39,7 @@ class AsyncEngine:
         if engine is None:
             if config is None:
                 raise ValueError("AsyncEngine needs an EngineConfig or an LLMEngine")
-            engine = LLMEngine(config)
+            engine = create_engine(config)
         self.engine = engine
         self.grammar_budget = grammar_budget or GrammarBudget()
         # one compile at a time, beside the engine thread: a costly grammar delays other grammars, not steps

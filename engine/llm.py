@@ -10,6 +10,7 @@ from typing import Any, cast
 from engine.core.engine import EngineConfig, LLMEngine
 from engine.core.inputs import EngineInput
 from engine.core.outputs import RequestOutput
+from engine.parallel.dp_engine import create_engine
 from shared.prompt.images import decode_image_part
 from shared.prompt.prepare import image_parts, render_prompt
 from shared.sampling_params import SamplingParams
@@ -23,7 +24,7 @@ class LLM:
         unknown = sorted(set(settings) - known)
         if unknown:
             raise TypeError(f"unknown LLM settings {unknown}; known: {sorted(known - {'model'})}")
-        self.engine = LLMEngine(EngineConfig(model=str(model), **settings))
+        self.engine = create_engine(EngineConfig(model=str(model), **settings))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

@@ -74,6 +74,12 @@ class EngineConfig:
     master_port: int = 0                   # 0: any free port (one host only)
     nnodes: int = 1
     node_rank: int = 0
+    # data-parallel attention, experts over DP x TP ranks (vLLM's --data-parallel-*; engine/parallel/dp_*.py)
+    data_parallel_size: int = 1
+    data_parallel_size_local: int | None = None     # None: every DP rank on this host
+    data_parallel_start_rank: int = 0
+    data_parallel_address: str = "127.0.0.1"
+    data_parallel_rpc_port: int = 0                  # 0: any free port (one host only)
 
     def validate(self) -> None:
         checks = {"max_num_seqs": self.max_num_seqs >= 1, "max_num_batched_tokens": self.max_num_batched_tokens >= 1,
@@ -81,7 +87,8 @@ class EngineConfig:
                   "snapshot_interval_blocks": self.snapshot_interval_blocks >= 1,
                   "dtype": self.dtype in TORCH_DTYPE_NAMES,
                   "export_lease_s": self.export_lease_s is None or self.export_lease_s > 0,
-                  "tensor_parallel_size": self.tensor_parallel_size >= 1}
+                  "tensor_parallel_size": self.tensor_parallel_size >= 1,
+                  "data_parallel_size": self.data_parallel_size >= 1}
         bad = [k for k, ok in checks.items() if not ok]
         if bad:
             raise ValueError(f"invalid engine settings: {', '.join(f'{k}={getattr(self, k)!r}' for k in bad)}")
@@ -99,13 +106,14 @@ class StepBatch:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, parallel=None) -> None:
+        """parallel: this engine's ranks when a data-parallel launcher started them (one DP rank's handle)."""
         config.validate()
         self.config = config
         options = ModelOptions(kda=KDAOptions(chunk_size=config.kda_chunk_size))
-        self.tp = None
+        self.tp = parallel
         CompilationConfig.parse(config.compilation_config)        # a bad --compilation-config stops start-up here
-        if config.tensor_parallel_size > 1:
+        if parallel is None and config.tensor_parallel_size > 1:
             from engine.parallel.launch import TensorParallel
             self.tp = TensorParallel(config)          # starts ranks 1..N-1; rank 0 holds its shard
         self.model = self.tp.model if self.tp else load_checkpoint(config.model, torch_dtype(config.dtype),

@@ -65,6 +65,8 @@ class LatentMoE(nn.Module):
         # Expert parallelism (engine/parallel/shard.py): this rank's experts and the sum over ranks.
         self.expert_range: tuple[int, int] | None = None
         self.reduce_routed = None
+        # Data parallelism: the routed tokens of every DP rank meet here (engine/parallel/dp_comm.py).
+        self.expert_parallel = None
 
     def forward(self, x: torch.Tensor, static: bool = False) -> torch.Tensor:
         """static: capture-safe (no host reads of the routing): every local expert runs on every token
@@ -74,7 +76,10 @@ class LatentMoE(nn.Module):
         logits = outs.pop(0) if linears[0] is self.gate else self.gate.logits(x)
         h = outs.pop(0)
         weights, ids = route(logits, self.gate.e_score_correction_bias, self.top_k, self.renormalize, self.scaling)
-        y = self._routed_dense(h, weights, ids) if static else self._routed_dispatch(h, weights, ids)
+        if self.expert_parallel is not None:
+            y = self.expert_parallel.routed(self, h, weights, ids)
+        else:
+            y = self._routed_dense(h, weights, ids) if static else self._routed_dispatch(h, weights, ids)
         if self.reduce_routed is not None:
             y = self.reduce_routed(y)
         y = cast(y, x.dtype)

@@ -45,6 +45,8 @@ class TPGroup:
     world_size: int
     control: Any            # gloo group for rank 0's pickled commands: the idle clock
     sync: Any = None        # gloo group for gathers to rank 0: the collective clock
+    tensor: Any = None      # the model's collectives (None: the default group; a subgroup under DP)
+    leader: int = 0         # global rank of this group's rank 0 (DP rank d's leader is d x TP)
 
     @classmethod
     def join(cls, rank: int, world_size: int, port: int, device: str, timeout_s: float | None = None,
@@ -65,23 +67,23 @@ class TPGroup:
 
     # ---- tensor collectives (the model's) -------------------------------------------------------
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.tensor)
         return t
 
     def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
         parts = [torch.empty_like(t) for _ in range(self.world_size)]
-        dist.all_gather(parts, t.contiguous())
+        dist.all_gather(parts, t.contiguous(), group=self.tensor)
         return torch.cat(parts, dim=dim)
 
     # ---- control (rank 0 -> all) ----------------------------------------------------------------
     def broadcast(self, obj: Any = None) -> Any:
         """Rank 0 sends `obj`; every rank returns it."""
         box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.control)
+        dist.broadcast_object_list(box, src=self.leader, group=self.control)
         return box[0]
 
     def gather(self, obj: Any) -> list[Any] | None:
         """Every rank's `obj`, in rank order, on rank 0 (None elsewhere)."""
         out = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(obj, out, dst=0, group=self.sync)
+        dist.gather_object(obj, out, dst=self.leader, group=self.sync)
         return out

@@ -9,17 +9,20 @@ from shared.model_config import TextConfig
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
-    enable_expert_parallel: bool = False     # routed experts split whole across the TP ranks
+    enable_expert_parallel: bool = False     # routed experts split whole across the TP (x DP) ranks
+    data_parallel_size: int = 1              # > 1: the routed experts spread over DP x TP ranks
 
     @property
     def enabled(self) -> bool:
-        return self.tensor_parallel_size > 1
+        return self.tensor_parallel_size > 1 or self.data_parallel_size > 1
 
     def check(self, cfg: TextConfig) -> None:
         """Every sharded dimension must split evenly; raise naming the first that does not."""
         n = self.tensor_parallel_size
         if n < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {n}")
+        if self.data_parallel_size > 1:
+            self._check_experts(cfg)
         if n == 1:
             return
         dims = {"num_attention_heads (MLA)": cfg.num_attention_heads,
@@ -35,3 +38,14 @@ class ParallelConfig:
         bad = [f"{name}={value}" for name, value in dims.items() if value % n]
         if bad:
             raise ValueError(f"tensor_parallel_size={n} does not divide {', '.join(bad)}")
+
+    def _check_experts(self, cfg: TextConfig) -> None:
+        """The routed experts split over every DP x TP rank: whole ones with EP, else by intermediate dim."""
+        ranks = self.data_parallel_size * self.tensor_parallel_size
+        if self.enable_expert_parallel and cfg.num_experts % ranks:
+            raise ValueError(f"expert parallelism over {ranks} ranks (data x tensor parallel) does not divide "
+                             f"num_experts={cfg.num_experts}")
+        if not self.enable_expert_parallel and (cfg.moe_intermediate_size % ranks or cfg.quantization_config):
+            raise ValueError(f"data_parallel_size > 1 without --enable-expert-parallel splits every expert's "
+                             f"moe_intermediate_size={cfg.moe_intermediate_size} over {ranks} ranks: it must "
+                             "divide, and the checkpoint must be float; use --enable-expert-parallel")

@@ -26,6 +26,8 @@ from engine.model.kda import KDAOptions
 from engine.model.kimi_k3 import KimiK3ForConditionalGeneration, ModelOptions
 from engine.parallel.comm import TPGroup, rank_device
 from engine.parallel.config import ParallelConfig
+from engine.parallel.dp_comm import DPChannel, join_dp
+from engine.parallel.dp_config import DPLayout
 from engine.parallel.runner import TPModelRunner
 from engine.parallel.shard import shard_model
 from shared.model_config import ModelConfig
@@ -35,19 +37,71 @@ log = logging.getLogger(__name__)
 
 
 def parallel_config(config) -> ParallelConfig:
-    return ParallelConfig(config.tensor_parallel_size, config.enable_expert_parallel)
+    return ParallelConfig(config.tensor_parallel_size, config.enable_expert_parallel, config.data_parallel_size)
+
+
+def _load_shard(config, device: str, group: TPGroup, expert_parallel=None) -> KimiK3ForConditionalGeneration:
+    options = ModelOptions(kda=KDAOptions(chunk_size=config.kda_chunk_size))
+    model = load_checkpoint(config.model, torch_dtype(config.dtype), device, options)
+    shard_model(model, parallel_config(config), group, expert_parallel)
+    model.fuse_linears()                # per shard: the fused weights are this rank's rows
+    return model
 
 
 def build_rank(config, rank: int, port: int) -> tuple[TPGroup, KimiK3ForConditionalGeneration]:
     """Join the group as `rank`, load the checkpoint on this rank's device, keep its shard, fuse it."""
-    parallel = parallel_config(config)
+    if config.data_parallel_size > 1:
+        group, model, _ = build_dp_rank(config, rank)
+        return group, model
     device = rank_device(config.device, rank)
-    group = TPGroup.join(rank, parallel.tensor_parallel_size, port, device, master_addr=config.master_addr)
-    options = ModelOptions(kda=KDAOptions(chunk_size=config.kda_chunk_size))
-    model = load_checkpoint(config.model, torch_dtype(config.dtype), device, options)
-    shard_model(model, parallel, group)
-    model.fuse_linears()                # per shard: the fused weights are this rank's rows
-    return group, model
+    group = TPGroup.join(rank, config.tensor_parallel_size, port, device, master_addr=config.master_addr)
+    return group, _load_shard(config, device, group)
+
+
+def build_dp_rank(config, rank: int) -> tuple[TPGroup, KimiK3ForConditionalGeneration, DPChannel | None]:
+    """Global `rank` of a data-parallel engine: join every group, load and keep its shards."""
+    layout = DPLayout.of(config)
+    device = rank_device(config.device, rank - layout.local_ranks()[0])
+    group, expert_parallel, channel = join_dp(layout, rank, device)
+    return group, _load_shard(config, device, group, expert_parallel), channel
+
+
+def spawn_dp_ranks(config, threads: int) -> list[subprocess.Popen]:
+    """This host's ranks of a data-parallel engine except global rank 0 (the front's own process):
+    DP leaders run `dp_rank`, the others `follower`, all meeting at the DP address and RPC port."""
+    layout = DPLayout.of(config)
+    payload = json.dumps(dataclasses.asdict(config))
+    procs = []
+    for g in layout.local_ranks():
+        if g == 0:
+            continue
+        module = ["engine.parallel.dp_rank"] if g % layout.tensor_parallel_size == 0 else \
+            ["engine.parallel.follower", "--port", str(layout.rpc_port)]
+        procs.append(subprocess.Popen([sys.executable, "-m", *module, "--rank", str(g), "--config", payload,
+                                       "--threads", str(threads)]))
+    return procs
+
+
+def start_data_parallel(config) -> tuple[object, DPChannel]:
+    """Node 0: start this host's other ranks, join as global rank 0; (DP rank 0's handle, the command channel)."""
+    from engine.parallel.dp_rank import DPRank
+    layout = DPLayout.of(config)
+    if layout.start_rank != 0:
+        raise ValueError("only the node with --data-parallel-start-rank 0 serves; start the others with --headless")
+    parallel_config(config).check(ModelConfig.from_file(Path(config.model) / "config.json").text_config)
+    if not layout.rpc_port:
+        config = dataclasses.replace(config, data_parallel_rpc_port=free_port())
+    threads = max(1, torch.get_num_threads() // len(layout.local_ranks()))
+    procs = spawn_dp_ranks(config, threads)
+    try:
+        group, model, channel = build_dp_rank(config, 0)
+    except BaseException:
+        _stop_processes(procs, 0.0)
+        raise
+    assert channel is not None
+    log.info("data parallel: %d ranks x TP %d%s, %d on this host", layout.size, layout.tensor_parallel_size,
+             ", expert parallel" if config.enable_expert_parallel else "", layout.size_local)
+    return DPRank(group, model, channel, procs), channel
 
 
 def _stop_processes(procs: list[subprocess.Popen], timeout: float) -> None:
@@ -83,12 +137,20 @@ def spawn_followers(config, ranks: range | list[int], port: int) -> list[subproc
 
 def run_headless(config) -> int:
     """A node without rank 0 (`--headless`): run this node's ranks until they exit; their worst exit code."""
-    ranks = node_ranks(config, config.node_rank)
-    if 0 in ranks:
-        raise ValueError("node 0 holds rank 0 and serves: start it without --headless")
-    procs = spawn_followers(config, ranks, config.master_port)
-    log.info("headless node %d: ranks %s, rendezvous %s:%d", config.node_rank, list(ranks), config.master_addr,
-             config.master_port)
+    if config.data_parallel_size > 1:
+        layout = DPLayout.of(config)
+        if layout.start_rank == 0:
+            raise ValueError("DP rank 0 serves: give a headless node --data-parallel-start-rank > 0")
+        procs = spawn_dp_ranks(config, max(1, torch.get_num_threads() // len(layout.local_ranks())))
+        log.info("headless node: DP ranks %d..%d, rendezvous %s:%d", layout.start_rank,
+                 layout.start_rank + layout.size_local - 1, layout.address, layout.rpc_port)
+    else:
+        ranks = node_ranks(config, config.node_rank)
+        if 0 in ranks:
+            raise ValueError("node 0 holds rank 0 and serves: start it without --headless")
+        procs = spawn_followers(config, ranks, config.master_port)
+        log.info("headless node %d: ranks %s, rendezvous %s:%d", config.node_rank, list(ranks), config.master_addr,
+                 config.master_port)
     try:
         codes = [p.wait() for p in procs]
     finally:

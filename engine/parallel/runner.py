@@ -7,6 +7,7 @@ it itself, so all ranks run the same forwards (and so the same collectives) in t
     ("copy_kda", src_slot, dst_slot)                      # resume from a snapshot, speculative rollback
     ("import", blocks, kda_slot, num_tokens, state)       # TP=1 layout; each rank keeps its heads
     ("export", blocks, kda_slot, num_tokens)              # each rank's heads gathered on rank 0
+    ("dummy",)                                            # data parallel: only the MoE exchanges (dp_comm.py)
     ("stop",)
 """
 from __future__ import annotations
@@ -88,6 +89,9 @@ class ShardedRunner(ModelRunner):
             ModelRunner.import_state(self, req, self.local_state(state))
         elif kind == "export":
             self.group.gather(self._local_kda(args[1]))
+        elif kind == "dummy":              # data parallel: this DP rank has no work, its experts still serve
+            from engine.parallel.dp_comm import dummy_step
+            dummy_step(self.model)
         elif kind == "stop":
             return False
         else:

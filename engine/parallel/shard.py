@@ -9,6 +9,7 @@
 | dense MLP and shared experts | `gate/up` by columns, `down` by rows | all-reduce |
 | routed experts, TP | `w1/w3` by columns, `w2` by rows | one all-reduce of the routed sum (W4A8: per expert, exact) |
 | routed experts, EP | whole experts, E/N per rank | one all-reduce of the routed sum |
+| routed experts, DP > 1 | whole experts (EP) or intermediate dims over all D x TP ranks | every DP rank's tokens gathered, partial sums all-reduced (`dp_comm.py`) |
 | router, latent down/up projections, norms, AttnRes | replicated | - |
 | `embed_tokens`, `lm_head` | vocabulary rows | all-reduce / all-gather |
 
@@ -35,11 +36,41 @@ def _range(total: int, rank: int, world: int) -> tuple[int, int]:
 
 
 @torch.no_grad()
-def shard_model(model: KimiK3ForConditionalGeneration, parallel: ParallelConfig, group: TPGroup) -> None:
+def shard_model(model: KimiK3ForConditionalGeneration, parallel: ParallelConfig, group: TPGroup,
+                expert_parallel=None) -> None:
+    """expert_parallel: the DP x TP exchange (`dp_comm.ExpertParallel`) when data-parallel ranks share the experts."""
     cfg = model.config.text_config
     parallel.check(cfg)
+    if expert_parallel is not None:
+        for layer in model.language_model.model.layers:
+            if hasattr(layer, "block_sparse_moe"):
+                _spread_experts(layer.block_sparse_moe, parallel.enable_expert_parallel, expert_parallel)
+    if group.world_size > 1:
+        _shard_tp(model, parallel, group, expert_parallel is None)
+
+
+def _spread_experts(moe: LatentMoE, whole: bool, ep) -> None:
+    """Routed experts over every DP x TP rank: whole experts (EP) or each by its intermediate dim."""
+    moe.expert_parallel = ep
+    if whole:
+        e0, e1 = _range(len(moe.experts), ep.rank, ep.world_size)
+        for e in range(len(moe.experts)):
+            if not e0 <= e < e1:
+                moe.experts[e] = nn.Module()
+        moe.expert_range = (e0, e1)
+        return
+    if not isinstance(moe.experts[0].w2, nn.Linear):
+        raise ValueError("a quantized checkpoint with --data-parallel-size > 1 needs --enable-expert-parallel")
+    for expert in moe.experts:                        # float: the partial sums add up in the all-reduce
+        lo, hi = _range(expert.w1.out_features, ep.rank, ep.world_size)
+        expert.w1, expert.w3 = shard_out(expert.w1, lo, hi), shard_out(expert.w3, lo, hi)
+        expert.w2 = shard_in(expert.w2, lo, hi)
+
+
+def _shard_tp(model: KimiK3ForConditionalGeneration, parallel: ParallelConfig, group: TPGroup,
+              routed: bool) -> None:
     rank, world = group.rank, group.world_size
-    lm = model.language_model
+    cfg, lm = model.config.text_config, model.language_model
     lo, hi = _range(cfg.vocab_size, rank, world)
     lm.model.embed_tokens = VocabParallelEmbedding(lm.model.embed_tokens, lo, hi, group)
     lm.lm_head = VocabParallelHead(shard_out(lm.lm_head, lo, hi), group)
@@ -50,7 +81,7 @@ def shard_model(model: KimiK3ForConditionalGeneration, parallel: ParallelConfig,
         else:
             _shard_kda(attn, rank, world, group)
         if hasattr(layer, "block_sparse_moe"):
-            _shard_moe(layer.block_sparse_moe, parallel.enable_expert_parallel, rank, world, group)
+            _shard_moe(layer.block_sparse_moe, parallel.enable_expert_parallel, rank, world, group, routed)
         else:
             _shard_mlp(layer.mlp, rank, world, group)
 
@@ -91,9 +122,11 @@ def _shard_mlp(mlp: SiTUMLP, rank: int, world: int, group: TPGroup) -> None:
     mlp.down_proj = RowParallelLinear(shard_in(mlp.down_proj, lo, hi), group)
 
 
-def _shard_moe(moe: LatentMoE, expert_parallel: bool, rank: int, world: int, group: TPGroup) -> None:
+def _shard_moe(moe: LatentMoE, expert_parallel: bool, rank: int, world: int, group: TPGroup, routed: bool) -> None:
     if moe.shared_experts is not None:
         _shard_mlp(moe.shared_experts, rank, world, group)
+    if not routed:                                    # data parallel: the routed experts are spread already
+        return
     if expert_parallel:
         e0, e1 = _range(len(moe.experts), rank, world)
         for e in range(len(moe.experts)):

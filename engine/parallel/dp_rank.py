@@ -1,0 +1,167 @@
+"""One data-parallel rank: its ranks' handle, its runner (with the dummy step), and a leader's loop.
+
+`python -m engine.parallel.dp_rank --rank G --config JSON` is DP rank d = G / T's leader (d > 0): it
+loads its shard, runs a whole `LLMEngine` (scheduler, batch, cache) and answers the front's commands
+(`dp_comm.DPChannel`): ("step",) runs one engine step, or the dummy step when its scheduler has nothing
+to run, and reports its outputs and load; ("call", d, method, args) runs an engine method on rank d;
+("stop",) ends it. It exits on its own if its parent goes away.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import threading
+import time
+from typing import Any
+
+import torch
+
+from engine.core.model_runner import ModelRunner
+from engine.parallel.comm import TPGroup
+from engine.parallel.dp_comm import DPChannel, dummy_step, portable
+from engine.parallel.runner import TPModelRunner
+
+log = logging.getLogger(__name__)
+
+
+class DPRunner(ModelRunner):
+    """A DP rank's runner without tensor parallelism: counts forwards, runs the dummy step."""
+
+    forwards = 0
+    dummies = 0
+
+    def run_model(self, input_ids: torch.Tensor, batch) -> torch.Tensor:
+        self.forwards += 1
+        return super().run_model(input_ids, batch)
+
+    def dummy(self) -> None:
+        self.dummies += 1
+        dummy_step(self.model)
+
+
+class DPTPRunner(TPModelRunner):
+    """A DP rank's tensor-parallel leader runner: its followers replay the dummy step too."""
+
+    forwards = 0
+    dummies = 0
+
+    def run_model(self, input_ids: torch.Tensor, batch) -> torch.Tensor:
+        self.forwards += 1
+        return super().run_model(input_ids, batch)
+
+    def dummy(self) -> None:
+        self.dummies += 1
+        self.group.broadcast(("dummy",))
+        dummy_step(self.model)
+
+
+class DPRank:
+    """What `LLMEngine(parallel=...)` needs of one DP rank's ranks: the model shard, the runner, liveness."""
+
+    def __init__(self, group: TPGroup, model, channel: DPChannel | None, procs: list[subprocess.Popen] | None = None):
+        self.group, self.model, self.channel = group, model, channel
+        self.procs = procs or []
+        self.runner: DPRunner | DPTPRunner | None = None
+
+    def make_runner(self, cache_config, identity) -> DPRunner | DPTPRunner:
+        if self.group.world_size > 1:
+            self.group.broadcast((cache_config, identity))
+            self.runner = DPTPRunner(self.model, cache_config, identity, self.group)
+        else:
+            self.runner = DPRunner(self.model, cache_config, identity)
+        return self.runner
+
+    def alive(self) -> bool:
+        """False once a rank process this host started has exited (remote ones fail the next collective)."""
+        return all(p.poll() is None for p in self.procs)
+
+    def close(self, timeout: float = 10.0) -> None:
+        from engine.parallel.launch import _stop_processes
+        try:
+            if isinstance(self.runner, DPTPRunner):
+                self.runner.stop()
+        finally:
+            self.group.close()
+            _stop_processes(self.procs, timeout)
+            self.procs = []
+
+
+def step_once(engine) -> list:
+    """One engine step; a rank whose scheduler ran no forward runs the dummy step, so the MoE exchanges
+    of every DP rank line up (one forward per rank per step)."""
+    runner = engine.runner
+    before = runner.forwards
+    outputs = engine.step()
+    if runner.forwards == before:
+        runner.dummy()
+    return outputs
+
+
+def report(engine) -> dict[str, Any]:
+    """A DP rank's load and cache changes, sent with every step's outputs."""
+    s = engine.scheduler
+    return {"running": len(s.running), "waiting": len(s.waiting), "held": len(engine.held),
+            "usage": engine.cache.usage, "preemptions": s.num_preemptions, "unfinished": engine.has_unfinished(),
+            "forwards": engine.runner.forwards, "dummies": engine.runner.dummies,
+            "events": engine.cache.drain_events()}
+
+
+def guarded(fn) -> tuple[str, Any]:
+    try:
+        return ("ok", fn())
+    except Exception as exc:  # noqa: BLE001 - delivered to the front, which raises it
+        return ("err", portable(exc))
+
+
+def serve(engine, channel: DPChannel, dp_rank: int) -> None:
+    """A leader's loop: the front's commands until ("stop",)."""
+    while True:
+        command = channel.broadcast()
+        kind = command[0]
+        if kind == "stop":
+            return
+        result: Any = None
+        if kind == "step":
+            result = guarded(lambda: (step_once(engine), report(engine)))
+        elif kind == "call" and command[1] == dp_rank:
+            _, _, name, args = command
+            result = guarded(lambda: getattr(engine, name)(*args))
+        channel.gather(result)
+
+
+def _watch_parent(parent: int) -> None:
+    while True:
+        if os.getppid() != parent:
+            os._exit(3)
+        time.sleep(0.5)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rank", type=int, required=True, help="global rank (a multiple of the TP size)")
+    parser.add_argument("--config", required=True, help="the engine's EngineConfig as JSON")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = parser.parse_args()
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from engine.core.engine import EngineConfig, LLMEngine
+    from engine.parallel.launch import build_dp_rank
+    config = EngineConfig(**json.loads(args.config))
+    group, model, channel = build_dp_rank(config, args.rank)
+    dp_rank = args.rank // config.tensor_parallel_size
+    engine = LLMEngine(config, parallel=DPRank(group, model, channel))
+    assert channel is not None
+    log.info("data-parallel rank %d ready", dp_rank)
+    try:
+        serve(engine, channel, dp_rank)
+    finally:
+        engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
