@@ -21,8 +21,8 @@ from typing import Any
 from engine.core.engine import EngineConfig, LLMEngine
 from engine.core.inputs import EngineInput
 from engine.core.outputs import RequestOutput
-from engine.parallel.dp_engine import create_engine
 from engine.core.state_export import ExportedState
+from engine.parallel.dp_engine import create_engine
 from engine.structured_output import GrammarBudget
 from shared.errors import EngineDead, InvalidRequest
 from shared.sampling_params import SamplingParams

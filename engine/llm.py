@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any, cast
 
-from engine.core.engine import EngineConfig, LLMEngine
+from engine.core.engine import EngineConfig
 from engine.core.inputs import EngineInput
 from engine.core.outputs import RequestOutput
 from engine.parallel.dp_engine import create_engine

@@ -4,8 +4,8 @@ One world of D x T ranks (`dp_config.py`). Groups, created in the same order on 
 
 | group | ranks | carries |
 |---|---|---|
-| TP group of DP rank d (+ its gloo control/sync) | d x T .. d x T + T - 1 | attention/dense collectives, the leader's runner commands |
-| DP command group (gloo, idle clock) + DP sync (gloo) | every DP rank's leader | the front's commands, results gathered back |
+| TP group of DP rank d (+ gloo control/sync) | d x T .. d x T + T - 1 | attention/dense collectives, commands |
+| DP command + DP sync (gloo) | every DP rank's leader | the front's commands, results gathered back |
 | the world (EP group) | all D x T | the routed experts' token exchange |
 
 MoE: each EP rank holds E / (D x T) whole experts. A layer all-gathers every DP rank's routed tokens

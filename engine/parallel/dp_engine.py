@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import typing
 from typing import Any
 
 from engine.core.engine import EngineConfig, LLMEngine
@@ -29,9 +30,12 @@ log = logging.getLogger(__name__)
 MAX_BUFFERED_EVENTS = 100_000          # remote ranks' KV events nobody drained (a snapshot repairs a gap)
 
 
-def create_engine(config: EngineConfig) -> LLMEngine | DataParallelEngine:
-    """The engine `config` asks for: one LLMEngine, or the front of `data_parallel_size` of them."""
-    return DataParallelEngine(config) if config.data_parallel_size > 1 else LLMEngine(config)
+def create_engine(config: EngineConfig) -> LLMEngine:
+    """The engine `config` asks for: one LLMEngine, or the front of `data_parallel_size` of them (typed as
+    LLMEngine: it offers the interface the servers and `LLM` use)."""
+    if config.data_parallel_size > 1:
+        return typing.cast(LLMEngine, DataParallelEngine(config))
+    return LLMEngine(config)
 
 
 class DataParallelEngine:
@@ -76,19 +80,21 @@ class DataParallelEngine:
     @property
     def held(self) -> dict[str, float]:
         """Held exports of every rank (ids only matter to callers)."""
-        remote = {rid: 0.0 for rid, d in self.placement.items() if d and rid in self.exports and rid not in self.live[d]}
+        remote = {rid: 0.0 for rid, d in self.placement.items()
+                  if d and rid in self.exports and rid not in self.live[d]}
         return {**self.local.held, **remote}
 
     # ---- placement --------------------------------------------------------------------------------
     def pick_rank(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """The DP rank for a new request: most cached leading blocks, then fewest live requests, then lowest rank."""
-        hashes = block_hashes(prompt_token_ids, self.config.block_size, salted_root(self.hash_root, params.cache_salt))
+        root = salted_root(self.local.hash_root, params.cache_salt)
+        hashes = block_hashes(prompt_token_ids, self.config.block_size, root)
         best, best_key = 0, None
         for d in range(self.layout.size):
             cached = self.local.cache.pool.hash_to_block if d == 0 else self.remote_hashes[d]
             hits = next((i for i, h in enumerate(hashes) if h not in cached), len(hashes))
-            saturated = len(self.live[d]) >= self.config.max_num_seqs
-            key = (0 if saturated else hits, -len(self.live[d]), -d)
+            load = len(self.live[d])
+            key = (0 if load >= self.config.max_num_seqs else hits, -load, -d)
             if best_key is None or key > best_key:
                 best, best_key = d, key
         return best

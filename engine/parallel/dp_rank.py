@@ -127,8 +127,8 @@ def serve(engine, channel: DPChannel, dp_rank: int) -> None:
         if kind == "step":
             result = guarded(lambda: (step_once(engine), report(engine)))
         elif kind == "call" and command[1] == dp_rank:
-            _, _, name, args = command
-            result = guarded(lambda: getattr(engine, name)(*args))
+            method = getattr(engine, command[2])
+            result = guarded(lambda: method(*command[3]))  # noqa: B023 - called before the next command
         channel.gather(result)
 
 

@@ -28,6 +28,7 @@ from engine.parallel.comm import TPGroup, rank_device
 from engine.parallel.config import ParallelConfig
 from engine.parallel.dp_comm import DPChannel, join_dp
 from engine.parallel.dp_config import DPLayout
+from engine.parallel.dp_rank import DPRank
 from engine.parallel.runner import TPModelRunner
 from engine.parallel.shard import shard_model
 from shared.model_config import ModelConfig
@@ -82,9 +83,8 @@ def spawn_dp_ranks(config, threads: int) -> list[subprocess.Popen]:
     return procs
 
 
-def start_data_parallel(config) -> tuple[object, DPChannel]:
+def start_data_parallel(config) -> tuple[DPRank, DPChannel]:
     """Node 0: start this host's other ranks, join as global rank 0; (DP rank 0's handle, the command channel)."""
-    from engine.parallel.dp_rank import DPRank
     layout = DPLayout.of(config)
     if layout.start_rank != 0:
         raise ValueError("only the node with --data-parallel-start-rank 0 serves; start the others with --headless")

@@ -9,7 +9,7 @@
 | dense MLP and shared experts | `gate/up` by columns, `down` by rows | all-reduce |
 | routed experts, TP | `w1/w3` by columns, `w2` by rows | one all-reduce of the routed sum (W4A8: per expert, exact) |
 | routed experts, EP | whole experts, E/N per rank | one all-reduce of the routed sum |
-| routed experts, DP > 1 | whole experts (EP) or intermediate dims over all D x TP ranks | every DP rank's tokens gathered, partial sums all-reduced (`dp_comm.py`) |
+| routed experts, DP > 1 | whole (EP) or by intermediate dim, over D x TP ranks | tokens gathered, sums all-reduced |
 | router, latent down/up projections, norms, AttnRes | replicated | - |
 | `embed_tokens`, `lm_head` | vocabulary rows | all-reduce / all-gather |
 
