@@ -131,7 +131,7 @@ class AsyncEngine:
         return {"running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting), "held": len(e.held),
                 "cache_usage": e.cache.usage, "capacity_tokens": e.capacity_tokens,
                 "preemptions": e.scheduler.num_preemptions, "dead": self._dead is not None,
-                "busy_s": self.busy_s()}
+                "busy_s": self.busy_s(), **getattr(e, "data_parallel_stats", dict)()}
 
     def busy_s(self) -> float:
         """How long the engine thread has been inside its current command or step (0 when it waits)."""

@@ -8,6 +8,7 @@ import uvicorn
 from engine.core.engine import EngineConfig
 from engine.structured_output import GrammarBudget
 from shared.http_server import protocol_class
+from worker.dp_flags import data_parallel_settings
 from worker.flags import add_worker_args
 from worker.role import Role
 from worker.settings import (
@@ -34,7 +35,8 @@ def settings_from_args(args: argparse.Namespace, model_dir: str) -> WorkerSettin
                           tensor_parallel_size=args.tensor_parallel_size,
                           enable_expert_parallel=args.enable_expert_parallel, master_addr=args.master_addr,
                           master_port=args.master_port, nnodes=args.nnodes, node_rank=args.node_rank,
-                          compilation_config=args.compilation_config, enforce_eager=args.enforce_eager)
+                          compilation_config=args.compilation_config, enforce_eager=args.enforce_eager,
+                          **data_parallel_settings(args))
     extra = {"worker_id": args.worker_id} if args.worker_id else {}
     return WorkerSettings(engine=engine, host=args.host, port=args.port,
                           served_model_name=args.served_model_name, advertise_url=args.advertise_url,

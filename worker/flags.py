@@ -7,6 +7,7 @@ import os
 import re
 
 from shared.store.factory import REDIS_URL_ENV
+from worker.dp_flags import add_data_parallel_args
 
 _UNITS = {"": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
           "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
@@ -53,6 +54,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="split the routed experts whole across the tensor-parallel ranks")
     add_multi_host_args(p)
+    add_data_parallel_args(p)                    # worker/dp_flags.py
     p.add_argument("--compilation-config", default=None,
                    help='JSON, vLLM\'s fields: {"cudagraph_mode": "FULL_DECODE_ONLY", '
                         '"cudagraph_capture_sizes": [1, 2, 4, 8]}')

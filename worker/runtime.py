@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.async_engine import AsyncEngine
-from engine.core.engine import LLMEngine
+from engine.parallel.dp_engine import create_engine
 from kv_transfer.interface import TransferConfig
 from kv_transfer.metrics import get_metrics
 from kv_transfer.payload import ModelIdentity
@@ -49,7 +49,7 @@ class WorkerRuntime:
     def build(cls, settings: WorkerSettings, role: Role) -> WorkerRuntime:
         role.validate(settings.transfer_secret)
         settings.validate()
-        engine = AsyncEngine(engine=LLMEngine(settings.engine), grammar_budget=settings.grammar_budget)
+        engine = AsyncEngine(engine=create_engine(settings.engine), grammar_budget=settings.grammar_budget)
         runtime = cls(settings, role, engine, WorkerMetrics())
         spec, stats = engine.engine.spec, engine.engine.spec_stats
         if spec is not None and stats is not None:             # both or neither: the engine speculates

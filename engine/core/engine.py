@@ -113,6 +113,8 @@ class LLMEngine:
         options = ModelOptions(kda=KDAOptions(chunk_size=config.kda_chunk_size))
         self.tp = parallel
         CompilationConfig.parse(config.compilation_config)        # a bad --compilation-config stops start-up here
+        if parallel is None and config.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 runs several engines: build it with dp_engine.create_engine")
         if parallel is None and config.tensor_parallel_size > 1:
             from engine.parallel.launch import TensorParallel
             self.tp = TensorParallel(config)          # starts ranks 1..N-1; rank 0 holds its shard

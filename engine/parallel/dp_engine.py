@@ -2,8 +2,8 @@
 
 DP rank 0's engine runs in this process; ranks 1..D-1 run in their leaders' processes (`dp_rank.py`,
 here or on `--headless` nodes). Each request lives on one DP rank, picked at `add_request` by prefix
-(the rank whose cache holds the most leading blocks of its prompt, from that rank's KV events) and
-then load (fewest live requests); every later call about it (abort, export, release) goes to that
+(the rank whose cache holds the most leading blocks of its prompt, from that rank's KV events), then
+load (fewest live requests; idle ranks take turns); every later call about it (abort, export, release) goes to that
 rank. A step is lock-step: every rank runs one forward (or the dummy step) so the routed experts'
 exchanges line up, and the front gathers every rank's outputs and load. Only the front decides to
 step, so an idle engine sends nothing.
@@ -73,6 +73,11 @@ class DataParallelEngine:
         return [(runner.forwards, runner.dummies)] + [(r.get("forwards", 0), r.get("dummies", 0))
                                                       for r in self.loads[1:]]
 
+    def data_parallel_stats(self) -> dict[str, Any]:
+        """Per DP rank, for /health: requests placed there, live ones, and forwards / dummy steps run."""
+        return {"data_parallel_placed": list(self.placed), "data_parallel_live": [len(s) for s in self.live],
+                "data_parallel_steps": [list(c) for c in self.step_counts()]}
+
     @property
     def capacity_tokens(self) -> int:
         return self.local.capacity_tokens
@@ -86,7 +91,8 @@ class DataParallelEngine:
 
     # ---- placement --------------------------------------------------------------------------------
     def pick_rank(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """The DP rank for a new request: most cached leading blocks, then fewest live requests, then lowest rank."""
+        """The DP rank for a new request: most cached leading blocks (unless the rank is full), then fewest
+        live requests, then fewest placed so far (idle ranks take turns), then lowest rank."""
         root = salted_root(self.local.hash_root, params.cache_salt)
         hashes = block_hashes(prompt_token_ids, self.config.block_size, root)
         best, best_key = 0, None
@@ -94,7 +100,7 @@ class DataParallelEngine:
             cached = self.local.cache.pool.hash_to_block if d == 0 else self.remote_hashes[d]
             hits = next((i for i, h in enumerate(hashes) if h not in cached), len(hashes))
             load = len(self.live[d])
-            key = (0 if load >= self.config.max_num_seqs else hits, -load, -d)
+            key = (0 if load >= self.config.max_num_seqs else hits, -load, -self.placed[d], -d)
             if best_key is None or key > best_key:
                 best, best_key = d, key
         return best
