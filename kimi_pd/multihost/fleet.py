@@ -43,6 +43,7 @@ class FleetSpec:
     prefill_nodes: int = 1          # > 1: prefill-1 is a TP engine over this many hosts (tp-node-N run headless)
     master_port: int = 29500
     expert_parallel: bool = False   # with prefill_nodes > 1: --enable-expert-parallel too
+    data_parallel: bool = False     # with prefill_nodes > 1: one DP rank per host (--data-parallel-*) instead of TP
 
 
 @dataclass(frozen=True)
@@ -141,6 +142,10 @@ class MultiHostFleet:
     def tp_args(self, node: int) -> list[str]:
         """prefill-1's engine spread over `prefill_nodes` hosts, meeting at prefill-1's address."""
         n = self.spec.prefill_nodes
+        if self.spec.data_parallel:
+            return ["--data-parallel-size", str(n), "--data-parallel-size-local", "1", "--data-parallel-start-rank",
+                    str(node), "--data-parallel-address", self.host("prefill-1").addr, "--data-parallel-rpc-port",
+                    str(self.spec.master_port), "--enable-expert-parallel"]
         return ["--tensor-parallel-size", str(n), "--nnodes", str(n), "--node-rank", str(node),
                 "--master-addr", self.host("prefill-1").addr, "--master-port", str(self.spec.master_port),
                 *(["--enable-expert-parallel"] if self.spec.expert_parallel else [])]
