@@ -30,6 +30,7 @@ import torch.distributed as dist
 from engine.model.layers import upcast
 from engine.parallel.comm import _BACKENDS, IDLE_TIMEOUT_S, TPGroup, collective_timeout_s
 from engine.parallel.dp_config import DPLayout
+from shared.errors import InvalidRequest
 
 
 @dataclass
@@ -102,11 +103,16 @@ class DPChannel:
 
 
 def portable(exc: BaseException) -> BaseException:
-    """`exc` if it survives pickling (to travel to the front), else a RuntimeError saying what it was."""
+    """`exc` if it survives pickling (to travel to the front); else an InvalidRequest with the same
+    message, param and error code (so the client still gets its 400), or a RuntimeError saying what it was."""
     try:
         pickle.loads(pickle.dumps(exc))
         return exc
     except Exception:  # noqa: BLE001 - any pickling failure: send its text instead
+        if isinstance(exc, InvalidRequest):
+            plain = InvalidRequest(exc.message, exc.param)
+            plain.code = exc.code
+            return plain
         return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 

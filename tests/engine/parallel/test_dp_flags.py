@@ -53,3 +53,25 @@ def test_a_headless_line_without_a_start_rank_is_refused():
     from engine.parallel.launch import run_headless
     with pytest.raises(ValueError, match="--data-parallel-start-rank > 0"):
         run_headless(engine_config("-dp", "2", "-dpl", "1", "--headless"))
+
+
+def test_a_remote_ranks_request_errors_reach_the_front_as_themselves():
+    """Errors cross from a DP rank to the front pickled; those whose constructor pickling cannot
+    replay still arrive as a 400-class InvalidRequest with their message, param and code."""
+    import pickle
+
+    from engine.parallel.dp_comm import portable
+    from shared.errors import InvalidRequest, InvalidTokenIds, RequestTooLarge
+    for exc in (RequestTooLarge(100, 64), InvalidTokenIds([9999], 640, param="prompt")):
+        got = pickle.loads(pickle.dumps(portable(exc)))
+        assert isinstance(got, InvalidRequest)
+        assert (str(got), got.param, got.code) == (str(exc), exc.param, exc.code)
+    same = InvalidRequest("bad", param="max_tokens")
+    assert portable(same) is same
+    assert isinstance(portable(_Unpicklable()), RuntimeError)
+
+
+class _Unpicklable(Exception):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = __import__("threading").Lock()
