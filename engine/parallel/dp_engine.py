@@ -1,6 +1,6 @@
 """The front of a data-parallel engine: D engines stepping together, one API (`LLMEngine`'s).
 
-DP rank 0's engine runs in this process; ranks 1..D-1 run in their leaders' processes (`dp_rank.py`,
+DP rank 0's engine runs in this process; ranks 1..D-1 run in their leaders' processes (`dp_leader.py`,
 here or on `--headless` nodes). Each request lives on one DP rank, picked at `add_request` by prefix
 (the rank whose cache holds the most leading blocks of its prompt, from that rank's KV events), then
 load (fewest live requests; idle ranks take turns); every later call about it (abort, export, release) goes to that

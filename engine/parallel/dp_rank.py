@@ -1,20 +1,14 @@
 """One data-parallel rank: its ranks' handle, its runner (with the dummy step), and a leader's loop.
 
-`python -m engine.parallel.dp_rank --rank G --config JSON` is DP rank d = G / T's leader (d > 0): it
-loads its shard, runs a whole `LLMEngine` (scheduler, batch, cache) and answers the front's commands
-(`dp_comm.DPChannel`): ("step",) runs one engine step, or the dummy step when its scheduler has nothing
-to run, and reports its outputs and load; ("call", d, method, args) runs an engine method on rank d;
-("stop",) ends it. It exits on its own if its parent goes away.
+A DP leader (`dp_leader.py`) answers the front's commands (`dp_comm.DPChannel`): ("step",) runs one
+engine step, or the dummy step when its scheduler has nothing to run, and reports its outputs and
+load; ("call", d, method, args) runs an engine method on rank d; ("stop",) ends the loop.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import logging
-import os
 import subprocess
-import threading
-import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -61,9 +55,12 @@ class DPTPRunner(TPModelRunner):
 class DPRank:
     """What `LLMEngine(parallel=...)` needs of one DP rank's ranks: the model shard, the runner, liveness."""
 
-    def __init__(self, group: TPGroup, model, channel: DPChannel | None, procs: list[subprocess.Popen] | None = None):
+    def __init__(self, group: TPGroup, model, channel: DPChannel | None, procs: list[subprocess.Popen] | None = None,
+                 stop_processes: Callable[[list[subprocess.Popen], float], None] | None = None):
+        """procs, stop_processes: the rank processes this host started, and how the launcher stops them."""
         self.group, self.model, self.channel = group, model, channel
         self.procs = procs or []
+        self._stop_processes = stop_processes
         self.runner: DPRunner | DPTPRunner | None = None
 
     def make_runner(self, cache_config, identity) -> DPRunner | DPTPRunner:
@@ -79,13 +76,13 @@ class DPRank:
         return all(p.poll() is None for p in self.procs)
 
     def close(self, timeout: float = 10.0) -> None:
-        from engine.parallel.launch import _stop_processes
         try:
             if isinstance(self.runner, DPTPRunner):
                 self.runner.stop()
         finally:
             self.group.close()
-            _stop_processes(self.procs, timeout)
+            if self._stop_processes is not None:
+                self._stop_processes(self.procs, timeout)
             self.procs = []
 
 
@@ -130,38 +127,3 @@ def serve(engine, channel: DPChannel, dp_rank: int) -> None:
             method = getattr(engine, command[2])
             result = guarded(lambda: method(*command[3]))  # noqa: B023 - called before the next command
         channel.gather(result)
-
-
-def _watch_parent(parent: int) -> None:
-    while True:
-        if os.getppid() != parent:
-            os._exit(3)
-        time.sleep(0.5)
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rank", type=int, required=True, help="global rank (a multiple of the TP size)")
-    parser.add_argument("--config", required=True, help="the engine's EngineConfig as JSON")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    args = parser.parse_args()
-    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    from engine.core.engine import EngineConfig, LLMEngine
-    from engine.parallel.launch import build_dp_rank
-    config = EngineConfig(**json.loads(args.config))
-    group, model, channel = build_dp_rank(config, args.rank)
-    dp_rank = args.rank // config.tensor_parallel_size
-    engine = LLMEngine(config, parallel=DPRank(group, model, channel))
-    assert channel is not None
-    log.info("data-parallel rank %d ready", dp_rank)
-    try:
-        serve(engine, channel, dp_rank)
-    finally:
-        engine.close()
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -69,14 +69,14 @@ def build_dp_rank(config, rank: int) -> tuple[TPGroup, KimiK3ForConditionalGener
 
 def spawn_dp_ranks(config, threads: int) -> list[subprocess.Popen]:
     """This host's ranks of a data-parallel engine except global rank 0 (the front's own process):
-    DP leaders run `dp_rank`, the others `follower`, all meeting at the DP address and RPC port."""
+    DP leaders run `dp_leader`, the others `follower`, all meeting at the DP address and RPC port."""
     layout = DPLayout.of(config)
     payload = json.dumps(dataclasses.asdict(config))
     procs = []
     for g in layout.local_ranks():
         if g == 0:
             continue
-        module = ["engine.parallel.dp_rank"] if g % layout.tensor_parallel_size == 0 else \
+        module = ["engine.parallel.dp_leader"] if g % layout.tensor_parallel_size == 0 else \
             ["engine.parallel.follower", "--port", str(layout.rpc_port)]
         procs.append(subprocess.Popen([sys.executable, "-m", *module, "--rank", str(g), "--config", payload,
                                        "--threads", str(threads)]))
@@ -101,7 +101,7 @@ def start_data_parallel(config) -> tuple[DPRank, DPChannel]:
     assert channel is not None
     log.info("data parallel: %d ranks x TP %d%s, %d on this host", layout.size, layout.tensor_parallel_size,
              ", expert parallel" if config.enable_expert_parallel else "", layout.size_local)
-    return DPRank(group, model, channel, procs), channel
+    return DPRank(group, model, channel, procs, _stop_processes), channel
 
 
 def _stop_processes(procs: list[subprocess.Popen], timeout: float) -> None:

@@ -53,8 +53,9 @@ def main(model_dir: str) -> None:
     finally:
         p.should_exit = d.should_exit = True
     heavy = {"torch", "engine", "kv_transfer", "prefill_worker", "decode_worker"}
+    parser_only = ("worker.flags", "worker.dp_flags")           # the worker flags: the parser only, torch-free
     report["heavy"] = sorted(m for m in sys.modules if m.split(".")[0] in heavy
-                             or (m.startswith("worker.") and m != "worker.flags"))   # flags: the parser only
+                             or (m.startswith("worker.") and m not in parser_only))
     print(json.dumps(report))
 
 
