@@ -45,8 +45,8 @@ class ExpertParallel:
     def routed(self, moe, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This DP rank's routed sum [n, latent] over every rank's experts (exchange, compute, reduce)."""
         n, width, k = h.shape[0], h.shape[1], ids.shape[1]
-        counts = [torch.zeros(1, dtype=torch.long) for _ in range(self.world_size)]
-        dist.all_gather(counts, torch.tensor([n], dtype=torch.long))
+        counts = [torch.zeros(1, dtype=torch.long, device=h.device) for _ in range(self.world_size)]
+        dist.all_gather(counts, torch.tensor([n], dtype=torch.long, device=h.device))   # nccl/hccl: on device
         per_dp = [int(c) for c in counts[:: self.tensor_parallel_size]]
         total, most = sum(per_dp), max(per_dp)
         out_dtype = upcast(h).dtype
@@ -66,9 +66,10 @@ class ExpertParallel:
     def dummy(self, moe, dtype: torch.dtype) -> None:
         """This layer's exchange with no tokens of this DP rank (its experts still serve the others);
         `dtype` is the model's, so gathered rows are computed exactly as on the ranks that sent them."""
-        empty = torch.zeros(0, moe.routed_expert_down_proj.out_features, dtype=dtype)
-        self.routed(moe, empty, torch.zeros(0, moe.top_k, dtype=upcast(empty).dtype),
-                    torch.zeros(0, moe.top_k, dtype=torch.long))
+        device = moe.gate.e_score_correction_bias.device
+        empty = torch.zeros(0, moe.routed_expert_down_proj.out_features, dtype=dtype, device=device)
+        self.routed(moe, empty, torch.zeros(0, moe.top_k, dtype=upcast(empty).dtype, device=device),
+                    torch.zeros(0, moe.top_k, dtype=torch.long, device=device))
 
 
 @torch.inference_mode()
