@@ -43,7 +43,8 @@ PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
 def request_tokens_buckets(max_model_len: int) -> tuple[int, ...]:
     """1, 2, 5, 10, 20, 50, ... up to `max_model_len` (vLLM's token-count family)."""
-    out, scale = [], 1
+    out: list[int] = []
+    scale = 1
     while True:
         for mantissa in (1, 2, 5):
             if mantissa * scale > max_model_len:
