@@ -44,7 +44,7 @@ def router(tmp_path_factory):
     tenants.write_text(TENANTS)
     servers = []
     try:
-        stub_url, stub = _serve(stub_app(StubSettings(role="both", tokens=3, token_delay_s=0.1)))
+        stub_url, stub = _serve(stub_app(StubSettings(role="both", tokens=20, token_delay_s=0.1)))
         servers.append(stub)
         settings = RouterSettings(model=None, static_both=(stub_url,), api_keys=("sk-client-0001",),
                                   admin_token="admin-token", tenants_file=str(tenants), max_inflight_per_worker=1,
@@ -79,6 +79,7 @@ def test_unknown_key_401_then_rate_limit_429_with_openai_headers(router):
         # 3 from the answer's usage; the stub's stream carries no token ids, so it is settled as reserved
         assert usage["usage"]["rejected"] == {"rate_limited": 1} and usage["usage"]["completion_tokens"] == 3
         assert client.get("/admin/tenants/acme").status_code == 401
+        assert client.get("/dashboard/state", headers=ADMIN).json()["tenants"]["acme"]["requests"] == 2
         metrics = client.get("/metrics").text
         assert 'kimi_pd_router_tenant_rejections_total{reason="rate_limited",tenant="acme"} 1.0' in metrics
 
@@ -87,11 +88,12 @@ def test_queue_serves_the_better_class_first_and_times_out_with_503(router):
     async def scenario() -> tuple[list[str], httpx.Response]:
         order: list[str] = []
         async with httpx.AsyncClient(base_url=router, timeout=30) as client:
-            async def send(name: str, k: str, priority: int = 0) -> httpx.Response:
-                resp = await client.post("/v1/chat/completions", json={**CHAT, "priority": priority}, headers=key(k))
+            async def send(name: str, k: str, priority: int = 0, tokens: int = 3) -> httpx.Response:
+                body = {**CHAT, "priority": priority, "max_tokens": tokens}
+                resp = await client.post("/v1/chat/completions", json=body, headers=key(k))
                 order.append(name)
                 return resp
-            blocker = asyncio.create_task(send("blocker", "sk-client-0001"))
+            blocker = asyncio.create_task(send("blocker", "sk-client-0001", tokens=20))     # holds the slot 2 s
             await asyncio.sleep(0.1)
             lows = [asyncio.create_task(send(f"low{i}", "sk-client-0001", priority=5)) for i in range(4)]
             await asyncio.sleep(0.2)
