@@ -96,7 +96,8 @@ async def phase(url: str, seconds: float, flood_clients: int, interval: float, b
             victims.append(asyncio.create_task(one_victim()))
             await asyncio.sleep(interval)
         await asyncio.gather(*victims, *floods)
-    return {"victim_requests": len(victim), "victim_ttft_p50_s": pct(victim, 0.5), "victim_ttft_p99_s": pct(victim, 0.99),
+    return {"victim_requests": len(victim), "victim_ttft_p50_s": pct(victim, 0.5),
+            "victim_ttft_p99_s": pct(victim, 0.99),
             "victim_ttft_max_s": max(victim) if victim else None, "flood": flood,
             "flood_served_per_s": round(flood["ok"] / seconds, 2)}
 

@@ -55,9 +55,10 @@ def add_passed_args(p: argparse.ArgumentParser) -> None:
                     group.add_argument(*flags, action=type(action), dest=_PREFIX + action.dest,
                                        default=argparse.SUPPRESS, help=action.help)
                     continue
-                group.add_argument(*flags, type=action.type, choices=action.choices, help=action.help,
-                                   metavar=action.metavar or (None if action.choices else action.dest.upper()),
-                                   dest=_PREFIX + action.dest, default=argparse.SUPPRESS)
+                added = group.add_argument(*flags, choices=action.choices, help=action.help,
+                                           metavar=action.metavar or (None if action.choices else action.dest.upper()),
+                                           dest=_PREFIX + action.dest, default=argparse.SUPPRESS)
+                added.type = action.type                 # the child's own parsing (sizes, numbers)
 
 
 def passed_argv(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
@@ -162,8 +163,8 @@ def up(model_dir: str, port: int, num_prefill: int, num_decode: int, redis_url: 
                REDIS_URL_ENV: redis_url}                   # through the environment: no password in `ps`
         common = ["--model", model_dir, *extra_worker_args, *(speculative_args or [])]
         autoscaler = start_pools(supervisor, common, env, log_dir, num_prefill, num_decode, autoscale, redis_url)
-        supervisor.spawn("router", [*KIMI_PD, "router", "--model", model_dir, "--port", str(port), *(router_args or [])],
-                    env, log_dir / "router.log")
+        supervisor.spawn("router", [*KIMI_PD, "router", "--model", model_dir, "--port", str(port),
+                                    *(router_args or [])], env, log_dir / "router.log")
         url = f"http://127.0.0.1:{port}"
         wait_ready(url, fleet, READY_TIMEOUT_S)
         print(f"kimi-pd is up: {url}  ({num_prefill} prefill + {num_decode} decode workers, "

@@ -13,7 +13,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from shared.kv_events import KVEventBatch, decode_batch, encode_batch
-from shared.store.buckets import BucketResult, BucketSpec, LocalBuckets
 from shared.store.base import (
     DEFAULT_EVENTS_MAXLEN,
     DEFAULT_READ_LIMIT,
@@ -22,6 +21,7 @@ from shared.store.base import (
     check_read,
     check_ttl,
 )
+from shared.store.buckets import BucketResult, BucketSpec, LocalBuckets
 from shared.workers import LoadReport, WorkerInfo
 
 

@@ -24,7 +24,6 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.typing import EncodableT, StreamRangeResponse
 
 from shared.kv_events import KVEventBatch, decode_batch, encode_batch
-from shared.store.buckets import ROUTERS_LUA, TAKE_LUA, BucketResult, BucketSpec, check_specs, take_args
 from shared.redact import redact_url
 from shared.store.base import (
     DEFAULT_EVENTS_MAXLEN,
@@ -38,6 +37,7 @@ from shared.store.base import (
     check_read,
     check_ttl,
 )
+from shared.store.buckets import ROUTERS_LUA, TAKE_LUA, BucketResult, BucketSpec, check_specs, take_args
 from shared.workers import LoadReport, WorkerInfo
 
 log = logging.getLogger(__name__)

@@ -45,12 +45,13 @@ def test_two_routers_behind_the_lb_share_one_limit_then_split_it_without_the_sto
     try:
         env = {**os.environ, "KIMI_PD_ADMIN_TOKEN": "lb-admin-token", "PYTHONUNBUFFERED": "1"}
         stub_port = free_port()
-        procs.spawn("stub", [sys.executable, "-m", "tests.stub_worker", "--port", str(stub_port), "--role", "both"], env)
+        procs.spawn("stub", [sys.executable, "-m", "tests.stub_worker", "--port", str(stub_port)], env)
         ports = {n: free_port() for n in "ab"}
         for n, port in ports.items():
-            procs.spawn(f"router-{n}", [sys.executable, "-m", "kimi_pd", "router", "--no-tokenizer", "--port", str(port),
-                                        "--worker", f"http://127.0.0.1:{stub_port}", "--redis-url", store.url,
-                                        "--namespace", "lb-limit", "--tenants", str(tmp_path / "tenants.toml")], env)
+            procs.spawn(f"router-{n}", [sys.executable, "-m", "kimi_pd", "router", "--no-tokenizer",
+                                        "--port", str(port), "--worker", f"http://127.0.0.1:{stub_port}",
+                                        "--redis-url", store.url, "--namespace", "lb-limit",
+                                        "--tenants", str(tmp_path / "tenants.toml")], env)
         routers = [f"http://127.0.0.1:{p}" for p in ports.values()]
         for r in routers:
             eventually(lambda r=r: _up(r), 60, f"router {r}")
