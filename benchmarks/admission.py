@@ -97,6 +97,7 @@ async def phase(url: str, seconds: float, flood_clients: int, interval: float, b
             await asyncio.sleep(interval)
         await asyncio.gather(*victims, *floods)
     return {"victim_requests": len(victim), "victim_ttft_p50_s": pct(victim, 0.5),
+            "victim_ttft_p90_s": pct(victim, 0.9),
             "victim_ttft_p99_s": pct(victim, 0.99),
             "victim_ttft_max_s": max(victim) if victim else None, "flood": flood,
             "flood_served_per_s": round(flood["ok"] / seconds, 2)}
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seconds", type=float, default=15.0, help="per phase")
     p.add_argument("--flood-clients", type=int, default=24)
-    p.add_argument("--flood-rpm", type=int, default=600, help="the flood tenant's limit with admission on")
+    p.add_argument("--flood-rpm", type=int, default=120, help="the flood tenant's limit with admission on")
     p.add_argument("--slots", type=int, default=4, help="the worker's requests generating at once")
     p.add_argument("--token-delay-ms", type=float, default=10.0)
     p.add_argument("--first-token-delay-ms", type=float, default=50.0)

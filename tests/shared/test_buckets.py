@@ -77,6 +77,6 @@ async def test_store_cost_per_request(redis_url: str) -> None:
         for _ in range(n):
             await store.take_buckets(specs)
         per_call = (time.perf_counter() - start) / n
-        assert per_call < 0.01, per_call
+        assert per_call < 0.05, per_call
     finally:
         await store.close()
