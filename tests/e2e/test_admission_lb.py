@@ -61,6 +61,10 @@ def test_two_routers_behind_the_lb_share_one_limit_then_split_it_without_the_sto
         # one limit of 10 a minute for both (a token refills every 6 s: at most one more in the run)
         assert codes.count(200) in (10, 11) and set(codes) == {200, 429}, codes
         assert all(metric(r, "kimi_pd_router_tenant_requests_total", tenant="acme") >= 3 for r in routers)
+        admin = {"authorization": "Bearer lb-admin-token"}
+        # each router has counted both in the store (a heartbeat every 2 s): the split it falls back to
+        eventually(lambda: all(httpx.get(r + "/admin/tenants", headers=admin).json()["router_replicas"] == 2
+                               for r in routers), 20, "both routers counted")
         store.stop()
         eventually(lambda: all(metric(r, "kimi_pd_router_ratelimit_local") == 1 for r in routers), 20,
                    "both routers on local limits")
