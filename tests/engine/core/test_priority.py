@@ -53,3 +53,14 @@ def test_priority_preempts_the_lowest_and_keeps_greedy_outputs(tiny_dir):
 def test_unknown_policy_is_refused(tiny_dir):
     with pytest.raises(ValueError, match="scheduling_policy"):
         make_llm(tiny_dir, scheduling_policy="lifo")
+
+
+def test_a_requests_priority_reaches_the_engine(tiny_dir):
+    from shared.openai.convert import to_sampling_params
+    from shared.openai.requests import ChatCompletionRequest
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "priority": -7})
+    llm = make_llm(tiny_dir, scheduling_policy="priority")
+    rid = llm.engine.add_request("p", prompt_ids(5, 1), to_sampling_params(req))
+    assert llm.engine.requests[rid].priority == -7
+    llm.engine.abort(rid)
+    assert_clean(llm)
