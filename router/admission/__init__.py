@@ -63,7 +63,7 @@ class Admission:
             try:
                 waited = await self.queue.acquire((tenant.priority, request_priority), tenant.queue_timeout_s)
             except BaseException as exc:
-                self._spawn(self.limiter.settle(grant, 0))          # never served: give the tokens back
+                self._settle(grant, 0)                              # never served: give the tokens back
                 if isinstance(exc, Throttled):
                     self.accounting.rejected(label, exc.code or "queue")
                 raise
@@ -71,10 +71,15 @@ class Admission:
             self.accounting.queued(waited)
         return ticket
 
+    def _settle(self, grant: Grant, completion_tokens: int | None) -> None:
+        """After the answer, off the request path; only a tokens-per-minute limit has anything to settle."""
+        if grant.tenant.tpm is not None:
+            self._spawn(self.limiter.settle(grant, completion_tokens))
+
     def finish(self, ticket: Ticket, completion_tokens: int | None, outcome: str) -> None:
         if ticket.slot and self.queue is not None:
             self.queue.release()
-        self._spawn(self.limiter.settle(ticket.grant, completion_tokens))
+        self._settle(ticket.grant, completion_tokens)
         label = self.tenants.label(ticket.grant.tenant)
         self.accounting.finished(label, ticket.prompt_tokens, completion_tokens or 0, outcome,
                                  time.perf_counter() - ticket.start)

@@ -27,6 +27,7 @@ class Accounting:
     def __init__(self, metrics=None) -> None:
         self.metrics = metrics
         self.usage: dict[str, Usage] = defaultdict(Usage)
+        self._seconds: dict[str, object] = {}        # histogram children: labels() takes a lock per call
 
     def rejected(self, label: str, reason: str) -> None:
         u = self.usage[label]
@@ -50,7 +51,10 @@ class Accounting:
             m.tenant_requests.labels(tenant=label, outcome=outcome).inc()
             m.tenant_tokens.labels(tenant=label, kind="prompt").inc(prompt)
             m.tenant_tokens.labels(tenant=label, kind="completion").inc(completion)
-            m.tenant_seconds.labels(tenant=label).observe(seconds)
+            child = self._seconds.get(label)
+            if child is None:
+                child = self._seconds[label] = m.tenant_seconds.labels(tenant=label)
+            child.observe(seconds)  # type: ignore[attr-defined]
 
     def snapshot(self) -> dict[str, dict]:
         return {name: u.to_dict() for name, u in sorted(self.usage.items())}
