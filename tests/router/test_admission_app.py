@@ -125,3 +125,28 @@ def test_the_workers_get_the_effective_priority():
     plain, classed = asyncio.run(run())
     assert plain["priority"] == 3 and classed["priority"] == Tenant("low", priority=2).effective_priority(3)
     assert "priority" not in wire_body(ChatCompletionRequest.model_validate(CHAT))    # drop-in: unset stays unset
+
+
+def gauge(text: str, name: str) -> float:
+    return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+def test_a_client_that_leaves_the_queue_frees_its_place_and_no_slot_leaks(router):
+    async def scenario() -> None:
+        async with httpx.AsyncClient(base_url=router, timeout=30) as client:
+            body = {**CHAT, "max_tokens": 20}                                   # holds the slot 2 s
+            blocker = asyncio.create_task(client.post("/v1/chat/completions", json=body, headers=key("sk-client-0001")))
+            await asyncio.sleep(0.3)
+            with pytest.raises(httpx.ReadTimeout):                              # queued, then the client gives up
+                await client.post("/v1/chat/completions", json={**CHAT, "stream": True},
+                                  headers=key("sk-client-0001"), timeout=0.5)
+            await asyncio.sleep(0.2)
+            assert gauge((await client.get("/metrics")).text, "kimi_pd_router_admission_queue_depth") == 0
+            assert (await blocker).status_code == 200
+            # a stream whose client leaves after its headers gives its slot back too
+            async with client.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True},
+                                     headers=key("sk-client-0001")) as resp:
+                assert resp.status_code == 200
+            await asyncio.sleep(0.5)
+            assert gauge((await client.get("/metrics")).text, "kimi_pd_router_admission_inflight") == 0
+    asyncio.run(scenario())
