@@ -51,8 +51,8 @@ async def test_all_or_none_then_same_levels_as_local(kind: str, redis_url: str) 
 
 async def test_two_replicas_share_one_limit(redis_url: str) -> None:
     """200 concurrent takes through two clients of one namespace, 50 allowed: exactly 50 pass."""
-    ns = uuid.uuid4().hex
-    a, b = RedisStore(redis_url, namespace=ns), RedisStore(redis_url, namespace=ns)
+    ns = uuid.uuid4().hex                     # generous timeouts: 200 connections open at once on a busy host
+    a, b = RedisStore(redis_url, namespace=ns, op_timeout_s=5.0), RedisStore(redis_url, namespace=ns, op_timeout_s=5.0)
     try:
         results = await asyncio.gather(*(s.take_buckets([spec("t:rpm", 50, 1)]) for _ in range(100) for s in (a, b)))
         assert sum(r.allowed for r in results) == 50
