@@ -31,7 +31,9 @@ def add_multi_host_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nnodes", type=int, default=1, help="hosts the tensor-parallel ranks are spread over (evenly)")
     p.add_argument("--node-rank", type=int, default=0, help="this host's index; node 0 holds rank 0 and serves")
     p.add_argument("--headless", action="store_true",
-                   help="run only this node's ranks (node-rank > 0): no HTTP server, no registration")
+                   help="run only this node's ranks (--node-rank or --data-parallel-start-rank > 0): "
+                        "no HTTP server, no registration")
+    add_data_parallel_args(p)                    # data-parallel ranks, also across hosts: worker/dp_flags.py
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
@@ -57,7 +59,6 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="split the routed experts whole across the tensor-parallel ranks")
     add_multi_host_args(p)
-    add_data_parallel_args(p)                    # worker/dp_flags.py
     p.add_argument("--compilation-config", default=None,
                    help='JSON, vLLM\'s fields: {"cudagraph_mode": "FULL_DECODE_ONLY", '
                         '"cudagraph_capture_sizes": [1, 2, 4, 8]}')
