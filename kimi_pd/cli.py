@@ -119,7 +119,9 @@ def _worker(command: str):
     def run(args: argparse.Namespace) -> int:
         from kimi_pd.roles import COMMANDS
         from worker.cli import run_worker
-        return run_worker(args, COMMANDS[command], str(_ensure_model(args.model)))
+        from worker.vllm_flags import resolve_model
+        role = COMMANDS["worker" if command == "serve" else command]        # serve: vLLM's colocated server
+        return run_worker(args, role, str(_ensure_model(resolve_model(args))))
     return run
 
 
@@ -328,9 +330,11 @@ def _add_workers(sub: _Subparsers) -> None:
     from worker.flags import add_worker_args
     for role, help_text in (("prefill", "a prefill worker (computes prompts, hands state to decode workers)"),
                             ("decode", "a decode worker (pulls prefill state, generates, streams)"),
-                            ("worker", "a colocated worker (prefill and decode in one engine)")):
+                            ("worker", "a colocated worker (prefill and decode in one engine)"),
+                            ("serve", "`vllm serve MODEL_PATH ...` as written: a colocated worker with vLLM's "
+                                      "defaults (docs/deployment.md)")):
         worker = sub.add_parser(role, help=help_text, allow_abbrev=False)
-        add_worker_args(worker)
+        add_worker_args(worker, serve=role == "serve")
         worker.set_defaults(func=_worker(role))
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 
 import uvicorn
 
@@ -18,6 +19,9 @@ from worker.settings import (
     internal_auth_default,
     secret_from_env,
 )
+from worker.vllm_flags import check_quantization, resolve_model, startup_notes
+
+log = logging.getLogger(__name__)
 
 
 def settings_from_args(args: argparse.Namespace, model_dir: str) -> WorkerSettings:
@@ -34,7 +38,8 @@ def settings_from_args(args: argparse.Namespace, model_dir: str) -> WorkerSettin
                           tensor_parallel_size=args.tensor_parallel_size,
                           enable_expert_parallel=args.enable_expert_parallel, master_addr=args.master_addr,
                           master_port=args.master_port, nnodes=args.nnodes, node_rank=args.node_rank,
-                          compilation_config=args.compilation_config, enforce_eager=args.enforce_eager)
+                          compilation_config=args.compilation_config, enforce_eager=args.enforce_eager,
+                          tokenizer=args.tokenizer)
     extra = {"worker_id": args.worker_id} if args.worker_id else {}
     return WorkerSettings(engine=engine, host=args.host, port=args.port,
                           served_model_name=args.served_model_name, advertise_url=args.advertise_url,
@@ -49,13 +54,17 @@ def settings_from_args(args: argparse.Namespace, model_dir: str) -> WorkerSettin
                                                        args.structured_output_compile_timeout),
                           internal_auth=internal_auth_default() if args.internal_auth is None else args.internal_auth,
                           api_key=secret_from_env(API_KEY_ENV),
-                          admin_token=secret_from_env(ADMIN_TOKEN_ENV) or None, **extra)
+                          admin_token=secret_from_env(ADMIN_TOKEN_ENV) or None,
+                          enable_auto_tool_choice=args.enable_auto_tool_choice, **extra)
 
 
 def run_worker(args: argparse.Namespace, role: Role, model_dir: str) -> int:
     from worker.app import create_app
     from worker.runtime import WorkerRuntime
 
+    check_quantization(args, model_dir)
+    for note in startup_notes(args):
+        log.warning("%s", note)
     settings = settings_from_args(args, model_dir)
     if args.headless:
         from engine.parallel.launch import run_headless
@@ -82,7 +91,6 @@ class DrainingServer(uvicorn.Server):
 
 def main(role: Role, argv: list[str] | None = None) -> int:
     """A worker of `role` on its own (`python -m prefill_worker`); `kimi-pd prefill` is the same."""
-    import logging
     import sys
 
     parser = argparse.ArgumentParser(prog=f"python -m {role.name}_worker", allow_abbrev=False,
@@ -90,10 +98,11 @@ def main(role: Role, argv: list[str] | None = None) -> int:
     add_worker_args(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not args.model:
-        parser.error("--model is required")
     try:
-        return run_worker(args, role, args.model)
+        model = resolve_model(args)
+        if not model:
+            parser.error("MODEL_PATH (or --model) is required")
+        return run_worker(args, role, model)
     except (ValueError, FileNotFoundError) as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2

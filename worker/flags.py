@@ -7,6 +7,7 @@ import os
 import re
 
 from shared.store.factory import REDIS_URL_ENV
+from worker.vllm_flags import add_vllm_serve_args
 
 _UNITS = {"": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
           "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
@@ -31,8 +32,10 @@ def add_multi_host_args(p: argparse.ArgumentParser) -> None:
                    help="run only this node's ranks (node-rank > 0): no HTTP server, no registration")
 
 
-def add_worker_args(p: argparse.ArgumentParser) -> None:
+def add_worker_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
+    """Every worker flag; serve: `kimi-pd serve`'s vLLM defaults (see `worker.vllm_flags`)."""
     p.add_argument("--model", help="checkpoint directory (default: the tiny generated one)")
+    add_vllm_serve_args(p, serve)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100)
     p.add_argument("--served-model-name", default="kimi-k3")

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from engine.json_flag import json_object
+
+log = logging.getLogger(__name__)
 
 
 class SpecConfigError(ValueError):
@@ -87,9 +90,6 @@ class SpeculativeConfig:
             v = d.get(key)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise SpecConfigError(f"{where}.{key}: expected an integer >= 1, got {v!r}")
-        if d.get("draft_tensor_parallel_size") not in (None, 1):
-            raise SpecConfigError(f"{where}.draft_tensor_parallel_size: must be 1 (equal to the target's tensor "
-                                  f"parallel size, 1 in this build), got {d['draft_tensor_parallel_size']}")
         if d.get("draft_sample_method", "greedy") not in _DRAFT_SAMPLE_METHODS:
             raise SpecConfigError(f"{where}.draft_sample_method: one of {_DRAFT_SAMPLE_METHODS}, "
                                   f"got {d['draft_sample_method']!r}")
@@ -101,6 +101,18 @@ class SpeculativeConfig:
         known = {k: v for k, v in d.items() if k in names}
         extra = {k: v for k, v in d.items() if k not in names}
         return cls(**known, extra=extra)
+
+    def check_draft_tp(self, target_tp: int) -> None:
+        """vLLM's rule: the draft's TP is 1 or the target's. Here the draft always runs on the target's ranks,
+        sharded like it (its embedding and LM head ARE the target's vocabulary-parallel ones)."""
+        draft_tp = self.draft_tensor_parallel_size
+        if draft_tp not in (None, 1, target_tp):
+            raise SpecConfigError(f"--speculative-config.draft_tensor_parallel_size={draft_tp} cannot be other than "
+                                  f"1 or the target's --tensor-parallel-size ({target_tp})")
+        if draft_tp == 1 and target_tp > 1:
+            log.warning("--speculative-config.draft_tensor_parallel_size=1: the draft runs sharded over the "
+                        "target's %d ranks here (it shares their vocabulary-parallel embedding and LM head)",
+                        target_tp)
 
     def with_model_path(self) -> SpeculativeConfig:
         """`model` as a directory: a path as given, or the name of a shipped draft preset (`tiny-chat-dspark`)."""

@@ -67,6 +67,14 @@ class DraftMLA(nn.Module):
         self.kv_b_proj = nn.Linear(self.kv_lora, nh * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(nh * self.v_dim, d, bias=False)
 
+    def head_split(self) -> list[tuple[str, int, int]]:
+        """(linear, rows per head, heads) of the per-head projections a tensor-parallel rank slices."""
+        return [("q_b_proj", self.nope + self.rope, self.num_heads), ("kv_b_proj", self.nope + self.v_dim,
+                                                                        self.num_heads)]
+
+    def shard_heads(self, local_heads: int, world: int) -> None:
+        self.num_heads = local_heads
+
     def cache_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """What the draft cache stores for inputs x at positions (cos/sin): [T, kv_lora + rope]."""
         c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora, self.rope], dim=-1)

@@ -56,6 +56,7 @@ class DSparkProposer:
         self.device = device
         lm = target_model.language_model
         self.embed_tokens, self.lm_head = lm.model.embed_tokens, lm.lm_head
+        self.head_dtype = getattr(lm.lm_head, "inner", lm.lm_head).weight.dtype   # a TP head wraps its shard
         self.pages = {j: torch.zeros(num_blocks, block_size, self.cfg.cache_dim, dtype=dtype, device=device)
                       for j in range(self.cfg.num_hidden_layers)}
 
@@ -102,10 +103,9 @@ class DSparkProposer:
 
     # ---- drafting --------------------------------------------------------------------------
     @torch.inference_mode()
-    def propose(self, reqs: list[DraftRequest]) -> list[DraftBlock]:
-        """One parallel forward over every request's `[anchor, MASK x (N-1)]`, then the Markov loop."""
-        if not reqs:
-            return []
+    def block_logits(self, reqs: list[DraftRequest]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The draft forward over every request's `[anchor, MASK x (N-1)]`: ids [R, n], final hidden
+        [R*n, D], base logits [R, n, V]. Every tensor-parallel rank runs this part (its collectives)."""
         n, cfg = self.num_spec, self.cfg
         ids = torch.full((len(reqs), n), cfg.mask_token_id, dtype=torch.long, device=self.device)
         ids[:, 0] = torch.tensor([r.anchor for r in reqs], device=self.device)
@@ -114,7 +114,16 @@ class DSparkProposer:
                     for pages in self.pages.values()]
         embeds = self.embed_tokens(ids.view(-1)).to(self.model.context_proj.weight.dtype)
         hidden = self.model.block_hidden(embeds, positions, contexts, n)               # [R*n, D]
-        base = (self.lm_head(hidden.to(self.lm_head.weight.dtype)).float() * cfg.logit_scale).view(len(reqs), n, -1)
+        base = (self.lm_head(hidden.to(self.head_dtype)).float() * cfg.logit_scale).view(len(reqs), n, -1)
+        return ids, hidden, base
+
+    @torch.inference_mode()
+    def propose(self, reqs: list[DraftRequest]) -> list[DraftBlock]:
+        """One parallel forward over every request's `[anchor, MASK x (N-1)]`, then the Markov loop."""
+        if not reqs:
+            return []
+        n, cfg = self.num_spec, self.cfg
+        ids, hidden, base = self.block_logits(reqs)
         top = self.spec.dspark_draft_topk or cfg.dspark_draft_topk
         prev = ids[:, 0]
         tokens = torch.empty(len(reqs), n, dtype=torch.long)
