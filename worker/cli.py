@@ -58,14 +58,20 @@ def settings_from_args(args: argparse.Namespace, model_dir: str) -> WorkerSettin
                           enable_auto_tool_choice=args.enable_auto_tool_choice, **extra)
 
 
+def checked_settings(args: argparse.Namespace, model_dir: str) -> WorkerSettings:
+    """The settings, after the checks vLLM makes at start-up, with one log line per vLLM flag whose
+    effect is partial or absent here (worker.vllm_flags)."""
+    check_quantization(args, model_dir)
+    for note in startup_notes(args):
+        log.warning("%s", note)
+    return settings_from_args(args, model_dir)
+
+
 def run_worker(args: argparse.Namespace, role: Role, model_dir: str) -> int:
     from worker.app import create_app
     from worker.runtime import WorkerRuntime
 
-    check_quantization(args, model_dir)
-    for note in startup_notes(args):
-        log.warning("%s", note)
-    settings = settings_from_args(args, model_dir)
+    settings = checked_settings(args, model_dir)
     if args.headless:
         from engine.parallel.launch import run_headless
         return run_headless(settings.engine)
