@@ -180,4 +180,7 @@ class DSparkDraftModel(nn.Module):
         if not hasattr(self, "confidence_head"):
             return None
         x = torch.cat([hidden, markov_embed], dim=-1) if self.cfg.confidence_head_with_markov else hidden
-        return torch.sigmoid(self.confidence_head.proj(x.float())).squeeze(-1)
+        proj = self.confidence_head.proj                # at least fp32 (an fp64 engine keeps fp64)
+        dtype = torch.promote_types(proj.weight.dtype, torch.float32)
+        bias = None if proj.bias is None else proj.bias.to(dtype)
+        return torch.sigmoid(F.linear(x.to(dtype), proj.weight.to(dtype), bias).float()).squeeze(-1)
