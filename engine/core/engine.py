@@ -31,7 +31,7 @@ from engine.graphs.decode import setup_decode_graphs
 from engine.model.kda import KDAOptions
 from engine.model.kimi_k3 import ModelOptions
 from engine.sampler import SamplingState, sample
-from engine.spec_decode.config import DraftConfig, SpeculativeConfig
+from engine.spec_decode.config import AnyDraftConfig, SpeculativeConfig, read_draft_config
 from engine.spec_decode.proposer import DSparkProposer
 from engine.spec_decode.stats import SpecDecodeStats
 from engine.spec_decode.step import SpecDecodeStep
@@ -152,14 +152,14 @@ class LLMEngine:
                  self.cache_config.num_blocks, config.block_size, self.capacity_tokens,
                  self.cache_config.num_working_slots, self.cache_config.num_snapshot_slots)
 
-    def _speculative_config(self, text) -> tuple[SpeculativeConfig | None, DraftConfig | None]:
+    def _speculative_config(self, text) -> tuple[SpeculativeConfig | None, AnyDraftConfig | None]:
         """`--speculative-config` resolved against its draft and this target (None: no speculation)."""
         spec = SpeculativeConfig.parse(self.config.speculative_config)
         if spec is None:
             return None, None
         spec = spec.with_model_path()
         spec.check_draft_tp(self.config.tensor_parallel_size)
-        draft_cfg = DraftConfig.from_dir(spec.model)
+        draft_cfg = read_draft_config(spec.model)
         draft_cfg.check_target(text)
         return spec.resolve(draft_cfg, self.max_model_len), draft_cfg
 

@@ -23,7 +23,7 @@ class SpecConfigError(ValueError):
 
 # Trained drafts shipped as package data, next to the trained targets they were distilled from.
 SHIPPED_DRAFTS_DIR = Path(__file__).parents[1] / "presets_data"
-SHIPPED_DRAFTS = ("tiny-chat-dspark",)           # distilled from the shipped tiny-chat
+SHIPPED_DRAFTS = ("tiny-chat-dspark", "tiny-chat-dspark-gqa")    # MLA and GQA, distilled from the shipped tiny-chat
 
 
 def shipped_draft(name: str) -> Path:
@@ -122,7 +122,7 @@ class SpeculativeConfig:
             return dataclasses.replace(self, model=str(shipped_draft(self.model)))
         return self                         # DraftConfig.from_dir names the missing directory
 
-    def resolve(self, draft: DraftConfig, target_max_model_len: int) -> SpeculativeConfig:
+    def resolve(self, draft: AnyDraftConfig, target_max_model_len: int) -> SpeculativeConfig:
         """Fill the draft-dependent defaults and check consistency with the draft and the target."""
         n = self.num_speculative_tokens or draft.block_size
         if n > draft.block_size:
@@ -245,22 +245,15 @@ class DraftConfig:
 
     def check_target(self, target) -> None:
         """The draft must read the target it was made for (TextConfig)."""
-        problems = []
-        if self.vocab_size != target.vocab_size:
-            problems.append(f"vocab_size {self.vocab_size} != target {target.vocab_size}")
-        if self.hidden_size != target.hidden_size:
-            problems.append(f"hidden_size {self.hidden_size} != target {target.hidden_size} (shared embedding)")
-        if self.target_hidden_size != target.hidden_size:
-            problems.append(f"target_hidden_size {self.target_hidden_size} != target {target.hidden_size}")
-        bad = [i for i in self.target_layer_ids if not 0 <= i < target.num_hidden_layers]
-        if bad:
-            problems.append(f"target_layer_ids {bad} outside 0..{target.num_hidden_layers - 1}")
-        if problems:
-            raise SpecConfigError("draft does not fit the target: " + "; ".join(problems))
+        check_fits(self, target)
 
     @property
     def cache_dim(self) -> int:
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def attention(self) -> str:
+        return "mla"
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -274,6 +267,161 @@ class DraftConfig:
         return {**d, **extra}
 
     def identity_hash(self) -> str:
-        import hashlib
-        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
+        return identity_hash(self.to_dict())
+
+
+def identity_hash(config: dict[str, Any]) -> str:
+    import hashlib
+    blob = json.dumps(config, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def check_fits(cfg: DraftConfig | GQADraftConfig, target) -> None:
+    """A draft (either attention) must read the target it was made for (TextConfig)."""
+    problems = []
+    if cfg.vocab_size != target.vocab_size:
+        problems.append(f"vocab_size {cfg.vocab_size} != target {target.vocab_size}")
+    if cfg.hidden_size != target.hidden_size:
+        problems.append(f"hidden_size {cfg.hidden_size} != target {target.hidden_size} (shared embedding)")
+    if cfg.target_hidden_size != target.hidden_size:
+        problems.append(f"target_hidden_size {cfg.target_hidden_size} != target {target.hidden_size}")
+    bad = [i for i in cfg.target_layer_ids if not 0 <= i < target.num_hidden_layers]
+    if bad:
+        problems.append(f"target_layer_ids {bad} outside 0..{target.num_hidden_layers - 1}")
+    if problems:
+        raise SpecConfigError("draft does not fit the target: " + "; ".join(problems))
+
+
+def _first(d: dict[str, Any], *keys: str) -> Any:
+    """The first of `keys` set in d or in its `dflash_config` (where DFlash-family drafts keep them)."""
+    for source in (d.get("dflash_config") or {}, d):
+        for key in keys:
+            if source.get(key) is not None:
+                return source[key]
+    return None
+
+
+@dataclass(frozen=True)
+class GQADraftConfig:
+    """`config.json` of the GQA (Qwen3-style, RadixArk's) DSpark draft: `model_type: "qwen3"`,
+    `architectures: ["DSparkDraftModel"]`, taps and MASK id in `dflash_config` (docs/dspark.md)."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    target_layer_ids: tuple[int, ...]
+    markov_rank: int
+    mask_token_id: int
+    block_size: int
+    target_hidden_size: int = 0                   # 0: hidden_size (vLLM's fallback)
+    model_type: str = "qwen3"
+    architectures: tuple[str, ...] = ("DSparkDraftModel",)
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1000000.0
+    rope_type: str = "default"
+    attention_bias: bool = False
+    draft_vocab_size: int | None = None
+    logit_scale: float = 1.0
+    enable_confidence_head: bool = False
+    confidence_head_with_markov: bool = False
+    dspark_draft_topk: int | None = None
+    torch_dtype: str = "float32"
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], where: str = "draft config") -> GQADraftConfig:
+        d = dict(d)
+        rope = d.pop("rope_parameters", None) or d.pop("rope_scaling", None) or {}
+        d.setdefault("rope_theta", rope.get("rope_theta", cls.rope_theta))
+        d["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
+        d["target_layer_ids"] = _first(d, "target_layer_ids", "dspark_target_layer_ids")
+        d["block_size"] = _first(d, "block_size", "dspark_block_size")
+        d["mask_token_id"] = _first(d, *_MASK_TOKEN_KEYS)
+        d["head_dim"] = d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
+        fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "extra"}
+        known = {k: v for k, v in d.items() if k in fields and v is not None}
+        for name, f in fields.items():
+            if name not in known and f.default is dataclasses.MISSING:
+                raise SpecConfigError(f"{where}: missing required key '{name}'")
+        known["target_layer_ids"] = tuple(known["target_layer_ids"])
+        known["architectures"] = tuple(known.get("architectures", cls.architectures))
+        known["target_hidden_size"] = known.get("target_hidden_size") or known["hidden_size"]
+        if known.get("draft_vocab_size") == known["vocab_size"]:
+            known["draft_vocab_size"] = None                      # the full vocabulary, as written by to_dict
+        consumed = {"dspark_target_layer_ids", "dspark_block_size", *_MASK_TOKEN_KEYS}
+        cfg = cls(**known, extra={k: v for k, v in d.items() if k not in fields and k not in consumed})
+        cfg.validate(where)
+        return cfg
+
+    def validate(self, where: str) -> None:
+        checks = {"num_attention_heads must be a multiple of num_key_value_heads":
+                  self.num_attention_heads % self.num_key_value_heads == 0,
+                  "head_dim must be even": self.head_dim % 2 == 0,
+                  "hidden_act: only 'silu' is implemented": self.hidden_act == "silu",
+                  f"rope: only 'default' RoPE is implemented, got {self.rope_type!r}": self.rope_type == "default",
+                  "attention_bias: only false is implemented": not self.attention_bias,
+                  "draft_vocab_size must equal vocab_size (embedding and LM head are shared)":
+                  (self.draft_vocab_size or self.vocab_size) == self.vocab_size,
+                  "target_layer_ids must be non-empty": bool(self.target_layer_ids),
+                  f"mask_token_id {self.mask_token_id} is outside the vocabulary":
+                  0 <= self.mask_token_id < self.vocab_size,
+                  "block_size, num_hidden_layers and markov_rank must be >= 1":
+                  min(self.block_size, self.num_hidden_layers, self.markov_rank) >= 1}
+        bad = [what for what, ok in checks.items() if not ok]
+        if bad:
+            raise SpecConfigError(f"{where}: {bad[0]}")
+
+    def check_target(self, target) -> None:
+        check_fits(self, target)
+
+    @property
+    def num_target_layers(self) -> int:
+        return len(self.target_layer_ids)
+
+    @property
+    def cache_dim(self) -> int:
+        """One cache row: K (normed, rotated) then V of every KV head."""
+        return 2 * self.num_key_value_heads * self.head_dim
+
+    @property
+    def attention(self) -> str:
+        return "gqa"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        extra = d.pop("extra")
+        dflash = {**extra.pop("dflash_config", {}), "target_layer_ids": list(d.pop("target_layer_ids")),
+                  "mask_token_id": d.pop("mask_token_id")}
+        d["architectures"] = list(d["architectures"])
+        d["rope_parameters"] = {"rope_type": d.pop("rope_type"), "rope_theta": d["rope_theta"]}
+        d["draft_vocab_size"] = d["draft_vocab_size"] or d["vocab_size"]
+        return {**d, "dflash_config": dflash, **extra}
+
+    def identity_hash(self) -> str:
+        return identity_hash(self.to_dict())
+
+
+AnyDraftConfig = DraftConfig | GQADraftConfig
+GQA_ARCHITECTURES = ("DSparkDraftModel", "Qwen3DSparkModel")
+
+
+def read_draft_config(path: str | Path) -> AnyDraftConfig:
+    """A draft's `config.json`: the MLA `k3_dspark` layout or the GQA `qwen3` DSpark one."""
+    file = Path(path) / "config.json"
+    try:
+        raw = json.loads(file.read_text())
+    except FileNotFoundError as exc:
+        raise SpecConfigError(f"{file}: no draft config.json") from exc
+    except json.JSONDecodeError as exc:
+        raise SpecConfigError(f"{file}: not valid JSON ({exc})") from exc
+    if raw.get("model_type") == "qwen3" and set(raw.get("architectures") or ()) & set(GQA_ARCHITECTURES):
+        return GQADraftConfig.from_dict(raw, str(file))
+    if raw.get("model_type") != "k3_dspark":
+        raise SpecConfigError(f"{file}.model_type: expected 'k3_dspark' (MLA draft) or 'qwen3' with architectures "
+                              f"{list(GQA_ARCHITECTURES)} (GQA draft), got {raw.get('model_type')!r}")
+    return DraftConfig.from_dict(raw, str(file))

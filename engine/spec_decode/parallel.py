@@ -39,17 +39,16 @@ def shard_draft(model: nn.Module, group: TPGroup) -> None:
     rank, world = group.rank, group.world_size
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        heads, kv_heads = attn.num_heads, getattr(attn, "num_kv_heads", world)
-        width = mlp.gate_proj.out_features
-        if heads % world or kv_heads % world or width % world:
-            raise SpecConfigError(f"draft heads ({heads}, KV {kv_heads}) and intermediate size ({width}) must "
-                                  f"divide over tensor_parallel_size {world}")
+        heads, width = attn.num_heads, mlp.gate_proj.out_features
+        if heads % world or width % world:
+            raise SpecConfigError(f"draft heads ({heads}) and intermediate size ({width}) must divide over "
+                                  f"tensor_parallel_size {world}")
         for name, per_head, count in attn.head_split():
             h0, h1 = _range(count, rank, world)
             setattr(attn, name, shard_out(getattr(attn, name), h0 * per_head, h1 * per_head))
         h0, h1 = _range(heads, rank, world)
         attn.o_proj = RowParallelLinear(shard_in(attn.o_proj, h0 * attn.v_dim, h1 * attn.v_dim), group)
-        attn.shard_heads(h1 - h0, world)
+        attn.shard_heads(h1 - h0, rank)
         lo, hi = _range(width, rank, world)
         mlp.gate_proj, mlp.up_proj = shard_out(mlp.gate_proj, lo, hi), shard_out(mlp.up_proj, lo, hi)
         mlp.down_proj = RowParallelLinear(shard_in(mlp.down_proj, lo, hi), group)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.spec_decode.checkpoint import draft_identity, load_draft
-from engine.spec_decode.config import DraftConfig, SpeculativeConfig
+from engine.spec_decode.config import AnyDraftConfig, SpeculativeConfig
 from engine.spec_decode.verify import sample_draft
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class DSparkProposer:
         assert spec.num_speculative_tokens is not None, "resolve the config against its draft first"
         self.num_spec: int = spec.num_speculative_tokens
         self.block_size = block_size
-        self.device = device
+        self.device, self.dtype = device, dtype
         lm = target_model.language_model
         self.embed_tokens, self.lm_head = lm.model.embed_tokens, lm.lm_head
         self.head_dtype = getattr(lm.lm_head, "inner", lm.lm_head).weight.dtype   # a TP head wraps its shard
@@ -65,7 +65,7 @@ class DSparkProposer:
         return self.cfg.target_layer_ids
 
     @staticmethod
-    def bytes_per_block(cfg: DraftConfig, block_size: int, dtype_bytes: int) -> int:
+    def bytes_per_block(cfg: AnyDraftConfig, block_size: int, dtype_bytes: int) -> int:
         return cfg.num_hidden_layers * block_size * cfg.cache_dim * dtype_bytes
 
     def _index(self, blocks: list[int], lo: int, hi: int) -> torch.Tensor:
@@ -112,7 +112,7 @@ class DSparkProposer:
         positions = torch.cat([torch.arange(r.num_verified, r.num_verified + n, device=self.device) for r in reqs])
         contexts = [[pages.view(-1, pages.shape[-1])[self._index(r.blocks, 0, r.num_verified)] for r in reqs]
                     for pages in self.pages.values()]
-        embeds = self.embed_tokens(ids.view(-1)).to(self.model.context_proj.weight.dtype)
+        embeds = self.embed_tokens(ids.view(-1)).to(self.dtype)
         hidden = self.model.block_hidden(embeds, positions, contexts, n)               # [R*n, D]
         base = (self.lm_head(hidden.to(self.head_dtype)).float() * cfg.logit_scale).view(len(reqs), n, -1)
         return ids, hidden, base
