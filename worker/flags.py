@@ -32,8 +32,7 @@ def add_multi_host_args(p: argparse.ArgumentParser) -> None:
                    help="run only this node's ranks (node-rank > 0): no HTTP server, no registration")
 
 
-def add_worker_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
-    """Every worker flag; serve: `kimi-pd serve`'s vLLM defaults (see `worker.vllm_flags`)."""
+def add_worker_args(p: argparse.ArgumentParser, serve: bool = False) -> None:   # serve: vLLM's defaults
     p.add_argument("--model", help="checkpoint directory (default: the tiny generated one)")
     add_vllm_serve_args(p, serve)
     p.add_argument("--host", default="127.0.0.1")
