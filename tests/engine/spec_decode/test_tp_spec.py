@@ -55,3 +55,21 @@ def test_speculative_greedy_equals_plain_at_tp1_and_tp2(prompts, plain, draft):
     tokens2, stats2 = generate(prompts, 2, draft)
     assert tokens2 == plain
     assert stats2 == stats1, "the draft sharded over 2 ranks drafts what the unsharded one drafts"
+
+
+def test_pd_between_tp1_and_tp2_carries_the_draft_rows(prompts, plain):
+    """A TP 1 prefill's state (with the draft's context rows) imported by a TP 2 decode engine, and a TP 2
+    prefill's imported by TP 1: the plain greedy tokens, and the decode side speculates from its first step."""
+    from tests.engine.spec_decode.test_pd_spec import pd_generate
+    spec = {"method": "dspark", "model": "tiny-chat-dspark"}
+    params = SamplingParams(temperature=0.0, max_tokens=GREEDY.max_tokens)
+    model = str(shipped_checkpoint("tiny-chat"))
+    one = LLM(model, speculative_config=spec, **SETTINGS)
+    with LLM(model, tensor_parallel_size=2, speculative_config={**spec, "draft_tensor_parallel_size": 2},
+             **SETTINGS) as two:
+        for prefill, decode, i in ((one, two, 0), (two, one, 1)):
+            before = decode.engine.spec_stats.num_drafts
+            state, got = pd_generate(prefill, decode, prompts[i], params)
+            assert got == plain[i]
+            assert state.draft and all(t.shape[0] == len(prompts[i]) for t in state.draft.values())
+            assert decode.engine.spec_stats.num_drafts > before
