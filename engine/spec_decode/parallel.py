@@ -17,14 +17,14 @@ and rank 0 alone runs the Markov sampling loop on the all-gathered logits.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
-from torch import nn
 
 from engine.parallel.comm import TPGroup
 from engine.parallel.layers import RowParallelLinear, shard_in, shard_out
 from engine.spec_decode.config import SpecConfigError, SpeculativeConfig
+from engine.spec_decode.draft_model import DraftLayer, DSparkDraftModel
 from engine.spec_decode.proposer import DraftBlock, DraftRequest, DSparkProposer
 
 
@@ -34,11 +34,11 @@ def _range(total: int, rank: int, world: int) -> tuple[int, int]:
 
 
 @torch.no_grad()
-def shard_draft(model: nn.Module, group: TPGroup) -> None:
+def shard_draft(model: DSparkDraftModel, group: TPGroup) -> None:
     """Keep this rank's heads and MLP columns of every draft layer (in place)."""
     rank, world = group.rank, group.world_size
-    for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
+    for layer in cast("list[DraftLayer]", model.layers):        # an nn.ModuleList of them
+        attn, mlp = cast(Any, layer.self_attn), cast(Any, layer.mlp)    # their linears become parallel wrappers
         heads, width = attn.num_heads, mlp.gate_proj.out_features
         if heads % world or width % world:
             raise SpecConfigError(f"draft heads ({heads}) and intermediate size ({width}) must divide over "
