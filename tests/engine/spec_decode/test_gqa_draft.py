@@ -72,3 +72,27 @@ def test_random_gqa_draft_loads_for_the_tiny_target_and_greedy_equals_plain(tiny
     assert tokens(llm.generate(prompts, GREEDY)) == tokens(make_llm(tiny_dir).generate(prompts, GREEDY))
     assert llm.engine.spec_stats.num_drafts > 0
     llm.engine.check_integrity()
+
+
+def test_cli_creates_a_gqa_draft_with_the_qwen3_names(tiny_dir, tmp_path):
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+    out = tmp_path / "gqa"
+    base = [sys.executable, "-m", "kimi_pd", "checkpoint", "create"]
+    subprocess.run([*base, "--draft", "--attention", "gqa", "--target", str(tiny_dir), "--out", str(out)],
+                   check=True, capture_output=True, timeout=120)
+    config = json.loads((out / "config.json").read_text())
+    assert (config["model_type"], config["architectures"]) == ("qwen3", ["DSparkDraftModel"])
+    assert set(config["dflash_config"]) == {"target_layer_ids", "mask_token_id"}
+    per_layer = {"input_layernorm", "post_attention_layernorm", "self_attn.q_proj", "self_attn.k_proj",
+                 "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_proj",
+                 "mlp.up_proj", "mlp.down_proj"}
+    expected = {"fc.weight", "hidden_norm.weight", "norm.weight", "markov_head.markov_w1.weight",
+                "markov_head.markov_w2.weight", "confidence_head.proj.weight", "confidence_head.proj.bias"}
+    expected |= {f"layers.{j}.{t}.weight" for j in range(config["num_hidden_layers"]) for t in per_layer}
+    assert set(load_file(str(out / "model.safetensors"))) == expected
+    refused = subprocess.run([*base, "--attention", "gqa", "--out", str(tmp_path / "x")], capture_output=True,
+                             timeout=120)
+    assert refused.returncode == 2 and b"add --draft" in refused.stderr
