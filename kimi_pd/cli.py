@@ -120,7 +120,7 @@ def _worker(command: str):
     def run(args: argparse.Namespace) -> int:
         from kimi_pd.roles import COMMANDS
         from worker.cli import run_worker
-        from worker.vllm_flags import resolve_model
+        from worker.flags import resolve_model
         role = COMMANDS["worker" if command == "serve" else command]        # serve: vLLM's colocated server
         return run_worker(args, role, str(_ensure_model(resolve_model(args))))
     return run

@@ -29,11 +29,11 @@ from shared.openai.prompts import prepare_chat, prepare_completion
 from shared.openai.requests import ChatCompletionRequest, CompletionRequest
 from shared.openai.sse import SSE_DONE, sse_error
 from worker import responses
+from worker.flags import AUTO_TOOL_CHOICE_ERROR
 from worker.helpers import WorkerHelpers
 from worker.legs import new_request_id, run_leg
 from worker.role import LegResult
 from worker.runtime import WorkerRuntime
-from worker.vllm_flags import AUTO_TOOL_CHOICE_ERROR
 
 log = logging.getLogger(__name__)
 

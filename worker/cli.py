@@ -9,7 +9,7 @@ import uvicorn
 from engine.core.engine import EngineConfig
 from engine.structured_output import GrammarBudget
 from shared.http_server import protocol_class
-from worker.flags import add_worker_args
+from worker.flags import add_worker_args, check_quantization, resolve_model, startup_notes
 from worker.role import Role
 from worker.settings import (
     ADMIN_TOKEN_ENV,
@@ -19,7 +19,6 @@ from worker.settings import (
     internal_auth_default,
     secret_from_env,
 )
-from worker.vllm_flags import check_quantization, resolve_model, startup_notes
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +59,7 @@ def settings_from_args(args: argparse.Namespace, model_dir: str) -> WorkerSettin
 
 def checked_settings(args: argparse.Namespace, model_dir: str) -> WorkerSettings:
     """The settings, after the checks vLLM makes at start-up, with one log line per vLLM flag whose
-    effect is partial or absent here (worker.vllm_flags)."""
+    effect is partial or absent here (worker.flags)."""
     check_quantization(args, model_dir)
     for note in startup_notes(args):
         log.warning("%s", note)

@@ -28,6 +28,7 @@ from engine.parallel.comm import TPGroup, rank_device
 from engine.parallel.config import ParallelConfig
 from engine.parallel.runner import TPModelRunner
 from engine.parallel.shard import shard_model
+from engine.spec_decode.parallel import check_before_ranks
 from shared.model_config import ModelConfig
 from shared.net import free_port
 
@@ -101,6 +102,7 @@ class TensorParallel:
 
     def __init__(self, config) -> None:
         self.parallel = parallel_config(config)
+        check_before_ranks(config)                     # DSpark runs sharded over these ranks; a bad draft stops here
         self.parallel.check(ModelConfig.from_file(Path(config.model) / "config.json").text_config)
         local = node_ranks(config, 0)
         if config.node_rank != 0:

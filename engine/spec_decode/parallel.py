@@ -23,9 +23,17 @@ import torch
 
 from engine.parallel.comm import TPGroup
 from engine.parallel.layers import RowParallelLinear, shard_in, shard_out
-from engine.spec_decode.config import SpecConfigError, SpeculativeConfig
+from engine.spec_decode.config import SpecConfigError, SpeculativeConfig, read_draft_config
 from engine.spec_decode.draft_model import DraftLayer, DSparkDraftModel
 from engine.spec_decode.proposer import DraftBlock, DraftRequest, DSparkProposer
+
+
+def check_before_ranks(config: Any) -> None:
+    """A speculative config that cannot run stops start-up before any other rank is started (EngineConfig)."""
+    spec = SpeculativeConfig.parse(config.speculative_config)
+    if spec is not None:
+        spec.check_draft_tp(config.tensor_parallel_size)
+        read_draft_config(spec.with_model_path().model)
 
 
 def _range(total: int, rank: int, world: int) -> tuple[int, int]:

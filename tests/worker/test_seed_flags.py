@@ -17,7 +17,7 @@ from engine.presets import shipped_checkpoint
 from engine.spec_decode.config import SpecConfigError, SpeculativeConfig
 from kimi_pd.cli import build_parser
 from worker.cli import checked_settings
-from worker.vllm_flags import AUTO_TOOL_CHOICE_ERROR, DP_PLACEHOLDER, SEED_FLAGS, resolve_model
+from worker.flags import AUTO_TOOL_CHOICE_ERROR, DP_PLACEHOLDER, SEED_FLAGS, resolve_model
 
 ROOT = Path(__file__).resolve().parents[2]
 SEED_SCRIPT = ROOT / "deploy" / "ascend" / "seed.sh"
