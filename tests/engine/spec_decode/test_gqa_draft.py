@@ -96,3 +96,16 @@ def test_cli_creates_a_gqa_draft_with_the_qwen3_names(tiny_dir, tmp_path):
     refused = subprocess.run([*base, "--attention", "gqa", "--out", str(tmp_path / "x")], capture_output=True,
                              timeout=120)
     assert refused.returncode == 2 and b"add --draft" in refused.stderr
+
+
+def test_shipped_gqa_draft_is_distilled_for_tiny_chat(tmp_path):
+    """`tiny-chat-dspark-gqa` ships like the MLA draft: a preset copy, a GQA config, a trained log."""
+    from engine.presets import shipped_checkpoint
+    from engine.spec_decode.checkpoint import copy_shipped_draft
+    from engine.spec_decode.config import shipped_draft
+    out = copy_shipped_draft("tiny-chat-dspark-gqa", tmp_path / "gqa")
+    assert (out / "config.json").read_text() == (shipped_draft("tiny-chat-dspark-gqa") / "config.json").read_text()
+    model, cfg = load_draft(out, load_checkpoint(shipped_checkpoint("tiny-chat")).config.text_config)
+    assert isinstance(cfg, GQADraftConfig) and cfg.num_key_value_heads < cfg.num_attention_heads
+    log = json.loads((out / "train_log.json").read_text())
+    assert log["config"]["attention"] == "gqa" and log["final_top1"] > 0.8
