@@ -35,8 +35,7 @@ def add_multi_host_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_worker_args(p: argparse.ArgumentParser, serve: bool = False) -> None:   # serve: vLLM's defaults
-    p.add_argument("--model", help="checkpoint directory (default: the tiny generated one)")
-    add_vllm_serve_args(p, serve)
+    add_vllm_serve_args(p, serve)                         # MODEL_PATH / --model first
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100)
     p.add_argument("--served-model-name", default="kimi-k3")
@@ -141,6 +140,7 @@ def add_vllm_serve_args(p: argparse.ArgumentParser, serve: bool = False) -> None
 
     serve: `kimi-pd serve` (vLLM's defaults: auto tool choice off unless asked for); the worker roles
     keep kimi-pd's default (on), which every kimi-pd fleet relies on."""
+    p.add_argument("--model", help="checkpoint directory (default: the tiny generated one)")
     p.add_argument("model_path", nargs="?", default=None, metavar="MODEL_PATH",
                    help="checkpoint directory, as `vllm serve MODEL_PATH` (same as --model)")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the checkpoint's)")
