@@ -171,3 +171,18 @@ def test_auto_tool_choice_is_gated_as_in_vllm():
         r = allowed.post("/v1/chat/completions", json={**body, "tool_choice": "auto"})
         assert r.status_code == 200, r.text
         assert json.loads(r.text)["choices"][0]["finish_reason"] in ("length", "stop", "tool_calls")
+
+
+def test_tokenizer_flag_is_where_the_engine_reads_its_tokenizer(tmp_path):
+    """--tokenizer DIR: the engine's tokenizer comes from DIR (a copy serves; a directory without one fails)."""
+    import shutil
+
+    from engine.core.engine import EngineConfig, LLMEngine
+    copy = tmp_path / "tok"
+    shutil.copytree(TINY_CHAT, copy, ignore=shutil.ignore_patterns("*.safetensors", "*.json.gz"))
+    engine = LLMEngine(EngineConfig(model=str(TINY_CHAT), tokenizer=str(copy), cache_memory_bytes=4 << 20))
+    assert engine.tokenizer.encode("What is 2 + 3?") == LLMEngine(EngineConfig(
+        model=str(TINY_CHAT), cache_memory_bytes=4 << 20)).tokenizer.encode("What is 2 + 3?")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises((FileNotFoundError, ValueError), match="empty"):
+        LLMEngine(EngineConfig(model=str(TINY_CHAT), tokenizer=str(tmp_path / "empty"), cache_memory_bytes=4 << 20))
