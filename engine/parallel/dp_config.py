@@ -13,6 +13,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+@dataclass(frozen=True, kw_only=True)
+class DataParallelSettings:
+    """EngineConfig's data-parallel fields (vLLM's --data-parallel-*), keyword-only so they may follow
+    EngineConfig's own fields."""
+
+    data_parallel_size: int = 1
+    data_parallel_size_local: int | None = None     # None: every DP rank from the start rank on this host
+    data_parallel_start_rank: int = 0
+    data_parallel_address: str = "127.0.0.1"
+    data_parallel_rpc_port: int = 0                  # 0: any free port (one host only)
+
+
 @dataclass(frozen=True)
 class DPLayout:
     size: int                 # D

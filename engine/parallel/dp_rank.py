@@ -63,7 +63,8 @@ class DPRank:
         self._stop_processes = stop_processes
         self.runner: DPRunner | DPTPRunner | None = None
 
-    def make_runner(self, cache_config, identity) -> DPRunner | DPTPRunner:
+    def make_runner(self, cache_config, identity, proposer=None) -> DPRunner | DPTPRunner:
+        """proposer: always None (speculative decoding with DP is refused at start-up)."""
         if self.group.world_size > 1:
             self.group.broadcast((cache_config, identity))
             self.runner = DPTPRunner(self.model, cache_config, identity, self.group)
