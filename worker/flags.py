@@ -108,12 +108,6 @@ QUANTIZATION_METHODS = ("ascend",)
 SAFETENSORS_LOAD_STRATEGIES = ("lazy", "eager", "prefetch", "torchao")     # vLLM 0.32's choices
 AUTO_TOOL_CHOICE_ERROR = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
 
-# Placeholder rows: data parallelism inside one engine belongs to the DP-attention work (issue 26, items 1-2);
-# that change replaces these rows (and adds the flags). Until then the parser refuses the flags.
-DP_PLACEHOLDER = "PLACEHOLDER (DP attention + EP across DP ranks): not implemented by this change"
-DP_FLAGS = ("--data-parallel-size", "--data-parallel-size-local", "--data-parallel-start-rank",
-            "--data-parallel-address", "--data-parallel-rpc-port")
-
 # What each flag of the seed's lines does HERE (docs/deployment.md "The seed's command lines" mirrors it).
 SEED_FLAGS: dict[str, str] = {
     "MODEL_PATH": "the checkpoint directory (positional, as `vllm serve MODEL_PATH`; same as --model)",
@@ -133,8 +127,12 @@ SEED_FLAGS: dict[str, str] = {
     "--enable-auto-tool-choice": "allows tool_choice \"auto\" (explicit, or implied by tools); without it a "
                                  "400 worded as vLLM's (`kimi-pd serve`; the worker roles default it on)",
     "--speculative-config": "DSpark; draft_tensor_parallel_size equal to the target's --tensor-parallel-size",
-    "--headless": "ranks only, no HTTP server (today: the TP ranks of --nnodes; DP meaning: placeholder)",
-    **dict.fromkeys(DP_FLAGS, DP_PLACEHOLDER),
+    "--headless": "ranks only, no HTTP server: this node's DP ranks from --data-parallel-start-rank (or the TP "
+                  "ranks of --node-rank), joining node 0",
+    "--data-parallel-size": "DP ranks (engines with their own batch and cache); experts over DP x TP ranks",
+    "--data-parallel-size-local": "DP ranks on this node", "--data-parallel-start-rank": "this node's first DP rank",
+    "--data-parallel-address": "node 0's address, where every rank meets",
+    "--data-parallel-rpc-port": "the port there: the ranks' rendezvous and the front's commands",
 }
 
 

@@ -4,6 +4,7 @@ without an effect here log one line each, an unknown flag is still an error."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import logging
@@ -13,11 +14,12 @@ from pathlib import Path
 import pytest
 
 from engine.core.inputs import checked_max_model_len
+from engine.parallel.dp_config import DPLayout
 from engine.presets import shipped_checkpoint
 from engine.spec_decode.config import SpecConfigError, SpeculativeConfig
 from kimi_pd.cli import build_parser
 from worker.cli import checked_settings
-from worker.flags import AUTO_TOOL_CHOICE_ERROR, DP_PLACEHOLDER, SEED_FLAGS, resolve_model
+from worker.flags import AUTO_TOOL_CHOICE_ERROR, SEED_FLAGS, resolve_model
 
 ROOT = Path(__file__).resolve().parents[2]
 SEED_SCRIPT = ROOT / "deploy" / "ascend" / "seed.sh"
@@ -40,25 +42,6 @@ def seed_argv(node: int, model: Path) -> list[str]:
     return proc.stdout.decode().split("\0")[:-1]
 
 
-def known_flags() -> set[str]:
-    serve = next(a for a in build_parser()._subparsers._actions if a.dest == "command").choices["serve"]
-    return set(serve._option_string_actions)
-
-
-def without_placeholders(argv: list[str]) -> list[str]:
-    """The line minus the data-parallel flags (and values) whose table row is still the placeholder and
-    that the parser does not know yet: DP attention is another change's; once it lands, nothing is cut."""
-    known, out, skip = known_flags(), [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif SEED_FLAGS.get(arg) == DP_PLACEHOLDER and arg not in known:
-            skip = True
-        else:
-            out.append(arg)
-    return out
-
-
 def parse(argv: list[str]):
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
@@ -78,7 +61,7 @@ def test_the_seed_lines_are_the_issue_s_22_flags_and_the_table_covers_them(w4a8_
 
 
 def test_node0_line_as_written_takes_effect_flag_by_flag(w4a8_dir, caplog):
-    args = parse(without_placeholders(seed_argv(0, w4a8_dir))[1:])
+    args = parse(seed_argv(0, w4a8_dir)[1:])
     assert args.command == "serve" and resolve_model(args) == str(w4a8_dir)
     with caplog.at_level(logging.WARNING, logger="worker.cli"):
         settings = checked_settings(args, resolve_model(args))
@@ -86,6 +69,8 @@ def test_node0_line_as_written_takes_effect_flag_by_flag(w4a8_dir, caplog):
     assert (settings.host, settings.port, settings.served_model_name) == ("0.0.0.0", 8000, "kimi-k3")
     assert engine.model == engine.tokenizer == str(w4a8_dir)
     assert (engine.tensor_parallel_size, engine.enable_expert_parallel) == (16, True)
+    assert (engine.data_parallel_size, engine.data_parallel_size_local, engine.data_parallel_start_rank,
+            engine.data_parallel_address, engine.data_parallel_rpc_port) == (4, 1, 0, "127.0.0.1", 13389)
     assert (engine.max_model_len, engine.max_num_batched_tokens, engine.max_num_seqs) == (133120, 8192, 16)
     assert engine.enable_prefix_caching and settings.enable_auto_tool_choice
     assert (args.tokenizer_mode, args.reasoning_parser, args.tool_call_parser) == ("kimi_k3",) * 3
@@ -107,14 +92,17 @@ def test_node0_line_as_written_takes_effect_flag_by_flag(w4a8_dir, caplog):
 
 def test_headless_node_lines_parse_with_their_rank(w4a8_dir):
     for node in (1, 2, 3):
-        args = parse(without_placeholders(seed_argv(node, w4a8_dir))[1:])
+        args = parse(seed_argv(node, w4a8_dir)[1:])
         assert args.headless and resolve_model(args) == str(w4a8_dir)
-        if "--data-parallel-start-rank" in known_flags():
-            assert args.data_parallel_start_rank == node
+        engine = checked_settings(args, resolve_model(args)).engine
+        assert (engine.data_parallel_size, engine.data_parallel_size_local, engine.data_parallel_start_rank) == (
+            4, 1, node)
+        assert DPLayout.of(dataclasses.replace(engine, speculative_config=None)).local_ranks() == list(
+            range(16 * node, 16 * node + 16))                    # its 16 TP ranks of DP rank `node`
 
 
 def test_unknown_flags_and_wrong_values_stay_errors(w4a8_dir):
-    argv = without_placeholders(seed_argv(0, w4a8_dir))[1:]
+    argv = seed_argv(0, w4a8_dir)[1:]
     for extra in (["--no-such-flag"], ["--quantization", "fp8"], ["--safetensors-load-strategy", "mmap"],
                   ["--gpu-memory-utilization", "1.5"]):
         with contextlib.redirect_stderr(io.StringIO()), pytest.raises(SystemExit):
