@@ -138,7 +138,8 @@ async def _serve(request: Request, endpoint: str, req, prepare, body_bytes: int)
     # stall the event loop (bodies are bounded by max_request_bytes)
     prepared = prepare() if body_bytes <= INLINE_PREPARE_BYTES else await asyncio.to_thread(prepare)
     client_id = req.request_id or header_request_id(header(request, b"x-request-id"))
-    trace = Trace(f"{endpoint}-{_INSTANCE}-{next(_ids)}", endpoint, client_request_id=client_id)
+    trace = Trace(f"{endpoint}-{_INSTANCE}-{next(_ids)}", endpoint, client_request_id=client_id,
+                  group=getattr(request.state, "kimi_pd_group", None))
     if client_id:
         log.debug("request %s is the client's %s", trace.request_id, client_id)
     outcome = "error"
@@ -175,7 +176,7 @@ async def _chat(request: Request) -> Response:
 
     def one(sub: ChatCompletionRequest) -> Awaitable[Response]:
         return _serve(request, "chat", sub, lambda: st.prompts.prepare_chat(sub), size)
-    return await (fan_out(req, cast(RunOne, one)) if needs_fan_out(req) else one(req))
+    return await _one_or_fanned_out(request, req, one)
 
 
 async def _completions(request: Request) -> Response:
@@ -185,7 +186,15 @@ async def _completions(request: Request) -> Response:
 
     def one(sub: CompletionRequest) -> Awaitable[Response]:
         return _serve(request, "completions", sub, lambda: request.app.state.prompts.prepare_completion(sub), size)
-    return await (fan_out(req, cast(RunOne, one)) if needs_fan_out(req) else one(req))
+    return await _one_or_fanned_out(request, req, one)
+
+
+async def _one_or_fanned_out(request: Request, req: AnyRequest, one) -> Response:
+    """A fan-out's sub-requests share one group id, so a worker gives them one share of its batch."""
+    if not needs_fan_out(req):
+        return await one(req)
+    request.state.kimi_pd_group = f"group-{_INSTANCE}-{next(_ids)}"
+    return await fan_out(req, cast(RunOne, one))
 
 
 async def _health(request: Request) -> JSONResponse:

@@ -26,6 +26,7 @@ def settings_from_args(args: argparse.Namespace, model_dir: str) -> WorkerSettin
     secret = secret_from_env(TRANSFER_SECRET_ENV) or ""
     engine = EngineConfig(model=model_dir, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                          request_share=args.request_share,
                           enable_prefix_caching=args.enable_prefix_caching, block_size=args.block_size,
                           device=args.device, dtype=args.dtype, cache_memory_bytes=args.cache_memory,
                           kda_chunk_size=args.kda_chunk_size,

@@ -33,7 +33,7 @@ class EngineCall:
         """The engine's outputs, observed for metrics. `aclosing`: when our consumer stops early, the
         engine stream is closed at once, which aborts the request."""
         stream = self.engine.generate(result.request_id, engine_input(prepared, resume), params, imported=imported,
-                                      export_state=export_state)
+                                      export_state=export_state, group=result.group)
         async with aclosing(stream) as outputs:
             async for out in outputs:
                 yield self.observe(result, out)

@@ -39,6 +39,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--request-share", type=float, default=0.5,
+                   help="the share of --max-num-seqs one request's sequences (n, best_of, a prompt list) hold "
+                        "while another request waits (0 < share <= 1; 1: no limit)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])

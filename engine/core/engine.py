@@ -52,6 +52,7 @@ class EngineConfig:
     model: str
     max_num_seqs: int = 8
     max_num_batched_tokens: int = 2048
+    request_share: float = 0.5             # of max_num_seqs one request's fan-out holds while others wait
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     block_size: int = 16
@@ -81,7 +82,8 @@ class EngineConfig:
                   "snapshot_interval_blocks": self.snapshot_interval_blocks >= 1,
                   "dtype": self.dtype in TORCH_DTYPE_NAMES,
                   "export_lease_s": self.export_lease_s is None or self.export_lease_s > 0,
-                  "tensor_parallel_size": self.tensor_parallel_size >= 1}
+                  "tensor_parallel_size": self.tensor_parallel_size >= 1,
+                  "request_share": 0 < self.request_share <= 1}
         bad = [k for k, ok in checks.items() if not ok]
         if bad:
             raise ValueError(f"invalid engine settings: {', '.join(f'{k}={getattr(self, k)!r}' for k in bad)}")
@@ -125,7 +127,7 @@ class LLMEngine:
                                          if draft_cfg else 0)
         self.cache = HybridCacheManager(self.cache_config)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   self.max_model_len), self.cache)
+                                                   self.max_model_len, config.request_share), self.cache)
         config_hash = self.model.config.identity_hash()
         schedule = "".join("K" if text.is_kda_layer(i) else "M" for i in range(text.num_hidden_layers))
         self.identity = StateIdentity(config_hash, config.dtype, schedule, config.block_size)
@@ -174,8 +176,9 @@ class LLMEngine:
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: EngineInput | list[int], params: SamplingParams,
-                    export_state: bool = False, imported: ExportedState | None = None) -> str:
-        """Validate and queue. Raises InvalidRequest subclasses (bad tokens, too long, never fits)."""
+                    export_state: bool = False, imported: ExportedState | None = None, group: str | None = None) -> str:
+        """Validate and queue. Raises InvalidRequest subclasses (bad tokens, too long, never fits).
+        `group`: the fan-out this sequence is one of, sharing one share of the batch (None: its own)."""
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
@@ -188,7 +191,8 @@ class LLMEngine:
         max_tokens = self._resolve_max_tokens(len(inputs.prompt_token_ids), params)
         if imported is not None:
             self._check_import(inputs.prompt_token_ids, imported)
-        req = Request(request_id, list(inputs.prompt_token_ids), params, export_state=export_state, imported=imported)
+        req = Request(request_id, list(inputs.prompt_token_ids), params, export_state=export_state, imported=imported,
+                      group=group)
         if req.wants_prompt_logprobs:
             req.prompt_logprobs = [None] * req.num_prompt_tokens
         req.max_tokens = min(1, max_tokens) if export_state else max_tokens

@@ -7,9 +7,16 @@ a decode step are all that one rule. A fresh prompt waits while a running reques
 block (`waits_for_shared_prefill`), so the blocks they share are computed once and then hit. When
 pages run out, the most recently admitted running request is preempted (its pages freed, recomputed
 later from its tokens: prompt + output so far).
+
+Fairness between requests: the sequences of one request's fan-out (`n`, `best_of`, a list of prompts:
+one `group`) hold at most `request_share` of `max_num_seqs` while another group waits. Admission takes
+the waiting requests of groups under their share first, and when every slot is taken, the newest
+sequence of a group over its share is preempted for them; with nobody else waiting, one group may fill
+the batch (`fair_order`, `fair_victim`).
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -22,6 +29,12 @@ class SchedulerConfig:
     max_num_seqs: int = 8
     max_num_batched_tokens: int = 2048
     max_model_len: int = 4096
+    request_share: float = 0.5          # of max_num_seqs, per group while another group waits (1.0: off)
+
+    @property
+    def max_group_seqs(self) -> int | None:
+        """Sequences one group holds while another waits; None: no limit (first come, first served)."""
+        return None if self.request_share >= 1 else max(1, math.ceil(self.request_share * self.max_num_seqs))
 
 
 @dataclass
@@ -71,6 +84,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._make_fair_room(out)
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
@@ -117,7 +131,19 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
 
+    def _make_fair_room(self, out: SchedulerOutput) -> None:
+        """Every slot taken and a group under its share waiting: preempt one sequence of a group over it."""
+        cap = self.config.max_group_seqs
+        if cap is None or len(self.running) < self.config.max_num_seqs or not self.waiting:
+            return
+        victim = fair_victim(self.waiting, self.running, cap)
+        if victim is not None:
+            self._preempt(victim)
+            out.preempted.append(victim)
+
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        if self.config.max_group_seqs is not None:
+            self.waiting = fair_order(self.waiting, self.running, self.config.max_group_seqs)
         deferred: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
@@ -161,3 +187,38 @@ def waits_for_shared_prefill(req: Request, running: list[Request]) -> bool:
     first = req.block_hashes[0]
     return any(r.block_hashes[:1] == [first] and r.num_computed_tokens < r.num_prompt_tokens and r.imported is None
                for r in running)
+
+
+def _group_counts(running: list[Request]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for r in running:
+        counts[r.group_key] = counts.get(r.group_key, 0) + 1
+    return counts
+
+
+def fair_order(waiting: deque[Request], running: list[Request], cap: int) -> deque[Request]:
+    """The waiting queue with, first, the requests that keep their group within `cap` sequences (counting
+    those running and those ahead of them), then the rest; each part in its own order."""
+    counts = _group_counts(running)
+    within: deque[Request] = deque()
+    beyond: list[Request] = []
+    for req in waiting:
+        n = counts.get(req.group_key, 0)
+        counts[req.group_key] = n + 1
+        (within if n < cap else beyond).append(req)
+    if not beyond:
+        return waiting
+    within.extend(beyond)
+    return within
+
+
+def fair_victim(waiting: deque[Request], running: list[Request], cap: int) -> Request | None:
+    """The most recently admitted sequence of the group most over `cap`, when a request whose group is
+    under `cap` waits; else None (a group within its share is never preempted for another)."""
+    counts = _group_counts(running)
+    if all(counts.get(req.group_key, 0) >= cap for req in waiting):
+        return None
+    over = max(counts, key=lambda g: counts[g])
+    if counts[over] <= cap:
+        return None
+    return next(r for r in reversed(running) if r.group_key == over)
