@@ -23,7 +23,7 @@ from shared.openai.convert import to_sampling_params
 from shared.openai.errors import ModelNotFound, OpenAIError, error_from_exception
 from shared.openai.fanout import fan_out, needs_fan_out
 from shared.openai.helpers import check_admin, install_helpers
-from shared.openai.ids import GROUP_HEADER, header_request_id
+from shared.openai.ids import GROUP_HEADER, LEASE_RENEW_HEADER, header_request_id
 from shared.openai.prompts import prepare_chat, prepare_completion
 from shared.openai.requests import ChatCompletionRequest, CompletionRequest
 from shared.openai.sse import SSE_DONE, sse_error
@@ -125,7 +125,8 @@ async def _completion_one(request: Request, req: CompletionRequest) -> Response:
 async def _serve(request: Request, rt: WorkerRuntime, endpoint: str, req, params, prepared,
                  stream_fn: Callable, whole_fn: Callable) -> Response:
     client_id = req.request_id or header_request_id(request.headers.get("x-request-id"))
-    result = LegResult(new_request_id(endpoint, client_id), group=_group(request))
+    result = LegResult(new_request_id(endpoint, client_id), group=_group(request),
+                       lease_renewed=request.headers.get(LEASE_RENEW_HEADER) == "1")
     ktp = KVTransferParams.parse(req.kv_transfer_params)
     spec = req.kimi_pd_resume
     resume = Resume(list(spec.token_ids), spec.seed_offset) if spec is not None else None

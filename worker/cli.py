@@ -43,6 +43,7 @@ def settings_from_args(args: argparse.Namespace, model_dir: str) -> WorkerSettin
                           transfer_advertise_host=args.kv_advertise_host,
                           transfer_port=args.kv_port, transfer_streams=args.kv_streams,
                           transfer_secret=secret.encode(), kv_lease_s=args.kv_lease_s,
+                          kv_renewed_lease_s=args.kv_renewed_lease_s,
                           kv_load_failure_policy=args.kv_load_failure_policy, store_url=args.redis_url,
                           namespace=args.namespace, heartbeat_s=args.heartbeat_s,
                           max_request_bytes=args.max_request_bytes,

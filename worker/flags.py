@@ -74,7 +74,11 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-port", type=int, default=0)
     p.add_argument("--kv-streams", type=int, default=2,
                    help="parallel TCP streams per pull (2 x 8 MiB chunks measured best on 2 cores)")
-    p.add_argument("--kv-lease-s", type=float, default=30.0)
+    p.add_argument("--kv-lease-s", type=float, default=30.0,
+                   help="how long a prefill state waits for its decode worker's pull, at most")
+    p.add_argument("--kv-renewed-lease-s", type=float, default=5.0,
+                   help="a state whose router renews it (ours, with an admin token) is freed this long after "
+                        "the last renewal: a killed router's states go within seconds, not --kv-lease-s")
     p.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"])
     p.add_argument("--redis-url", default=os.environ.get(REDIS_URL_ENV) or None,
                    help=f"state store (registration, load, KV events; default ${REDIS_URL_ENV}, "

@@ -31,6 +31,7 @@ class LegResult:
     num_cached_tokens: int = 0
     recomputed: bool = False
     group: str | None = None            # the fan-out this leg is one sequence of (x-kimi-pd-group)
+    lease_renewed: bool = False         # the router renews a prefill state's lease (x-kimi-pd-lease-renew)
     timings: dict[str, float] = field(default_factory=lambda: {"start": time.perf_counter()})
 
 

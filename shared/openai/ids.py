@@ -13,6 +13,7 @@ _SAFE = re.compile(rf"[!#-~]{{1,{MAX_REQUEST_ID_CHARS}}}")       # printable ASC
 
 
 GROUP_HEADER = "x-kimi-pd-group"        # router -> worker: the fan-out a sub-request belongs to
+LEASE_RENEW_HEADER = "x-kimi-pd-lease-renew"   # router -> prefill worker: "1": it renews the state's lease
 
 
 def is_safe_request_id(value: object) -> bool:
