@@ -2,9 +2,10 @@
 
 A router in front of one colocated worker (`--max-num-seqs 8`) serving the shipped tiny-chat model. One
 client sends a completions request of P prompts x n sequences; once it is running, another client
-sends short chat requests one after another until the fan-out ends, and times them. The same run is made with the worker's
-`--request-share` at 0.5 (the default: one fan-out holds half the batch while another request waits)
-and at 1.0 (no share: first come, first served), against the other client's latency on an idle worker.
+sends short chat requests one after another until the fan-out ends, and times them. The same run is
+made with the worker's `--request-share` at 0.5 (the default: one fan-out holds half the batch while
+another request waits) and at 1.0 (no share: first come, first served), against the other client's
+latency on an idle worker.
 
     python -m benchmarks.fairness [--prompts 64] [--n 4] [--shares 0.5 1.0]     # results/fairness.json
 """

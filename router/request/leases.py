@@ -39,6 +39,7 @@ class LeaseKeeper:
         self.fleet, self.every_s = fleet, every_s
         self._held: dict[str, dict[str, None]] = {}        # prefill worker URL -> remote request ids (ordered)
         self._task: asyncio.Task | None = None
+        self._unsupported: set[str] = set()                # workers without the route (older or stubs): full lease
 
     @asynccontextmanager
     async def kept(self, trace: Trace) -> AsyncIterator[None]:
@@ -61,7 +62,7 @@ class LeaseKeeper:
         if ktp is None or not ktp.remote_request_id or worker_id is None or not renews(self.fleet, worker_id):
             return None
         info = self.fleet.registry.all_infos().get(worker_id)
-        if info is None:
+        if info is None or info.url in self._unsupported:
             return None
         self._held.setdefault(info.url, {})[ktp.remote_request_id] = None
         if self._task is None or self._task.done():
@@ -80,7 +81,11 @@ class LeaseKeeper:
             resp = await fleet.client.post(f"{url}/internal/kv/renew", json={"request_ids": ids},
                                            headers={"authorization": f"Bearer {fleet.admin_token}"},
                                            timeout=fleet.s.connect_timeout_s)
-            if resp.status_code != 200:
+            if resp.status_code == 404:             # a worker that does not renew gave these the full lease
+                self._unsupported.add(url)
+                self._held.pop(url, None)
+                log.info("a prefill worker does not serve lease renewals; its states keep the full lease")
+            elif resp.status_code != 200:
                 log.warning("prefill worker refused a lease renewal: %s", resp.status_code)
         except httpx.HTTPError as exc:
             log.warning("could not renew %d prefill leases: %s", len(ids), type(exc).__name__)
