@@ -44,7 +44,7 @@ from shared.http import (
     read_json_object,
     until_disconnect,
 )
-from shared.openai.errors import OpenAIError, error_response
+from shared.openai.errors import BadRequest, OpenAIError, error_response
 from shared.openai.fanout import AnyRequest, fan_out, needs_fan_out
 from shared.openai.helpers import check_admin, check_model, install_helpers
 from shared.openai.ids import header_request_id
@@ -190,9 +190,15 @@ async def _completions(request: Request) -> Response:
 
 
 async def _one_or_fanned_out(request: Request, req: AnyRequest, one) -> Response:
-    """A fan-out's sub-requests share one group id, so a worker gives them one share of its batch."""
+    """A fan-out's sub-requests share one group id, so a worker gives them one share of its batch; more
+    sequences than `max_sequences_per_request` are a 400 before any is placed."""
     if not needs_fan_out(req):
         return await one(req)
+    limit = request.app.state.settings.max_sequences_per_request
+    sequences = len(req.prompts) * req.num_sequences if isinstance(req, CompletionRequest) else req.n
+    if sequences > limit:
+        raise BadRequest(f"this request asks for {sequences} sequences (prompts x n); this server allows at most "
+                         f"{limit} per request", param="n")
     request.state.kimi_pd_group = f"group-{_INSTANCE}-{next(_ids)}"
     return await fan_out(req, cast(RunOne, one))
 

@@ -42,6 +42,8 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="starting guess of a worker's prefill speed; calibrated from its answers")
     p.add_argument("--max-request-bytes", type=int, default=4 << 20,
                    help="largest request body; larger ones get a 413 before being parsed or tokenised")
+    p.add_argument("--max-sequences-per-request", type=int, default=1024,
+                   help="prompts x n (or best_of) of one request; more get a 400 (at most 1024)")
     p.add_argument("--redis-url", default=os.environ.get(REDIS_URL_ENV) or None,
                    help=f"state store: discover workers, load, KV events (default ${REDIS_URL_ENV}; "
                         "redis://:PASSWORD@HOST:PORT, and the environment keeps the password out of `ps`)")
@@ -76,6 +78,7 @@ def settings_from_args(args: argparse.Namespace, model_dir: str | None) -> Route
                           static_prefill=tuple(args.prefill), static_decode=tuple(args.decode),
                           static_both=tuple(args.worker), block_size=args.block_size, store_url=args.redis_url,
                           static_cache_tokens=args.static_cache_tokens, max_request_bytes=args.max_request_bytes,
+                          max_sequences_per_request=args.max_sequences_per_request,
                           prefill_tokens_per_s=args.prefill_tokens_per_s,
                           namespace=args.namespace, disagg_threshold_tokens=args.disagg_threshold,
                           transfer_aware=args.transfer_aware,
