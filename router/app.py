@@ -45,7 +45,7 @@ from shared.http import (
     until_disconnect,
 )
 from shared.openai.errors import BadRequest, OpenAIError, error_response
-from shared.openai.fanout import AnyRequest, fan_out, needs_fan_out
+from shared.openai.fanout import AnyRequest, R, fan_out, needs_fan_out
 from shared.openai.helpers import check_admin, check_model, install_helpers
 from shared.openai.ids import header_request_id
 from shared.openai.requests import ChatCompletionRequest, CompletionRequest
@@ -189,7 +189,7 @@ async def _completions(request: Request) -> Response:
     return await _one_or_fanned_out(request, req, one)
 
 
-async def _one_or_fanned_out(request: Request, req: AnyRequest, one) -> Response:
+async def _one_or_fanned_out(request: Request, req: R, one) -> Response:
     """A fan-out's sub-requests share one group id, so a worker gives them one share of its batch; more
     sequences than `max_sequences_per_request` are a 400 before any is placed."""
     if not needs_fan_out(req):
