@@ -11,6 +11,8 @@ from shared.store.factory import REDIS_URL_ENV
 _UNITS = {"": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
           "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
 ACCEPTED_PARSERS = ("kimi_k3",)
+_POLICY_HELP = ("fcfs: arrival order; priority: the request's `priority` (lower first, then arrival), preempting "
+                "the lowest under memory pressure (vLLM's)")
 
 
 def parse_bytes(text: str) -> int:
@@ -33,6 +35,7 @@ def add_multi_host_args(p: argparse.ArgumentParser) -> None:
 
 def add_sharing_args(p: argparse.ArgumentParser) -> None:
     """How a worker shares its batch between requests, and how long a prefill state waits for a router."""
+    p.add_argument("--kv-lease-s", type=float, default=30.0)
     p.add_argument("--request-share", type=float, default=0.5,
                    help="the share of --max-num-seqs one request's sequences (n, best_of, a prompt list) hold "
                         "while another request waits (0 < share <= 1; 1: no limit)")
@@ -49,6 +52,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"], help=_POLICY_HELP)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -81,7 +85,6 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-port", type=int, default=0)
     p.add_argument("--kv-streams", type=int, default=2,
                    help="parallel TCP streams per pull (2 x 8 MiB chunks measured best on 2 cores)")
-    p.add_argument("--kv-lease-s", type=float, default=30.0)
     add_sharing_args(p)
     p.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"])
     p.add_argument("--redis-url", default=os.environ.get(REDIS_URL_ENV) or None,

@@ -8,14 +8,20 @@ block (`waits_for_shared_prefill`), so the blocks they share are computed once a
 pages run out, the most recently admitted running request is preempted (its pages freed, recomputed
 later from its tokens: prompt + output so far).
 
+Under the `priority` policy (vLLM's `--scheduling-policy priority`) the waiting queue is ordered by
+(priority, arrival), lower first, preempted requests included, and the victim of a preemption is the
+running request with the highest (priority, arrival) instead of the latest admitted; a victim already
+given tokens in this step gives them back. Only order and latency change: each request's tokens do not.
+
 Fairness between requests: the sequences of one request's fan-out (`n`, `best_of`, a list of prompts:
 one `group`) hold at most `request_share` of `max_num_seqs` while another group waits. Admission takes
-the waiting requests of groups under their share first, and when every slot is taken, the newest
-sequence of a group over its share is preempted for them; with nobody else waiting, one group may fill
-the batch (`fair_order`, `fair_victim`).
+the waiting requests of groups under their share first (under `priority`: first within each priority),
+and, under `fcfs`, when every slot is taken the newest sequence of a group over its share is preempted
+for them; with nobody else waiting, one group may fill the batch (`fair_order`, `fair_victim`).
 """
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -29,12 +35,20 @@ class SchedulerConfig:
     max_num_seqs: int = 8
     max_num_batched_tokens: int = 2048
     max_model_len: int = 4096
+    policy: str = "fcfs"                        # fcfs | priority
     request_share: float = 0.5          # of max_num_seqs, per group while another group waits (1.0: off)
 
     @property
     def max_group_seqs(self) -> int | None:
         """Sequences one group holds while another waits; None: no limit (first come, first served)."""
         return None if self.request_share >= 1 else max(1, math.ceil(self.request_share * self.max_num_seqs))
+
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+def _rank(req: Request) -> tuple[int, float]:
+    return req.priority, req.arrival_time
 
 
 @dataclass
@@ -76,7 +90,10 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, req: Request) -> None:
-        self.waiting.append(req)
+        if self.config.policy == "priority":
+            bisect.insort(self.waiting, req, key=_rank)
+        else:
+            self.waiting.append(req)
 
     @property
     def has_work(self) -> bool:
@@ -102,6 +119,9 @@ class Scheduler:
                 req.spec_token_ids = []
                 if not self._make_room(req, n, out):
                     break                               # req itself was preempted
+                if out.preempted and self.config.policy == "priority":
+                    budget += self._unschedule(out)     # victims scheduled earlier in this step
+                    i = self.running.index(req)
             n += len(drafts)
             out.seqs.append(ScheduledSeq(req, n, req.num_computed_tokens,
                                          self.cache.plan_snapshots(req, req.num_computed_tokens, n - len(drafts)),
@@ -112,7 +132,7 @@ class Scheduler:
 
     def _make_room(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         while not self.cache.allocate(req, n):
-            victim = self.running[-1]
+            victim = max(self.running, key=_rank) if self.config.policy == "priority" else self.running[-1]
             self._preempt(victim)
             out.preempted.append(victim)
             if victim is req:
@@ -129,13 +149,25 @@ class Scheduler:
         req.spec_token_ids = []
         self.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
-        self.waiting.appendleft(req)
+        if self.config.policy == "priority":
+            bisect.insort(self.waiting, req, key=_rank)
+        else:
+            self.waiting.appendleft(req)
+
+    @staticmethod
+    def _unschedule(out: SchedulerOutput) -> int:
+        """Drop this step's seqs of preempted requests; returns the tokens they had been given."""
+        gone = set(map(id, out.preempted))
+        dropped = [s for s in out.seqs if id(s.req) in gone]
+        out.seqs = [s for s in out.seqs if id(s.req) not in gone]
+        return sum(s.num_new_tokens for s in dropped)
 
     def _make_fair_room(self, out: SchedulerOutput) -> None:
         """Every slot taken and a group under its share waiting: preempt one sequence of a group over it."""
         cap = self.config.max_group_seqs
-        if cap is None or len(self.running) < self.config.max_num_seqs or not self.waiting:
-            return
+        if cap is None or self.config.policy != "fcfs" or len(self.running) < self.config.max_num_seqs \
+                or not self.waiting:
+            return                                      # under `priority`, priorities decide who is preempted
         victim = fair_victim(self.waiting, self.running, cap)
         if victim is not None:
             self._preempt(victim)
@@ -143,7 +175,10 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         if self.config.max_group_seqs is not None:
-            self.waiting = fair_order(self.waiting, self.running, self.config.max_group_seqs)
+            fair = fair_order(self.waiting, self.running, self.config.max_group_seqs)
+            if fair is not self.waiting and self.config.policy == "priority":   # by priority, then the share
+                fair = deque(sorted(fair, key=lambda r: r.priority))
+            self.waiting = fair
         deferred: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
