@@ -3,6 +3,7 @@ held is freed within seconds (the router renewed a short lease, `--kv-renewed-le
 `--kv-lease-s` (30 s). While the router lives, the same state outlasts the short lease (it is renewed)."""
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import time
@@ -43,7 +44,5 @@ def test_router_killed_after_prefill_frees_the_state_in_seconds(tmp_path, e2e_mo
 
 
 def _post_ignoring_errors(url: str, body: dict) -> None:
-    try:
+    with contextlib.suppress(httpx.HTTPError):    # the router is killed under it
         httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
-    except httpx.HTTPError:
-        pass                                      # the router is killed under it
