@@ -105,8 +105,7 @@ class StepBatch:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, parallel=None) -> None:
-        """parallel: this engine's ranks when a data-parallel launcher started them (one DP rank's handle)."""
+    def __init__(self, config: EngineConfig, parallel=None) -> None:    # parallel: a DP rank's handle (dp_rank.py)
         config.validate()
         self.config = config
         options = ModelOptions(kda=KDAOptions(chunk_size=config.kda_chunk_size))
