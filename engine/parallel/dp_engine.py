@@ -107,14 +107,15 @@ class DataParallelEngine:
 
     # ---- requests ---------------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: EngineInput | list[int], params: SamplingParams,
-                    export_state: bool = False, imported: ExportedState | None = None) -> str:
+                    export_state: bool = False, imported: ExportedState | None = None, group: str | None = None
+                    ) -> str:
         request_id = request_id or f"dp-req-{next(self._ids)}"
         if request_id in self.placement:
             from shared.errors import InvalidRequest
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         ids = prompt.prompt_token_ids if isinstance(prompt, EngineInput) else list(prompt)
         d = self.pick_rank(list(ids), params)
-        self._on(d, "add_request", (request_id, prompt, params, export_state, imported))
+        self._on(d, "add_request", (request_id, prompt, params, export_state, imported, group))
         self.placement[request_id] = d
         self.placed[d] += 1
         self.live[d].add(request_id)
