@@ -206,6 +206,8 @@ class LLMEngine:
         req.bad_words_token_ids = bad_words_token_ids(params.bad_words, self.tokenizer.encode)
         if params.structured_output is not None:
             req.grammar = self.grammars.matcher(params.structured_output)
+            for token in req.output_token_ids:          # resumed tokens were generated under the grammar
+                req.grammar.accept(token)
         self.requests[request_id] = req
         if imported is not None:
             self._pending_outputs.append(self._adopt_first_token(req, imported))

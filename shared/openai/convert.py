@@ -8,6 +8,7 @@ to a 400.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from collections.abc import Mapping
@@ -97,14 +98,16 @@ def _structured_output(req: AnyRequest) -> StructuredOutput | None:
     "required" or a named function), the grammar of a K3 tool call of the allowed tools."""
     extra = req.model_extra or {}
     spec = StructuredOutput.from_request(extra.get("response_format"), extra.get("structured_outputs"))
-    forced = _forced_tool(req) if isinstance(req, ChatCompletionRequest) else None
-    if forced is None or not isinstance(req, ChatCompletionRequest):
-        return spec
+    if not isinstance(req, ChatCompletionRequest):
+        return spec                 # a text prompt: the grammar applies from the first generated token
+    forced = _forced_tool(req)
+    thinking = _thinking(req.chat_template_kwargs or {}) and req.reasoning_effort != "none"
+    if forced is None:              # thinking on: the grammar constrains the answer, after the reasoning
+        return dataclasses.replace(spec, after_reasoning=True) if spec is not None and thinking else spec
     if spec is not None:
         raise InvalidRequest("tool_choice: a forced tool call cannot be combined with response_format or "
                              "structured_outputs", param="tool_choice")
     tools = [t.model_dump(mode="json", exclude_none=True) for t in req.tools or []]
-    thinking = _thinking(req.chat_template_kwargs or {}) and req.reasoning_effort != "none"
     name = None if forced == "required" else forced
     return StructuredOutput("xtml", forced_tool_call_grammar(tools, thinking=thinking, name=name))
 

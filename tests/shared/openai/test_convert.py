@@ -251,3 +251,16 @@ def test_forced_tool_choice_becomes_a_tool_call_grammar():
     assert to_sampling_params(named).structured_output.kind == "xtml"
     both = chat(tools=[WEATHER_TOOL], tool_choice="required", response_format={"type": "json_object"})
     assert rejected(to_sampling_params, both)[:2] == (400, "tool_choice")
+
+
+def test_with_thinking_on_a_chat_grammar_starts_after_the_reasoning():
+    """vLLM's reasoning-aware structured output: the grammar constrains the answer, not the reasoning."""
+    fields = [{"response_format": {"type": "json_object"}}, {"structured_outputs": {"regex": "[0-9]+"}},
+              {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}}]
+    for given in fields:
+        assert to_sampling_params(chat(**given)).structured_output.after_reasoning
+        for off in ({"reasoning_effort": "none"}, {"chat_template_kwargs": {"thinking": False}}):
+            assert not to_sampling_params(chat(**given, **off)).structured_output.after_reasoning
+        assert not to_sampling_params(completion(**given)).structured_output.after_reasoning
+    forced = to_sampling_params(chat(tools=[WEATHER_TOOL], tool_choice="required")).structured_output
+    assert not forced.after_reasoning               # the tool-call grammar closes the reasoning itself
