@@ -7,6 +7,7 @@ import os
 from router.kv_events_relay import parse_kv_events_flag
 from router.settings import RouterSettings
 from shared.env import ADMIN_TOKEN_ENV, CLIENT_KEYS_ENV
+from shared.openai.surface import add_surface_args, surface_from_args
 from shared.store.factory import REDIS_URL_ENV
 
 API_KEYS_ENV = CLIENT_KEYS_ENV            # comma-separated client keys (optional)
@@ -65,6 +66,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--header-timeout", type=float, default=10.0,
                    help="seconds a connection has to send a request's headers (slowloris guard)")
     p.add_argument("--log-level", default="info")
+    add_surface_args(p)
 
 
 def settings_from_args(args: argparse.Namespace, model_dir: str | None) -> RouterSettings:
@@ -85,7 +87,7 @@ def settings_from_args(args: argparse.Namespace, model_dir: str | None) -> Route
                           health_timeout_s=args.health_check_timeout, refresh_s=args.refresh_interval, api_keys=keys,
                           placement_headers=args.placement_headers,
                           admin_token=os.environ.get(ADMIN_TOKEN_ENV) or None,
-                          worker_api_key=os.environ.get(WORKER_API_KEY_ENV) or None)
+                          worker_api_key=os.environ.get(WORKER_API_KEY_ENV) or None, surface=surface_from_args(args))
 
 
 def run_router(args: argparse.Namespace, model_dir: str | None) -> int:

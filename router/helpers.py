@@ -20,6 +20,7 @@ class RouterHelpers:
         self.settings, self.prompts = settings, prompts
         self.served_model_names = settings.served_model_names
         self.max_request_bytes = settings.max_request_bytes
+        self.options = settings.surface
         # K3's own tokenizer serves /tokenize; an HF one (or none) goes through the prompt source
         self.tokenizer = cast(Any, prompts).tokenizer if prompts.kind == "kimi-k3" else None
         self.max_model_len = prompts.max_model_len

@@ -78,7 +78,7 @@ class K3Source:
         return prepare_completion(req, self.tokenizer)
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
+        return self.tokenizer.encode_prompt(text)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
@@ -133,6 +133,7 @@ class HFSource:
         self.max_model_len = int(model_config.get("max_position_embeddings")
                                  or (limit if isinstance(limit, int) and limit < 1 << 30 else DEFAULT_MAX_MODEL_LEN))
         source = _chat_template(path, config)
+        self.template_source = source
         self.template = _compile(source) if source else None
 
     def render_chat(self, req: ChatCompletionRequest) -> str:
@@ -168,7 +169,7 @@ class HFSource:
         return {"tokenizer_class": self.config.get("tokenizer_class", "PreTrainedTokenizerFast"),
                 "bos_token": self.bos_token, "eos_token": self.eos_token,
                 "model_max_length": self.max_model_len, "vocab_size": self.tokenizer.get_vocab_size(),
-                "chat_template": self.template is not None}
+                **({"chat_template": self.template_source} if self.template_source else {})}
 
 
 def _compile(source: str):

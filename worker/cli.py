@@ -8,6 +8,7 @@ import uvicorn
 from engine.core.engine import EngineConfig
 from engine.structured_output import GrammarBudget
 from shared.http_server import protocol_class
+from shared.openai.surface import surface_from_args
 from worker.flags import add_worker_args
 from worker.role import Role
 from worker.settings import (
@@ -49,7 +50,8 @@ def settings_from_args(args: argparse.Namespace, model_dir: str) -> WorkerSettin
                                                        args.structured_output_compile_timeout),
                           internal_auth=internal_auth_default() if args.internal_auth is None else args.internal_auth,
                           api_key=secret_from_env(API_KEY_ENV),
-                          admin_token=secret_from_env(ADMIN_TOKEN_ENV) or None, **extra)
+                          admin_token=secret_from_env(ADMIN_TOKEN_ENV) or None,
+                          surface=surface_from_args(args), **extra)
 
 
 def run_worker(args: argparse.Namespace, role: Role, model_dir: str) -> int:

@@ -6,6 +6,7 @@ import argparse
 import os
 import re
 
+from shared.openai.surface import add_surface_args
 from shared.store.factory import REDIS_URL_ENV
 
 _UNITS = {"": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
@@ -90,3 +91,4 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--structured-output-compile-timeout", type=float, default=10.0,
                    help="seconds a request's grammar may take to compile, off the engine thread (400 after)")
     p.add_argument("--log-level", default="info")
+    add_surface_args(p)

@@ -20,6 +20,7 @@ class WorkerHelpers:
         self.rt = rt
         self.served_model_names = (rt.settings.served_model_name,)
         self.max_request_bytes = rt.settings.max_request_bytes
+        self.options = rt.settings.surface
 
     def check_client(self, request: Request) -> None:
         """The worker's API key, or the internal token routers send; needed when either is configured."""

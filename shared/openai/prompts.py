@@ -19,5 +19,5 @@ def prepare_chat(req: ChatCompletionRequest, tokenizer: KimiTokenizer, vision: V
 
 def prepare_completion(req: CompletionRequest, tokenizer: KimiTokenizer) -> PreparedPrompt:
     prompt = req.single_prompt
-    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    ids = tokenizer.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
     return PreparedPrompt(ids, cache_salt=req.cache_salt)

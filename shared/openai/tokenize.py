@@ -21,7 +21,7 @@ class TokenizeRequest(RequestModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: Bool = True             # K3's tokenizer adds no BOS/EOS: accepted, no effect
+    add_special_tokens: Bool = True             # K3's tokenizer adds no BOS/EOS: either value gives the same ids
     add_generation_prompt: Bool = True
     return_token_strs: Bool = False
     tools: list[dict[str, Any]] | None = None
@@ -39,7 +39,7 @@ def tokenize(req: TokenizeRequest, tokenizer: KimiTokenizer, max_model_len: int,
     if (req.prompt is None) == (req.messages is None):
         raise InvalidRequest("give exactly one of prompt and messages", param="prompt")
     if req.prompt is not None:
-        ids = tokenizer.encode(req.prompt)
+        ids = tokenizer.encode_prompt(req.prompt)
     else:
         if not req.add_generation_prompt:
             raise InvalidRequest("add_generation_prompt: false is not supported (the K3 template always opens "
@@ -61,8 +61,11 @@ def detokenize(req: DetokenizeRequest, tokenizer: KimiTokenizer) -> dict[str, An
 
 
 def tokenizer_info(tokenizer: KimiTokenizer, max_model_len: int) -> dict[str, Any]:
-    """vLLM's /tokenizer_info: the tokenizer's config (special tokens, class, lengths)."""
+    """vLLM's /tokenizer_info: the tokenizer's config (special tokens, class, lengths) and the chat template
+    (the checkpoint's, else the Jinja twin of the renderer), so a client applying it renders our prompts."""
+    from shared.prompt.hf_files import CHAT_TEMPLATE
     return {"tokenizer_class": "TikTokenTokenizer", "bos_token": tokenizer.bos_token,
             "eos_token": tokenizer.eos_token, "pad_token": tokenizer.pad_token, "unk_token": tokenizer.unk_token,
             "model_max_length": max_model_len, "vocab_size": tokenizer.vocab_size,
-            "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False}
+            "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
+            "chat_template": tokenizer.chat_template or CHAT_TEMPLATE}

@@ -21,8 +21,9 @@ PROMPTS = ["The lighthouse keeper counted the boats", "Rain fell on the quiet to
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory, e2e_model):
+    info = ("--enable-tokenizer-info-endpoint",)
     with Fleet(tmp_path_factory.mktemp("surface"), e2e_model) as f:
-        yield f.static_pd()
+        yield f.static_pd(decode_flags=info, router_flags=info)
 
 
 @pytest.fixture(scope="module")
@@ -200,6 +201,7 @@ def test_tokenizer_endpoints_and_model_cards(fleet, offline):
         assert httpx.post(url + "/detokenize", json={"tokens": ids}).json() == {"prompt": PROMPTS[0]}
         info = httpx.get(url + "/tokenizer_info").json()
         assert info["eos_token"] == offline.tokenizer.eos_token and info["model_max_length"] > 0
+        assert info["chat_template"] == offline.tokenizer.chat_template         # the checkpoint's Jinja twin
         bad = httpx.post(url + "/detokenize", json={"tokens": [10**9]})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
         cards = httpx.get(url + "/v1/models").json()["data"]
