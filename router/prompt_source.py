@@ -24,6 +24,7 @@ from typing import Any, Protocol
 from shared.errors import InvalidRequest
 from shared.model_config import ModelConfig, VisionConfig
 from shared.openai.requests import ChatCompletionRequest, CompletionRequest
+from shared.openai.surface import SurfaceOptions
 from shared.prompt.prepare import PreparedPrompt
 
 DEFAULT_MAX_MODEL_LEN = 1 << 20          # what /v1/models reports when nothing says (text mode)
@@ -41,7 +42,7 @@ class PromptSource(Protocol):
     def tokenizer_info(self) -> dict[str, Any]: ...
 
 
-def load_prompt_source(model_dir: str | None) -> PromptSource:
+def load_prompt_source(model_dir: str | None, options: SurfaceOptions | None = None) -> PromptSource:
     """The source for `--model`: a K3 checkpoint, an HF tokenizer directory, or none (text)."""
     if model_dir is None:
         return TextSource()
@@ -50,7 +51,7 @@ def load_prompt_source(model_dir: str | None) -> PromptSource:
         raise ValueError(f"--model {model_dir}: not a directory (give a Kimi-K3 checkpoint or a Hugging Face "
                          "tokenizer directory, or --no-tokenizer)")
     if (path / "tiktoken.model").is_file():
-        return K3Source(path)
+        return K3Source(path, options or SurfaceOptions())
     if (path / "tokenizer.json").is_file():
         return HFSource(path)
     raise ValueError(f"--model {model_dir}: neither a Kimi-K3 checkpoint (tiktoken.model) nor a Hugging Face "
@@ -62,8 +63,9 @@ class K3Source:
 
     kind = "kimi-k3"
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, options: SurfaceOptions | None = None) -> None:
         from shared.prompt.tokenizer import KimiTokenizer
+        self.options = options or SurfaceOptions()
         self.tokenizer = KimiTokenizer.from_dir(path)
         config = ModelConfig.from_file(str(path))
         self.vision_config = config.vision_config
@@ -71,7 +73,7 @@ class K3Source:
 
     def prepare_chat(self, req: ChatCompletionRequest) -> PreparedPrompt:
         from shared.openai.prompts import prepare_chat
-        return prepare_chat(req, self.tokenizer, self.vision_config)
+        return prepare_chat(req, self.tokenizer, self.vision_config, self.options)
 
     def prepare_completion(self, req: CompletionRequest) -> PreparedPrompt:
         from shared.openai.prompts import prepare_completion
@@ -173,15 +175,8 @@ class HFSource:
 
 
 def _compile(source: str):
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str):
-        raise ValueError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent, ensure_ascii=False)
-    return env.from_string(source)
+    from shared.prompt.jinja_template import compile_template
+    return compile_template(source)
 
 
 def _plain_chat(messages: list[dict[str, Any]]) -> str:

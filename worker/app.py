@@ -101,7 +101,8 @@ async def _chat_one(request: Request, req: ChatCompletionRequest) -> Response:
     rt = _rt(request)
     model = _check_model(rt, req.model)
     params = to_sampling_params(req, vocab_size=rt.model_config.text_config.vocab_size)
-    prepared = await asyncio.to_thread(prepare_chat, req, rt.tokenizer, rt.model_config.vision_config)
+    prepared = await asyncio.to_thread(prepare_chat, req, rt.tokenizer, rt.model_config.vision_config,
+                                       rt.settings.surface)
     return await _serve(request, rt, "chat", req, params, prepared,
                         lambda outs, result: responses.chat_stream(req, model, prepared, outs, result, rt.tokenizer),
                         lambda out, result: responses.chat_completion(req, model, prepared, out, result, rt.tokenizer))

@@ -12,24 +12,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
-from shared.prompt.images import MAX_IMAGE_BYTES
-
-
-@dataclass(frozen=True)
-class MediaFetchLimits:
-    """What fetching one image URL may cost and reach (vLLM: `--allowed-media-domains`,
-    `VLLM_IMAGE_FETCH_TIMEOUT`, the image size limit). Private, loopback and link-local addresses are
-    refused unless allowed: a server must not become a proxy into its own network (SSRF)."""
-
-    allowed_domains: tuple[str, ...] = ()        # empty: any public host
-    timeout_s: float = 5.0                       # vLLM's image fetch timeout
-    max_bytes: int = MAX_IMAGE_BYTES
-    allow_private: bool = False
-    enabled: bool = True
-
-    def __post_init__(self) -> None:
-        if self.timeout_s <= 0 or self.max_bytes < 1:
-            raise ValueError("media fetch needs timeout_s > 0 and max_bytes >= 1")
+from shared.prompt.media_fetch import DEFAULT_MAX_MEDIA_BYTES, MediaFetchLimits
 
 
 @dataclass(frozen=True)
@@ -48,7 +31,8 @@ def add_surface_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allowed-media-domains", nargs="+", default=[], metavar="HOST",
                    help="the only hosts http(s) image URLs may name (default: any public host)")
     p.add_argument("--media-fetch-timeout", type=float, default=5.0, help="seconds one image URL may take")
-    p.add_argument("--max-media-bytes", type=int, default=MAX_IMAGE_BYTES, help="largest image an URL may return")
+    p.add_argument("--max-media-bytes", type=int, default=DEFAULT_MAX_MEDIA_BYTES,
+                   help="largest image an URL may return")
     p.add_argument("--allow-private-media-urls", action="store_true",
                    help="let image URLs reach loopback, private and link-local addresses (off: SSRF guard)")
     p.add_argument("--disable-media-urls", action="store_true", help="refuse http(s) image URLs (data: URLs only)")

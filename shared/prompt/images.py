@@ -14,6 +14,7 @@ import io
 import math
 import operator
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,8 @@ from PIL import Image, UnidentifiedImageError
 
 from shared.hashing import image_content_hash
 from shared.model_config import ConfigError, VisionConfig
+
+_REPR = re.compile(r"<[^<>]*\bat 0x[0-9a-fA-F]+>")
 
 # The reference precomputes MoonViT's 2D RoPE for a 512 x 512 patch grid: larger grids have no defined model.
 ROPE_MAX_GRID = 512
@@ -84,8 +87,11 @@ def load_image(source: str | os.PathLike[str] | bytes | bytearray | memoryview, 
     data = _read_source(source, max_bytes)
     try:
         image = Image.open(io.BytesIO(data))
-    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError, SyntaxError) as exc:
-        raise ValueError(f"could not decode image ({len(data)} bytes): {exc}") from exc
+    except UnidentifiedImageError:
+        raise ValueError(f"could not decode image ({len(data)} bytes): not an image format this server reads "
+                         "(PNG, JPEG, GIF, WebP, BMP, ...)") from None
+    except (Image.DecompressionBombError, OSError, ValueError, SyntaxError) as exc:
+        raise ValueError(f"could not decode image ({len(data)} bytes): {_reason(exc)}") from None
     width, height = image.size
     if width * height > max_pixels:
         raise ValueError(f"image is {width}x{height} = {width * height} pixels, over the {max_pixels} limit")
@@ -93,7 +99,13 @@ def load_image(source: str | os.PathLike[str] | bytes | bytearray | memoryview, 
         image.load()
         return image.convert("RGB")
     except (OSError, ValueError, SyntaxError, EOFError) as exc:
-        raise ValueError(f"could not decode image ({width}x{height}, {len(data)} bytes): {exc}") from exc
+        raise ValueError(f"could not decode image ({width}x{height}, {len(data)} bytes): {_reason(exc)}") from None
+
+
+def _reason(exc: BaseException) -> str:
+    """What went wrong, in words a client can read: PIL's messages may carry an object's repr, which says
+    nothing to a client and something about the server."""
+    return _REPR.sub("the image data", str(exc)) or type(exc).__name__
 
 
 def _read_source(source: str | os.PathLike[str] | bytes | bytearray | memoryview, max_bytes: int) -> bytes:
