@@ -75,8 +75,12 @@ def _prepare_with_template(req: ChatCompletionRequest, tokenizer: KimiTokenizer,
     if image_urls(req):
         raise InvalidRequest("chat_template: a request template cannot place images (their token count comes from "
                              "the model's vision config); send images without chat_template", param="chat_template")
-    variables = {**(req.chat_template_kwargs or {}), "messages": chat_messages(req), "tools": render["tools"],
-                 "add_generation_prompt": True, "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token}
+    # thinking as the server reads it (chat_template_kwargs, reasoning_effort "none"), so the output parses
+    thinking = {"thinking": render["thinking"], "enable_thinking": render["thinking"],
+                "thinking_effort": render["thinking_effort"], "reasoning_effort": req.reasoning_effort}
+    variables = {**(req.chat_template_kwargs or {}), **thinking, "messages": chat_messages(req),
+                 "tools": render["tools"], "add_generation_prompt": True, "bos_token": tokenizer.bos_token,
+                 "eos_token": tokenizer.eos_token}
     text = render_request_template(template, **variables)
     return PreparedPrompt(tokenizer.encode_prompt(text), thinking=render["thinking"],
                           tools_requested=req.tools_requested, cache_salt=req.cache_salt)

@@ -46,3 +46,28 @@ def test_special_token_text_is_one_token_in_a_prompt_and_plain_text_in_chat(tok)
         return prepare_chat(req, tok, None).token_ids
     assert chat(marker).count(tok.eos_id) == chat("x").count(tok.eos_id)   # only the template's own turn ends
     assert not any(tok.is_special(t) for t in tok.encode(marker))
+
+
+def test_a_request_chat_template_needs_the_servers_trust_and_then_renders(tok):
+    from shared.errors import InvalidRequest
+    from shared.openai.surface import SurfaceOptions
+    from shared.prompt.hf_files import CHAT_TEMPLATE
+    body = {"messages": CONVERSATIONS[1], "chat_template": CHAT_TEMPLATE}
+    req = ChatCompletionRequest.model_validate(body)
+    with pytest.raises(InvalidRequest, match="--trust-request-chat-template") as info:
+        prepare_chat(req, tok, None)
+    assert info.value.param == "chat_template"
+    trusted = SurfaceOptions(trust_request_chat_template=True)
+    for extra in ({}, {"reasoning_effort": "none"}, {"chat_template_kwargs": {"thinking": False}}):
+        plain = prepare_chat(ChatCompletionRequest.model_validate({"messages": CONVERSATIONS[1], **extra}), tok, None)
+        # the checkpoint's own template sent with the request renders exactly what the server renders
+        templated = prepare_chat(ChatCompletionRequest.model_validate({**body, **extra}), tok, None, trusted)
+        assert templated.token_ids == plain.token_ids and templated.thinking == plain.thinking
+    other = prepare_chat(ChatCompletionRequest.model_validate(
+        {**body, "chat_template": "{% for m in messages %}[{{ m.role }}]{{ m.content }}<|end_of_msg|>{% endfor %}"}),
+        tok, None, trusted)
+    assert other.token_ids[-1] == tok.eos_id and tok.decode(other.token_ids).startswith("[system]Be brief.")
+    broken = ChatCompletionRequest.model_validate({**body, "chat_template": "{% for %}"})
+    with pytest.raises(InvalidRequest) as info:
+        prepare_chat(broken, tok, None, trusted)
+    assert info.value.param == "chat_template"
