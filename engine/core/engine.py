@@ -42,7 +42,7 @@ from shared.errors import InvalidRequest, InvalidTokenIds, RequestTooLarge
 from shared.hashing import block_hashes, root_hash, salted_root
 from shared.prompt.detokenizer import IncrementalDetokenizer
 from shared.prompt.tokenizer import KimiTokenizer
-from shared.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams, repetition_detected
 
 log = logging.getLogger(__name__)
 
@@ -427,12 +427,16 @@ class LLMEngine:
         return self._output(req, new_text, added)
 
     def _stop_check(self, req: Request, stopped) -> tuple[str | None, int | str | None]:
-        if stopped is not None:
-            return ("stop", stopped.value)
+        if stopped is not None:                     # vLLM: no stop_reason at the model's own end (eos)
+            return ("stop", None if stopped.kind == "eos" else stopped.value)
         if req.grammar is not None and req.grammar.terminated:
             return ("stop", None)                   # the structured output is complete
         if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
             return ("length", None)
+        detect = req.params.repetition_detection
+        if detect is not None and len(req.output_token_ids) >= req.params.min_tokens \
+                and repetition_detected(req.output_token_ids, *detect):
+            return ("repetition", "repetition_detected")
         return (None, None)
 
     def _finish(self, req: Request, reason: str, stop) -> None:

@@ -415,3 +415,34 @@ def test_cache_salt_isolates_prefix_hits_through_the_router(fleet):
     assert cached("t1") == 0
     assert cached("t2") == 0
     assert cached("t1") > 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_vllm_032_output_fields_are_honoured_through_pd(fleet, offline, stream):
+    """return_tokens_as_token_ids, return_prompt_text and repetition_detection, as vLLM 0.32 answers them."""
+    messages = [{"role": "user", "content": "Hello there"}]          # greedy: one token twice, at 26 and 27
+    detect = {"max_pattern_size": 1, "min_count": 2}
+    expected = offline.chat(messages, _greedy(max_tokens=60, ignore_eos=True, skip_special_tokens=False,
+                                              repetition_detection=(1, 0, 2)), thinking=True)[0].output
+    assert expected.finish_reason == "repetition" and len(expected.token_ids) < 60    # the rule fires here
+    body = {"model": "kimi-k3", "messages": messages, "max_tokens": 60, "temperature": 0, "ignore_eos": True,
+            "logprobs": True, "return_token_ids": True, "return_tokens_as_token_ids": True,
+            "return_prompt_text": True, "repetition_detection": detect, "stream": stream}
+    if stream:
+        with httpx.stream("POST", fleet.r.url + "/v1/chat/completions", json=body, timeout=60) as resp:
+            assert resp.status_code == 200
+            events = [httpx.Response(200, content=line[6:]).json() for line in resp.iter_lines()
+                      if line.startswith("data: {")]
+        prompt_texts = [e["prompt_text"] for e in events if e.get("prompt_text")]
+        choices = [c for e in events for c in e["choices"]]
+        ids = [t for c in choices for t in c.get("token_ids") or []]
+        tokens = [e["token"] for c in choices if c.get("logprobs") for e in c["logprobs"]["content"]]
+        finish = [c for c in choices if c.get("finish_reason")][-1]
+    else:
+        got = httpx.post(fleet.r.url + "/v1/chat/completions", json=body, timeout=60)
+        assert got.status_code == 200, got.text
+        prompt_texts, finish = [got.json()["prompt_text"]], got.json()["choices"][0]
+        ids, tokens = finish["token_ids"], [e["token"] for e in finish["logprobs"]["content"]]
+    assert prompt_texts == [offline.tokenizer.decode(offline.render(messages, thinking=True).prompt_token_ids)]
+    assert ids == expected.token_ids and tokens == [f"token_id:{i}" for i in ids]
+    assert (finish["finish_reason"], finish["stop_reason"]) == ("repetition", "repetition_detected")
