@@ -106,8 +106,9 @@ def chat_completion(req: ChatCompletionRequest, model: str, prepared: PreparedPr
                                 strip=_special_strip(req, tokenizer))
     logprobs = (chat_logprobs(o.token_ids, o.logprobs, o.top_logprobs, _logprob_text(req, tokenizer),
                               tokenizer.token_bytes) if req.logprobs else None)
+    calls = shaped.tool_calls[:1] if req.parallel_tool_calls is False else shaped.tool_calls   # vLLM's rule
     message = ChatCompletionMessage(content=shaped.content, reasoning_content=shaped.reasoning_content,
-                                    tool_calls=shaped.tool_calls or None)
+                                    tool_calls=calls or None)
     choice = ChatCompletionChoice(message=message, logprobs=logprobs,
                                   finish_reason=shaped.finish_reason or o.finish_reason, stop_reason=o.stop_reason,
                                   **_token_ids_field(req, out))
@@ -184,6 +185,9 @@ async def chat_stream(req: ChatCompletionRequest, model: str, prepared: Prepared
         if out.finished:
             tail = shaper.finish()
             delta = _merge(delta, tail)
+        if delta is not None and delta.tool_calls and req.parallel_tool_calls is False:
+            delta.tool_calls = [call for call in delta.tool_calls if call.index == 0] or None    # the first call only
+            delta = None if delta == DeltaMessage() else delta
         n = len(out.new_token_ids)
         logprobs = None
         if req.logprobs and n:
