@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from pathlib import Path
 from typing import TypeAlias
+
+from shared.logs import configure_logging
 
 DEFAULT_TINY_DIR = Path("checkpoints/tiny")
 # Kept in step with engine.training (not imported here: the parser must build without torch loaded).
@@ -336,7 +337,7 @@ def _add_workers(sub: _Subparsers) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as exc:

@@ -84,14 +84,14 @@ class DrainingServer(uvicorn.Server):
 
 def main(role: Role, argv: list[str] | None = None) -> int:
     """A worker of `role` on its own (`python -m prefill_worker`); `kimi-pd prefill` is the same."""
-    import logging
     import sys
 
+    from shared.logs import configure_logging
     parser = argparse.ArgumentParser(prog=f"python -m {role.name}_worker", allow_abbrev=False,
                                      description=f"kimi-pd {role.name} worker")
     add_worker_args(parser)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
     if not args.model:
         parser.error("--model is required")
     try:
