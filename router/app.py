@@ -153,6 +153,10 @@ async def _serve(request: Request, endpoint: str, req, prepare, body_bytes: int)
     except ClientDisconnected:
         outcome = "cancelled"
         raise
+    except Exception as exc:
+        if 400 <= getattr(exc, "status", 500) < 500:
+            outcome = "client_error"         # the worker refused the request (a 4xx): not a fleet error
+        raise
     finally:
         if trace.outcome is None:            # a stream's relay records its own outcome when it ends
             st.metrics.requests.labels(endpoint=endpoint, decision=trace.decision, outcome=outcome).inc()

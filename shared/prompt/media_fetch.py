@@ -79,7 +79,7 @@ def checked_address(url: str, limits: MediaFetchLimits) -> tuple[str, str, int]:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (OSError, ValueError):
         raise MediaFetchError(f"image URL host {host} could not be resolved") from None
-    addresses = [info[4][0] for info in infos]
+    addresses = [str(info[4][0]) for info in infos]
     if not limits.allow_private and any(not _public(address) for address in addresses):
         raise MediaFetchError(f"image URL host {host} is not a public address; this server does not fetch from "
                               "its own network")
