@@ -103,7 +103,7 @@ def chat_completion(req: ChatCompletionRequest, model: str, prepared: PreparedPr
                     result: LegResult, tokenizer: KimiTokenizer) -> ChatCompletion:
     o = out.output
     shaped = shape_chat_message(o.text, thinking=prepared.thinking, tools_requested=prepared.tools_requested,
-                                strip=_special_strip(req, tokenizer))
+                                strip=_special_strip(req, tokenizer), cut=o.finish_reason == "length")
     logprobs = (chat_logprobs(o.token_ids, o.logprobs, o.top_logprobs, _logprob_text(req, tokenizer),
                               tokenizer.token_bytes) if req.logprobs else None)
     calls = shaped.tool_calls[:1] if req.parallel_tool_calls is False else shaped.tool_calls   # vLLM's rule
@@ -183,7 +183,7 @@ async def chat_stream(req: ChatCompletionRequest, model: str, prepared: Prepared
         ids.add(out)
         delta = shaper.feed(out.new_text) if out.new_text else None
         if out.finished:
-            tail = shaper.finish()
+            tail = shaper.finish(cut=out.output.finish_reason == "length")
             delta = _merge(delta, tail)
         if delta is not None and delta.tool_calls and req.parallel_tool_calls is False:
             delta.tool_calls = [call for call in delta.tool_calls if call.index == 0] or None    # the first call only
