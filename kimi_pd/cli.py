@@ -141,8 +141,10 @@ def _up(args: argparse.Namespace) -> int:
         from engine.spec_decode.config import SpeculativeConfig
         SpeculativeConfig.parse(args.speculative_config)            # refuse a bad config before starting anything
         extra = ["--speculative-config", args.speculative_config]
-    return up(model, args.port, args.prefill_workers, args.decode_workers, args.redis_url, Path(args.log_dir), [],
-              extra, _autoscale(args))
+    from shared.openai.surface import surface_argv
+    surface = surface_argv(args)
+    return up(model, args.port, args.prefill_workers, args.decode_workers, args.redis_url, Path(args.log_dir), surface,
+              extra, _autoscale(args), router_args=surface)
 
 
 def _autoscale(args: argparse.Namespace):
@@ -288,6 +290,8 @@ def _add_up(sub: _Subparsers) -> None:
     upp.add_argument("--scale-down-window-s", type=float, default=30.0,
                      help="scale in only below the highest count asked for in this window")
     upp.add_argument("--scale-down-step-s", type=float, default=15.0, help="at most one worker retired per this")
+    from shared.openai.surface import add_surface_args
+    add_surface_args(upp)                                  # passed on to the router and every worker
     upp.set_defaults(func=_up)
 
 

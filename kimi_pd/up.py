@@ -89,9 +89,10 @@ def restart_store(store: EmbeddedValkey) -> None:
 
 def up(model_dir: str, port: int, num_prefill: int, num_decode: int, redis_url: str | None, log_dir: Path,
        extra_worker_args: list[str], speculative_args: list[str] | None = None,
-       autoscale: AutoscaleSettings | None = None) -> int:
+       autoscale: AutoscaleSettings | None = None, router_args: list[str] | None = None) -> int:
     """speculative_args (`--speculative-config JSON`) go to every worker: decode workers speculate; prefill
     workers run the draft's context projection so the prompt's draft rows travel with the state.
+    router_args: more router flags (the request-surface flags, which the workers get too).
     autoscale: the pools start at the given counts, then follow the load within its bounds."""
     check_port_free(port)
     fleet, store, autoscaler = Processes(), None, None
@@ -115,8 +116,8 @@ def up(model_dir: str, port: int, num_prefill: int, num_decode: int, redis_url: 
                REDIS_URL_ENV: redis_url}                   # through the environment: no password in `ps`
         common = ["--model", model_dir, *extra_worker_args, *(speculative_args or [])]
         autoscaler = start_pools(supervisor, common, env, log_dir, num_prefill, num_decode, autoscale, redis_url)
-        supervisor.spawn("router", [*KIMI_PD, "router", "--model", model_dir, "--port", str(port)],
-                    env, log_dir / "router.log")
+        supervisor.spawn("router", [*KIMI_PD, "router", "--model", model_dir, "--port", str(port),
+                                    *(router_args or [])], env, log_dir / "router.log")
         url = f"http://127.0.0.1:{port}"
         wait_ready(url, fleet, READY_TIMEOUT_S)
         print(f"kimi-pd is up: {url}  ({num_prefill} prefill + {num_decode} decode workers, "

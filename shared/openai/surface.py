@@ -44,3 +44,15 @@ def surface_from_args(args: argparse.Namespace) -> SurfaceOptions:
                              allow_private=args.allow_private_media_urls, enabled=not args.disable_media_urls)
     return SurfaceOptions(enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
                           trust_request_chat_template=args.trust_request_chat_template, media=media)
+
+
+def surface_argv(args: argparse.Namespace) -> list[str]:
+    """The flags of `args` again (what `kimi-pd up` hands the router and every worker it starts)."""
+    argv = [flag for flag, on in (("--enable-tokenizer-info-endpoint", args.enable_tokenizer_info_endpoint),
+                                  ("--trust-request-chat-template", args.trust_request_chat_template),
+                                  ("--allow-private-media-urls", args.allow_private_media_urls),
+                                  ("--disable-media-urls", args.disable_media_urls)) if on]
+    if args.allowed_media_domains:
+        argv += ["--allowed-media-domains", *args.allowed_media_domains]
+    return [*argv, "--media-fetch-timeout", str(args.media_fetch_timeout),
+            "--max-media-bytes", str(args.max_media_bytes)]

@@ -7,6 +7,7 @@ import pytest
 
 from shared.openai.prompts import prepare_chat, prepare_completion
 from shared.openai.requests import ChatCompletionRequest, CompletionRequest
+from shared.openai.surface import SurfaceOptions
 from shared.openai.tokenize import TokenizeRequest, tokenize
 from shared.prompt.chat import render_chat
 from shared.prompt.tokenizer import KimiTokenizer
@@ -71,3 +72,22 @@ def test_a_request_chat_template_needs_the_servers_trust_and_then_renders(tok):
     with pytest.raises(InvalidRequest) as info:
         prepare_chat(broken, tok, None, trusted)
     assert info.value.param == "chat_template"
+
+
+def test_surface_flags_parse_and_pass_on_unchanged():
+    """`kimi-pd up` hands the router and every worker the same request-surface flags it was given."""
+    import argparse
+
+    from shared.openai.surface import add_surface_args, surface_argv, surface_from_args
+
+    def parsed(argv: list[str]) -> argparse.Namespace:
+        parser = argparse.ArgumentParser()
+        add_surface_args(parser)
+        return parser.parse_args(argv)
+    given = ["--enable-tokenizer-info-endpoint", "--allowed-media-domains", "a.example", "B.example",
+             "--media-fetch-timeout", "2.5", "--max-media-bytes", "1000"]
+    options = surface_from_args(parsed(given))
+    assert options.enable_tokenizer_info_endpoint and not options.trust_request_chat_template
+    assert options.media.allowed_domains == ("a.example", "b.example") and options.media.timeout_s == 2.5
+    assert surface_from_args(parsed(surface_argv(parsed(given)))) == options
+    assert surface_from_args(parsed([])) == SurfaceOptions()
