@@ -2,6 +2,7 @@
 every served name (aliases too), and the prompt source's tokenizer (K3's, a Hugging Face one, or none)."""
 from __future__ import annotations
 
+import asyncio
 import hmac
 from typing import Any, cast
 
@@ -37,7 +38,9 @@ class RouterHelpers:
     async def tokenize(self, req: tokenize_api.TokenizeRequest) -> dict[str, Any]:
         if self.tokenizer is None:                       # an HF tokenizer, or none (text mode refuses)
             return foreign_tokenize(self.prompts, req)
-        return tokenize_api.tokenize(req, self.tokenizer, self.max_model_len, self.prompts.vision_config)
+        # off the event loop: messages may hold image URLs to fetch
+        return await asyncio.to_thread(tokenize_api.tokenize, req, self.tokenizer, self.max_model_len,
+                                       self.prompts.vision_config, self.options)
 
     def detokenize(self, req: tokenize_api.DetokenizeRequest) -> dict[str, Any]:
         if self.tokenizer is None:

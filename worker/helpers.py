@@ -39,7 +39,7 @@ class WorkerHelpers:
     async def tokenize(self, req: tokenize_api.TokenizeRequest) -> dict[str, Any]:
         rt = self.rt
         return await asyncio.to_thread(tokenize_api.tokenize, req, rt.tokenizer, rt.engine.engine.max_model_len,
-                                       rt.model_config.vision_config)
+                                       rt.model_config.vision_config, self.options)
 
     def detokenize(self, req: tokenize_api.DetokenizeRequest) -> dict[str, Any]:
         return tokenize_api.detokenize(req, self.rt.tokenizer)

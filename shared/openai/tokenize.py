@@ -14,6 +14,7 @@ from shared.model_config import VisionConfig
 from shared.openai.base import Bool, Int, RequestModel
 from shared.openai.messages import ChatMessage
 from shared.openai.requests import ChatCompletionRequest
+from shared.openai.surface import SurfaceOptions
 from shared.prompt.tokenizer import KimiTokenizer
 
 
@@ -34,7 +35,7 @@ class DetokenizeRequest(RequestModel):
 
 
 def tokenize(req: TokenizeRequest, tokenizer: KimiTokenizer, max_model_len: int,
-             vision: VisionConfig | None) -> dict[str, Any]:
+             vision: VisionConfig | None, options: SurfaceOptions | None = None) -> dict[str, Any]:
     """`{count, max_model_len, tokens, token_strs}`; exactly one of `prompt` and `messages`."""
     if (req.prompt is None) == (req.messages is None):
         raise InvalidRequest("give exactly one of prompt and messages", param="prompt")
@@ -48,7 +49,7 @@ def tokenize(req: TokenizeRequest, tokenizer: KimiTokenizer, max_model_len: int,
         chat = ChatCompletionRequest.model_validate({
             "messages": [m.model_dump(mode="json", exclude_none=True) for m in req.messages or []],
             "tools": req.tools, "chat_template_kwargs": req.chat_template_kwargs})
-        ids = prepare_chat(chat, tokenizer, vision).token_ids
+        ids = prepare_chat(chat, tokenizer, vision, options).token_ids
     return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids,
             "token_strs": [tokenizer.decode([i]) for i in ids] if req.return_token_strs else None}
 
