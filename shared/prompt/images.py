@@ -3,8 +3,9 @@
 `num_image_tokens` tells the prompt builder how many `<|media_pad|>` tokens an image of a given
 original size expands to; `resized_size` is the size `engine.model.image_processing.preprocess_image`
 resizes it to, so the count always equals the encoder's output length (sizing notes there).
-`load_image` decodes bounded input; `decode_image_part` reads an OpenAI content part (data: URLs
-only: servers fetch nothing); `content_hash` is what prefix hashing keys an image by.
+`load_image` decodes bounded input; `decode_image_part` reads an OpenAI content part (a data: URL, or an
+http(s) URL fetched within `media_fetch`'s default limits); `content_hash` is what prefix hashing keys an
+image by.
 """
 from __future__ import annotations
 
@@ -132,13 +133,16 @@ def decode_image_part(part: dict[str, Any]) -> Image.Image:
         return part["image"]
     image_url = part.get("image_url")
     url = image_url.get("url", "") if isinstance(image_url, dict) else part.get("image_url", "")
+    if isinstance(url, str) and url[:8].lower().startswith(("http://", "https://")):
+        from shared.prompt.media_fetch import MediaFetchLimits, fetch_url_bytes
+        return load_image(fetch_url_bytes(url, MediaFetchLimits()))
     return load_image(data_url_bytes(url))
 
 
 def data_url_bytes(url: object) -> bytes:
-    """The encoded image of a base64 data: URL (the only kind accepted: servers fetch nothing)."""
+    """The encoded image of a base64 data: URL (http(s) URLs are `media_fetch`'s)."""
     if not isinstance(url, str) or not url.startswith("data:") or ";base64," not in url:
-        raise ValueError("images must be given as data: URLs with base64 content (no network fetches)")
+        raise ValueError("images must be given as data: URLs with base64 content or as http(s) URLs")
     try:
         return base64.b64decode(url.split(";base64,", 1)[1], validate=True)
     except binascii.Error as exc:
