@@ -265,3 +265,16 @@ def test_cli_refuses_model_and_no_tokenizer_together():
     proc = subprocess.run([sys.executable, "-m", "kimi_pd", "router", "--model", "x", "--no-tokenizer",
                            "--decode", "http://127.0.0.1:2"], capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "not both" in proc.stderr
+
+
+def test_a_workers_400_is_the_clients_error_not_the_fleets(hf_dir):
+    """The router's requests counter (and the dashboard's error rate, which reads it) tells a request the
+    worker refused (`client_error`) from a failure of the fleet (`error`)."""
+    p, d = FakeVllm("p", answer_params=NIXL_ANSWER, refuse=True), FakeVllm("d", refuse=True)
+    with Servers(p, d), router(hf_dir, [p], [d], kv_connector="nixl") as client:
+        refused = client.post("/v1/chat/completions", json=CHAT)
+        assert refused.status_code == 400
+        lines = [line for line in client.get("/metrics").text.splitlines()
+                 if line.startswith("kimi_pd_router_requests_total{")]
+        assert any('outcome="client_error"' in line and line.endswith(" 1.0") for line in lines), lines
+        assert not any('outcome="error"' in line for line in lines), lines
