@@ -87,6 +87,7 @@ class SamplingParams:
     bad_words: list[str] = field(default_factory=list)   # never completed (as is and after a space)
     structured_output: StructuredOutput | None = None     # the output must match it (json, regex, ...)
     cache_salt: str | None = None       # prefix-cache isolation: only equal salts share blocks
+    priority: int = 0                   # vLLM's: lower first under --scheduling-policy priority (else unused)
     # vLLM's repetition_detection (max_pattern_size, min_pattern_size, min_count): the output ends
     # ("repetition") once its last tokens are one pattern of that size repeated min_count times
     repetition_detection: tuple[int, int, int] | None = None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from shared.kv_events import KVEventBatch, decode_batch, encode_batch
@@ -21,6 +21,7 @@ from shared.store.base import (
     check_read,
     check_ttl,
 )
+from shared.store.buckets import BucketResult, BucketSpec, LocalBuckets
 from shared.workers import LoadReport, WorkerInfo
 
 
@@ -53,6 +54,7 @@ class InMemoryStore:
         self._workers: dict[str, _Worker] = {}
         self._kv: dict[str, _KVState] = {}
         self._last_seq_ever: dict[str, int] = {}      # survives epochs: new epochs start above it
+        self._buckets = LocalBuckets(clock)
 
     async def register(self, info: WorkerInfo, ttl_s: float) -> None:
         check_ttl(ttl_s)
@@ -116,6 +118,13 @@ class InMemoryStore:
 
     async def instance_id(self) -> str | None:
         return f"memory-{id(self):x}"               # one process-local store: it never restarts
+
+    async def take_buckets(self, specs: Sequence[BucketSpec], force: bool = False) -> BucketResult:
+        return self._buckets.take(specs, force)
+
+    async def router_heartbeat(self, router_id: str, ttl_s: float) -> int:
+        check_ttl(ttl_s)
+        return self._buckets.router_heartbeat(router_id, ttl_s)
 
     async def close(self) -> None:
         return None
