@@ -71,9 +71,14 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--health-check-timeout", type=float, default=2.0,
                    help="seconds a worker has to answer one /health probe (two misses in a row: unhealthy)")
     p.add_argument("--refresh-interval", type=float, default=0.5, help="state store polling")
+    p.add_argument("--log-level", default="info")
+    _add_front_args(p)
+
+
+def _add_front_args(p: argparse.ArgumentParser) -> None:
+    """The HTTP front: the slowloris guard and vLLM's request-surface flags."""
     p.add_argument("--header-timeout", type=float, default=10.0,
                    help="seconds a connection has to send a request's headers (slowloris guard)")
-    p.add_argument("--log-level", default="info")
     add_surface_args(p)
 
 
