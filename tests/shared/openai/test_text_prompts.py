@@ -91,3 +91,30 @@ def test_surface_flags_parse_and_pass_on_unchanged():
     assert options.media.allowed_domains == ("a.example", "b.example") and options.media.timeout_s == 2.5
     assert surface_from_args(parsed(surface_argv(parsed(given)))) == options
     assert surface_from_args(parsed([])) == SurfaceOptions()
+
+
+def test_tool_call_history_renders_as_the_template_does_with_vllms_decoded_arguments(tok):
+    """vLLM decodes a tool call's JSON-string arguments before applying a chat template; the checkpoint's
+    template given them so renders the server's ids. Given the raw string, Jinja cannot decode it and
+    writes a `json` block instead (docs/http.md)."""
+    import json
+
+    from shared.prompt.hf_files import CHAT_TEMPLATE
+    from shared.prompt.jinja_template import compile_template
+    arguments = {"city": "Paris", "days": 3, "metric": True}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+    def history(args) -> list[dict]:
+        return [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": args}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    served = prepare_chat(ChatCompletionRequest.model_validate({"messages": history(json.dumps(arguments)),
+                                                                "tools": tools}), tok, None).token_ids
+    template = compile_template(CHAT_TEMPLATE)
+
+    def rendered(args) -> list[int]:
+        text = template.render(messages=history(args), tools=tools, add_generation_prompt=True)
+        return tok.encode_prompt(text)
+    assert rendered(arguments) == served
+    assert rendered(json.dumps(arguments)) != served
