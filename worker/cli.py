@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 
 import uvicorn
 
@@ -9,7 +10,7 @@ from engine.core.engine import EngineConfig
 from engine.structured_output import GrammarBudget
 from shared.http_server import protocol_class
 from shared.openai.surface import surface_from_args
-from worker.flags import add_worker_args
+from worker.flags import add_worker_args, check_quantization, resolve_model, startup_notes
 from worker.role import Role
 from worker.settings import (
     ADMIN_TOKEN_ENV,
@@ -19,6 +20,8 @@ from worker.settings import (
     internal_auth_default,
     secret_from_env,
 )
+
+log = logging.getLogger(__name__)
 
 
 def settings_from_args(args: argparse.Namespace, model_dir: str) -> WorkerSettings:
@@ -36,7 +39,7 @@ def settings_from_args(args: argparse.Namespace, model_dir: str) -> WorkerSettin
                           enable_expert_parallel=args.enable_expert_parallel, master_addr=args.master_addr,
                           master_port=args.master_port, nnodes=args.nnodes, node_rank=args.node_rank,
                           compilation_config=args.compilation_config, enforce_eager=args.enforce_eager,
-                          scheduling_policy=args.scheduling_policy)
+                          scheduling_policy=args.scheduling_policy, tokenizer=args.tokenizer)
     extra = {"worker_id": args.worker_id} if args.worker_id else {}
     return WorkerSettings(engine=engine, host=args.host, port=args.port,
                           served_model_name=args.served_model_name, advertise_url=args.advertise_url,
@@ -52,14 +55,24 @@ def settings_from_args(args: argparse.Namespace, model_dir: str) -> WorkerSettin
                           internal_auth=internal_auth_default() if args.internal_auth is None else args.internal_auth,
                           api_key=secret_from_env(API_KEY_ENV),
                           admin_token=secret_from_env(ADMIN_TOKEN_ENV) or None,
+                          enable_auto_tool_choice=args.enable_auto_tool_choice,
                           surface=surface_from_args(args), **extra)
+
+
+def checked_settings(args: argparse.Namespace, model_dir: str) -> WorkerSettings:
+    """The settings, after the checks vLLM makes at start-up, with one log line per vLLM flag whose
+    effect is partial or absent here (worker.flags)."""
+    check_quantization(args, model_dir)
+    for note in startup_notes(args):
+        log.warning("%s", note)
+    return settings_from_args(args, model_dir)
 
 
 def run_worker(args: argparse.Namespace, role: Role, model_dir: str) -> int:
     from worker.app import create_app
     from worker.runtime import WorkerRuntime
 
-    settings = settings_from_args(args, model_dir)
+    settings = checked_settings(args, model_dir)
     if args.headless:
         from engine.parallel.launch import run_headless
         return run_headless(settings.engine)
@@ -93,10 +106,11 @@ def main(role: Role, argv: list[str] | None = None) -> int:
     add_worker_args(parser)
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
-    if not args.model:
-        parser.error("--model is required")
     try:
-        return run_worker(args, role, args.model)
+        model = resolve_model(args)
+        if not model:
+            parser.error("MODEL_PATH (or --model) is required")
+        return run_worker(args, role, model)
     except (ValueError, FileNotFoundError) as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2
