@@ -29,6 +29,7 @@ from router.placement.types import RoutingContext, WorkerState
 from router.registry import WorkerRegistry
 from router.request.decode import DecodeLeg, Route, decode_body
 from router.request.fleet import Fleet
+from router.request.leases import LeaseKeeper
 from router.request.prefill import PrefillLeg
 from router.request.relay import Relay
 from router.request.trace import Trace, trace_headers
@@ -50,6 +51,7 @@ class Orchestrator:
         self.s, self.registry, self.pipeline, self.metrics = settings, registry, pipeline, metrics
         self.prefill, self.decode = PrefillLeg(self.fleet), DecodeLeg(self.fleet)
         self.relay = Relay(self.fleet, self.decode)
+        self.leases = LeaseKeeper(self.fleet)        # renews prefill states until their decode worker answers
         self._background: set[asyncio.Task] = set()
 
     async def handle(self, trace: Trace, req: SamplingRequest, prepared: PreparedPrompt) -> Response:
@@ -82,7 +84,8 @@ class Orchestrator:
             await self.prefill.run(trace, req, prefill_ctx, states, other_pools, passed)
         self.metrics.decisions.labels(decision=trace.decision).inc()
         self.fleet.record_sent(ctx, decode)
-        return await self._call_decode(trace, req, decode, Route(ctx, states))
+        async with self.leases.kept(trace):
+            return await self._call_decode(trace, req, decode, Route(ctx, states))
 
     def _context(self, trace: Trace, prepared: PreparedPrompt, states: list[WorkerState], role: Role
                  ) -> RoutingContext:

@@ -15,6 +15,7 @@ from router.request.trace import Trace
 from router.settings import RouterSettings
 from router.transport.upstream import LegTimeout, UpstreamError, leg_timeout
 from router.transport.worker_http import Origin, WorkerClient
+from shared.openai.ids import GROUP_HEADER
 
 T = TypeVar("T")
 
@@ -62,7 +63,8 @@ class Fleet:
 
     def headers(self, trace: Trace, worker: WorkerState) -> dict[str, str]:
         auth = self._vllm_auth if self.registry.is_vllm(worker.worker_id) else self._auth
-        return {"x-request-id": trace.request_id, **auth}
+        group = {GROUP_HEADER: trace.group} if trace.group else {}
+        return {"x-request-id": trace.request_id, **group, **auth}
 
     async def call(self, worker: WorkerState, send: Callable[[], Awaitable[T]]) -> T:
         """begin/end around one call; a cancelled call (client gone) records no health outcome."""
