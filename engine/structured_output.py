@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -69,13 +70,15 @@ class GrammarCompiler:
         info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=self.vocab_size, stop_token_ids=[tok.eos_id])
         return xgr.GrammarCompiler(info, max_threads=1)
 
-    def matcher(self, spec: StructuredOutput) -> RequestGrammar | AfterReasoning:
-        """A fresh matcher for `spec` (compiled now unless cached); a spec that cannot compile is a 400."""
+    def matcher(self, spec: StructuredOutput, accepted: Sequence[int] = ()) -> RequestGrammar | AfterReasoning:
+        """A fresh matcher for `spec` (compiled now unless cached); a spec that cannot compile is a 400.
+        `accepted`: tokens already generated under it (a resumed request's), advanced over."""
         import xgrammar as xgr
         grammar = RequestGrammar(xgr.GrammarMatcher(self.compiled(spec)), self.vocab_size)
-        if not spec.after_reasoning:
-            return grammar
-        return AfterReasoning(grammar, self.tokenizer, self.vocab_size)
+        matcher = AfterReasoning(grammar, self.tokenizer, self.vocab_size) if spec.after_reasoning else grammar
+        for token in accepted:
+            matcher.accept(token)
+        return matcher
 
     def compiled(self, spec: StructuredOutput) -> Any:
         """`spec` compiled, from the cache when it is there. Thread-safe; may run on any thread."""

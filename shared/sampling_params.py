@@ -102,6 +102,12 @@ class SamplingParams:
         self.stop_token_ids = _as_list(self.stop_token_ids)
         self.bad_words = _as_list(self.bad_words)
 
+    def repeats(self, output_token_ids: Sequence[int]) -> bool:
+        """`repetition_detection` fires on these outputs (never within `min_tokens`, as in vLLM)."""
+        detect = self.repetition_detection
+        return detect is not None and len(output_token_ids) >= self.min_tokens and \
+            repetition_detected(output_token_ids, *detect)
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE

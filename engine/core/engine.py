@@ -42,7 +42,7 @@ from shared.errors import InvalidRequest, InvalidTokenIds, RequestTooLarge
 from shared.hashing import block_hashes, root_hash, salted_root
 from shared.prompt.detokenizer import IncrementalDetokenizer
 from shared.prompt.tokenizer import KimiTokenizer
-from shared.sampling_params import SamplingParams, repetition_detected
+from shared.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -219,9 +219,7 @@ class LLMEngine:
             self._resume(req, inputs.resume, vocab_size=self.model.config.text_config.vocab_size)
         req.bad_words_token_ids = bad_words_token_ids(params.bad_words, self.tokenizer.encode)
         if params.structured_output is not None:
-            req.grammar = self.grammars.matcher(params.structured_output)
-            for token in req.output_token_ids:          # resumed tokens were generated under the grammar
-                req.grammar.accept(token)
+            req.grammar = self.grammars.matcher(params.structured_output, accepted=req.output_token_ids)
         self.requests[request_id] = req
         if imported is not None:
             self._pending_outputs.append(self._adopt_first_token(req, imported))
@@ -447,11 +445,7 @@ class LLMEngine:
             return ("stop", None)                   # the structured output is complete
         if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
             return ("length", None)
-        detect = req.params.repetition_detection
-        if detect is not None and len(req.output_token_ids) >= req.params.min_tokens \
-                and repetition_detected(req.output_token_ids, *detect):
-            return ("repetition", "repetition_detected")
-        return (None, None)
+        return ("repetition", "repetition_detected") if req.params.repeats(req.output_token_ids) else (None, None)
 
     def _finish(self, req: Request, reason: str, stop) -> None:
         self.scheduler.remove(req)
