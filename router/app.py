@@ -78,6 +78,13 @@ def create_app(settings: RouterSettings) -> FastPathApp:
                                               session)
         await registry.refresh()
         await health_checker.check_once(client, registry, settings.connect_timeout_s, metrics)
+        refused = registry.refused()
+        if refused:                              # stock vLLM under our protocol: the operator must say which
+            await client.aclose()
+            await session.close()
+            if store is not None:
+                await store.close()
+            raise RuntimeError(refused)
         tasks = [asyncio.create_task(registry.run(stop)),
                  asyncio.create_task(health_checker.run(client, registry, settings.health_check_s, stop,
                                                                      metrics, settings.health_timeout_s))]

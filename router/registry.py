@@ -32,6 +32,9 @@ from shared.store.base import StateStore, WorkerRecord
 from shared.workers import LoadReport, Role, WorkerInfo
 
 log = logging.getLogger(__name__)
+REFUSAL = ("static workers answer as stock vLLM, not as kimi-pd workers: {urls}. Start the router with the "
+           "--kv-connector of their KV connector (mooncake-ascend for vLLM-Ascend's MooncakeConnectorV1; nixl, "
+           "mooncake, lmcache or example): they then get vLLM's P/D protocol and none of kimi-pd's internal calls")
 
 
 class CombinedIndex:
@@ -103,6 +106,9 @@ class WorkerRegistry:
         self._instance: str | None = None            # the store server's run id, to notice restarts
         self.unsized: set[str] = set()                # static workers whose /metrics are still to be asked
         self.load_scrapes: dict[str, asyncio.Task] = {}   # stock vLLM /metrics reads under way (health_checker)
+        # what a static worker declared ours proved to be (health_checker.identify): "kimi-pd" (its /health
+        # names its role and id) gets internal credentials; "vllm" (it answers as stock vLLM) is refused
+        self.identities: dict[str, str] = {}
         for info in self.static.values():
             self._size_static(info)
 
@@ -139,6 +145,7 @@ class WorkerRegistry:
         self.static[url] = info = self.static_info(self.settings, url, role)
         self.static_connectors[url] = connector(kv_connector or self.settings.kv_connector)
         self.mooncake_engines.pop(url, None)
+        self.identities.pop(url, None)
         self._size_static(info)
 
     def connector_of(self, worker_id: str) -> Connector:
@@ -152,6 +159,16 @@ class WorkerRegistry:
 
     def is_vllm(self, worker_id: str) -> bool:
         return self.connector_of(worker_id).vllm
+
+    def is_proven(self, worker_id: str) -> bool:
+        """Whether internal credentials (admin token, /internal/ calls) may go to the worker: it registered
+        through the authenticated store, or it is a static worker of ours that passed the identity check."""
+        return worker_id in self.discovered or self.identities.get(worker_id) == "kimi-pd"
+
+    def refused(self) -> str | None:
+        """What the operator must do about static workers declared ours that answer as stock vLLM (None: none)."""
+        urls = [self.static[wid].url for wid, kind in self.identities.items() if kind == "vllm" and wid in self.static]
+        return REFUSAL.format(urls=", ".join(urls)) if urls else None
 
     def _size_static(self, info: WorkerInfo) -> None:
         if self.settings.static_cache_tokens:
@@ -270,6 +287,7 @@ class WorkerRegistry:
                         "model": s.info.model_id, "source": "static" if s.info.worker_id in self.static else "store",
                         "healthy": s.healthy, "circuit": s.circuit.value, "draining": s.is_draining,
                         "kv_connector": self.connector_of(s.info.worker_id).name,
+                        "proven": self.is_proven(s.info.worker_id),
                         "inflight": s.inflight, "active_requests": s.active_requests,
                         "backlog_s": round(s.backlog_s, 4), "tokens_per_s": round(s.tokens_per_s, 1),
                         "load": None if s.load is None else s.load.to_dict(),

@@ -33,8 +33,9 @@ class Fleet:
             ("prefill", settings.prefill_timeout_s), ("stream", settings.idle_timeout_s),
             ("whole", settings.decode_timeout_s))}
         token = settings.worker_api_key or (admin_token if settings.api_keys else None)
-        # with client keys on, our workers only serve authenticated callers (our admin token); a stock
-        # vLLM worker never sees that token: it gets its own --api-key (KIMI_PD_WORKER_API_KEY) or nothing
+        # with client keys on, our workers only serve authenticated callers (our admin token); a worker not
+        # proven ours (stock vLLM, or a static worker that failed the identity check) never sees that token:
+        # it gets its own --api-key (KIMI_PD_WORKER_API_KEY) or nothing
         self._auth = {"authorization": f"Bearer {token}"} if token else {}
         vllm_key = settings.worker_api_key
         self._vllm_auth = {"authorization": f"Bearer {vllm_key}"} if vllm_key else {}
@@ -61,7 +62,7 @@ class Fleet:
         return self.session.origin(worker.info.url)
 
     def headers(self, trace: Trace, worker: WorkerState) -> dict[str, str]:
-        auth = self._vllm_auth if self.registry.is_vllm(worker.worker_id) else self._auth
+        auth = self._auth if self.registry.is_proven(worker.worker_id) else self._vllm_auth
         return {"x-request-id": trace.request_id, **auth}
 
     async def call(self, worker: WorkerState, send: Callable[[], Awaitable[T]]) -> T:
