@@ -18,6 +18,7 @@ from router.placement.pipeline import NoWorkerAvailable
 from router.request.decode import DecodeLeg, Opened, Route
 from router.request.fleet import Fleet
 from router.request.migration import RelayedStream, continuation_body
+from router.request.recompute import continuation
 from router.request.trace import Trace
 from router.transport.upstream import TRANSPORT_ERRORS, UpstreamError
 from router.transport.worker_http import ReadTimeout
@@ -33,13 +34,21 @@ class Relay:
     async def stream(self, trace: Trace, keep_token_ids: bool, body: dict, opened: Opened, route: Route
                      ) -> AsyncGenerator[bytes, None]:
         """Relay the stream, migrating it on a mid-stream failure while another worker can continue."""
-        stream = RelayedStream(keep_token_ids=keep_token_ids)
+        stream, origin = RelayedStream(keep_token_ids=keep_token_ids), body
         trace.outcome = "cancelled"
         try:
             while True:
                 try:
                     async for piece in self._pump(trace, opened, stream):
                         yield piece
+                    if stream.recomputed:                      # vLLM-Ascend gave it back: run the rest again
+                        rerun = await self._rerun(trace, origin, stream, route)
+                        if rerun is None:
+                            for piece in self._end_cut(trace, stream, UpstreamError("recomputed", "", 502)):
+                                yield piece
+                            return
+                        opened, body, route = rerun
+                        continue
                     trace.outcome = "error" if stream.errors else "ok"
                     return
                 except UpstreamError as err:
@@ -66,6 +75,29 @@ class Relay:
         self.fleet.metrics.stream_errors.inc()
         return [sse_error(502, f"the decode worker failed mid-stream: {err.reason}", "upstream_error",
                           "decode_failed"), SSE_DONE]
+
+    async def _rerun(self, trace: Trace, origin: dict, stream: RelayedStream, route: Route
+                     ) -> tuple[Opened, dict, Route] | None:
+        """The recomputed request's rest, placed and prefilled again, opened where the client is; None if it
+        cannot be (no way to say what was delivered, no worker, or too many hand-backs)."""
+        fleet, metrics = self.fleet, self.fleet.metrics.recomputes
+        again = continuation(origin, "".join(stream.text), "".join(stream.reasoning),
+                             None if stream.untracked else stream.token_ids, stream.delivered)
+        if again is None or route.rerun is None or stream.reruns >= fleet.s.max_attempts:
+            metrics.labels(outcome="failed").inc()
+            return None
+        stream.reruns += 1
+        try:
+            worker, route, leg = await route.rerun(again)
+            opened, leg = await self.decode.open_stream(trace, leg, worker, route)
+        except (UpstreamError, NoWorkerAvailable) as exc:
+            log.warning("recomputed stream %s could not be run again: %s", trace.request_id, exc)
+            metrics.labels(outcome="failed").inc()
+            return None
+        metrics.labels(outcome="rerun").inc()
+        trace.decode_worker = opened.worker.worker_id
+        stream.rerun()
+        return opened, leg, route
 
     async def _migrate(self, trace: Trace, body: dict, stream: RelayedStream, route: Route) -> Opened | None:
         """Open the continuation on another decode worker, or None if none can."""

@@ -124,6 +124,9 @@ def test_a_failed_decode_leg_reaches_no_internal_endpoint_and_is_a_real_error(ra
     for d in decode:
         d.fail = 0
     assert resp.status_code == 500 and resp.json()["error"]["message"], resp.text    # never an empty 200
+    legs = [d.posts()[-1]["body"] for d in decode]      # one failed leg on each decode rank
+    assert sorted("kv_transfer_params" in leg for leg in legs) == [False, True], \
+        "a failed decode is asked again decode-only elsewhere, never with the stale parameters"
     time.sleep(0.5)                                    # the router's release would be a background task
     nothing_internal_reached(ranks)
 
@@ -139,7 +142,7 @@ def test_without_the_connector_the_router_refuses_stock_vllm_ranks(ranks, tmp_pa
     finally:
         stop(proc)
     out = log.read_text()
-    assert "answers as stock vLLM" in out and "--kv-connector" in out and "mooncake-ascend" in out, out[-3000:]
+    assert "answer as stock vLLM" in out and "--kv-connector" in out and "mooncake-ascend" in out, out[-3000:]
     assert ADMIN not in out
     nothing_internal_reached(ranks)
 
