@@ -35,6 +35,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", action="append", default=[], metavar="URL", help="static prefill worker")
     p.add_argument("--decode", action="append", default=[], metavar="URL", help="static decode worker")
     p.add_argument("--worker", action="append", default=[], metavar="URL", help="static colocated worker")
+    p.add_argument("--data-parallel-ranks", action="append", default=[], metavar="URL=D",
+                   help="a static worker whose API server fronts D data-parallel ranks (vLLM --data-parallel-size D "
+                        "behind one server): placed on as D workers (prefix index and load per rank), each request "
+                        "pinned to its rank with the X-data-parallel-rank header")
     p.add_argument("--block-size", type=int, default=16, help="block size of static workers")
     p.add_argument("--static-cache-tokens", type=int, default=0,
                    help="KV cache size of each static worker in tokens (default: read from its /metrics)")
@@ -74,7 +78,8 @@ def settings_from_args(args: argparse.Namespace, model_dir: str | None) -> Route
                           mooncake_bootstrap_port=args.mooncake_bootstrap_port,
                           kv_events=parse_kv_events_flag(args.kv_events),
                           static_prefill=tuple(args.prefill), static_decode=tuple(args.decode),
-                          static_both=tuple(args.worker), block_size=args.block_size, store_url=args.redis_url,
+                          static_both=tuple(args.worker), static_dp_ranks=parse_dp_ranks(args.data_parallel_ranks),
+                          block_size=args.block_size, store_url=args.redis_url,
                           static_cache_tokens=args.static_cache_tokens, max_request_bytes=args.max_request_bytes,
                           prefill_tokens_per_s=args.prefill_tokens_per_s,
                           namespace=args.namespace, disagg_threshold_tokens=args.disagg_threshold,
@@ -86,6 +91,17 @@ def settings_from_args(args: argparse.Namespace, model_dir: str | None) -> Route
                           placement_headers=args.placement_headers,
                           admin_token=os.environ.get(ADMIN_TOKEN_ENV) or None,
                           worker_api_key=os.environ.get(WORKER_API_KEY_ENV) or None)
+
+
+def parse_dp_ranks(values: list[str]) -> tuple[tuple[str, int], ...]:
+    """`--data-parallel-ranks URL=D` values -> ((URL, D), ...); ValueError names a malformed one."""
+    out = []
+    for value in values:
+        url, _, ranks = value.rpartition("=")
+        if not url or not ranks.isdigit():
+            raise ValueError(f"--data-parallel-ranks {value!r}: give URL=D, D a number of ranks")
+        out.append((url, int(ranks)))
+    return tuple(out)
 
 
 def run_router(args: argparse.Namespace, model_dir: str | None) -> int:

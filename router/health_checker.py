@@ -129,7 +129,9 @@ async def load_from_metrics(client: httpx.AsyncClient, registry: WorkerRegistry,
     heartbeat such a worker does not send. A page that cannot be read keeps the last report."""
     try:
         resp = await get_within(client, f"{info.url}/metrics", timeout_s)
-        report = load_from_vllm_metrics(resp.text, time.time()) if resp.status_code == 200 else None
+        rank = registry.dp_ranks.get(info.worker_id)              # a DP rank's own engine="<rank>" samples
+        report = load_from_vllm_metrics(resp.text, time.time(), None if rank is None else str(rank)) \
+            if resp.status_code == 200 else None
     except Exception as exc:                               # noqa: BLE001 - load is best effort
         log.debug("metrics of %s unreadable: %s", info.worker_id, exc)
         return

@@ -63,6 +63,9 @@ class Fleet:
 
     def headers(self, trace: Trace, worker: WorkerState) -> dict[str, str]:
         auth = self._auth if self.registry.is_proven(worker.worker_id) else self._vllm_auth
+        rank = self.registry.dp_ranks.get(worker.worker_id)
+        if rank is not None:                 # one of the data-parallel ranks behind one vLLM API server
+            return {"x-request-id": trace.request_id, "x-data-parallel-rank": str(rank), **auth}
         return {"x-request-id": trace.request_id, **auth}
 
     async def call(self, worker: WorkerState, send: Callable[[], Awaitable[T]]) -> T:

@@ -145,3 +145,28 @@ def test_continuation_and_merge_shapes():
     merged = merge_whole(first, second)
     assert merged["id"] == "a" and merged["choices"][0]["text"] == "x y"
     assert merged["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+
+
+def test_a_data_parallel_server_is_placed_on_as_its_ranks_and_each_leg_pins_one():
+    p, d = AscendRank("p", "kv_producer", dp_size=2), AscendRank("d", "kv_consumer", dp_size=2)
+    with Servers(p, d), router([p], [d], static_dp_ranks=((p.url, 2), (d.url, 2)), admin_token="adm") as client:
+        listed = client.get("/admin/workers", headers={"authorization": "Bearer adm"}).json()["workers"]
+        assert sorted(w["worker_id"] for w in listed) == sorted(f"{r.url}#dp{i}" for r in (p, d) for i in (0, 1))
+        prompts = [f"{i} " * 60 for i in range(16)]
+        for prompt in [*prompts, *[prompts[0]] * 4]:
+            resp = client.post("/v1/completions", json={**COMPLETION, "prompt": prompt})
+            assert resp.status_code == 200 and resp.headers["x-kimi-pd-decision"] == "prefill-decode", resp.text
+    for rank in (p, d):
+        pinned = [c["headers"].get("x-data-parallel-rank") for c in rank.posts()]
+        assert len(pinned) == 20 and set(pinned) == {"0", "1"}, pinned       # every leg pinned; both ranks used
+    decode_ranks = [c["headers"]["x-data-parallel-rank"] for c in d.posts()]
+    assert decode_ranks[16:] == [decode_ranks[0]] * 4, "a prompt goes back to the rank that holds its prefix"
+
+
+def test_a_data_parallel_rank_reads_its_own_engine_load():
+    page = "\n".join(f'vllm:num_requests_{kind}{{engine="{e}",model_name="m"}} {n}'
+                     for e, kind, n in (("0", "running", 3), ("0", "waiting", 1), ("1", "running", 7),
+                                        ("1", "waiting", 0)))
+    from router.vllm_metrics import load_from_vllm_metrics
+    both, one = load_from_vllm_metrics(page, 0.0), load_from_vllm_metrics(page, 0.0, "1")
+    assert (both.running, both.waiting) == (10, 1) and (one.running, one.waiting) == (7, 0)
