@@ -35,15 +35,16 @@ async def check_once(client: httpx.AsyncClient, registry: WorkerRegistry, timeou
     infos = list(registry.all_infos().values())
 
     async def probe(info) -> None:
+        answered = False
         try:
             resp = await get_within(client, f"{info.url}/health", timeout_s)
-            ok = resp.status_code == 200
+            ok = answered = resp.status_code == 200
             if ok and info.worker_id in registry.static and not registry.is_vllm(info.worker_id):
                 ok = await identify(client, registry, info, resp, timeout_s)
         except Exception:                                  # noqa: BLE001 - any failure is a failed check
             ok = False
-        if not ok and registry.identities.get(info.worker_id) in ("kimi-pd", "unknown"):
-            registry.identities.pop(info.worker_id)         # whatever answers next at that URL proves itself again
+        if not answered:
+            registry.identities.pop(info.worker_id, None)   # whatever answers next at that URL proves itself again
         if ok and registry.is_vllm(info.worker_id):
             scrape = scrape_load(client, registry, info, metrics,                    # sizes its index too
                                  timeout_s if wait_for_load else LOAD_SCRAPE_DEADLINE_S)

@@ -14,6 +14,7 @@ from collections.abc import AsyncGenerator
 
 import httpx
 
+from router.connectors import connector
 from router.placement.pipeline import NoWorkerAvailable
 from router.request.decode import DecodeLeg, Opened, Route
 from router.request.fleet import Fleet
@@ -55,7 +56,8 @@ class Relay:
                     log.warning("decode stream %s failed mid-stream on %s (%s): %s", trace.request_id,
                                 opened.worker.worker_id, err.reason, err)
                     self.fleet.metrics.leg_failures.labels(leg="decode", reason=err.reason).inc()
-                    moved = await self._migrate(trace, body, stream, route) if stream.resumable else None
+                    moved = await self._migrate(trace, origin if self._stock(trace) else body, stream, route) \
+                        if stream.resumable else None
                     if moved is None:
                         for piece in self._end_cut(trace, stream, err):
                             yield piece
@@ -99,11 +101,25 @@ class Relay:
         stream.rerun()
         return opened, leg, route
 
+    def _stock(self, trace: Trace) -> bool:
+        return connector(trace.kv_connector).vllm
+
     async def _migrate(self, trace: Trace, body: dict, stream: RelayedStream, route: Route) -> Opened | None:
-        """Open the continuation on another decode worker, or None if none can."""
-        fleet, continuation = self.fleet, continuation_body(body, stream)
+        """Open the continuation on another decode worker, or None if none can. Our workers resume from the
+        delivered tokens (`kimi_pd_resume`); stock vLLM, which knows no such field, gets the request with
+        what was delivered in its context (`body` is then the first leg's, router/request/recompute.py)."""
+        fleet, stock = self.fleet, self._stock(trace)
+        if stock:
+            rest = continuation(body, "".join(stream.text), "".join(stream.reasoning), stream.token_ids,
+                                stream.delivered)
+            if rest is None:
+                fleet.metrics.migrations.labels(outcome="failed").inc()
+                return None
+            rest = {**rest, "stream": True, "return_token_ids": True}
+        else:
+            rest = continuation_body(body, stream)
         try:
-            opened = await self.decode.open(trace, continuation, True,
+            opened = await self.decode.open(trace, rest, True,
                                             fleet.pick(route.ctx, route.states, route.tried), route)
         except (UpstreamError, NoWorkerAvailable) as exc:
             log.warning("stream %s could not be migrated: %s", trace.request_id, exc)
@@ -112,7 +128,10 @@ class Relay:
         log.info("stream %s migrated to %s after %d tokens", trace.request_id, opened.worker.worker_id,
                  len(stream.token_ids))
         fleet.metrics.migrations.labels(outcome="ok").inc()
-        stream.restart()
+        if stock:
+            stream.rerun()                    # a fresh request: its usage counts only what it generated
+        else:
+            stream.restart()
         return opened
 
     async def _pump(self, trace: Trace, opened: Opened, stream: RelayedStream) -> AsyncGenerator[bytes, None]:

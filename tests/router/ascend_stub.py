@@ -80,6 +80,7 @@ class AscendRank:
     pulled: list[dict] = field(default_factory=list)      # kv_transfer_params a decode pulled with
     computed_locally: int = 0                # decode legs that carried no usable parameters
     fail: int = 0                            # the next `fail` completions answer 500 (an engine error)
+    cut: int = 0                             # the next `cut` streamed P/D decode legs die after `recompute_after`
     port: int = 0
     _ids: Any = field(default_factory=itertools.count)
 
@@ -140,6 +141,9 @@ class AscendRank:
         elif start + n >= self.tokens and n < limit:
             finish = "stop"
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{self.name}-{next(self._ids)}"
+        if body.get("stream") and ktp.get("do_remote_prefill") and self.cut > 0:
+            self.cut -= 1
+            return StreamingResponse(self._dies(rid, body, chat, start), media_type="text/event-stream")
         if body.get("stream"):
             return StreamingResponse(self._chunks(rid, body, chat, start, n, finish, stop_reason, prompt_tokens),
                                      media_type="text/event-stream")
@@ -213,3 +217,10 @@ class AscendRank:
             yield event({}, usage={"prompt_tokens": prompt_tokens, "completion_tokens": n,
                                    "total_tokens": prompt_tokens + n})
         yield b"data: [DONE]\n\n"
+
+    async def _dies(self, rid: str, body: dict, chat: bool, start: int):
+        """A stream whose rank dies after `recompute_after` tokens: no end, no [DONE], the connection cut."""
+        async for chunk in self._chunks(rid, body, chat, start, self.recompute_after, "length", None, 0):
+            if b'"finish_reason": "length"' in chunk:
+                raise ConnectionResetError("the rank died")
+            yield chunk

@@ -102,6 +102,22 @@ def test_a_recomputed_stream_equals_an_undisturbed_one(path, body):
 
 @pytest.mark.parametrize("path,body", [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)],
                          ids=["chat", "completion"])
+def test_a_stream_whose_rank_dies_goes_on_elsewhere_in_vllm_terms(path, body):
+    p, d = AscendRank("p", "kv_producer"), [AscendRank(f"d{i}", "kv_consumer") for i in range(2)]
+    with Servers(p, *d), router([p], d) as client:
+        plain = client_view(streamed(client, path, body))
+        for rank in d:
+            rank.cut = 1                              # the P/D leg dies after 2 tokens; the move is decode-only
+        moved = client_view(streamed(client, path, body))
+    assert moved[:2] == plain[:2] and len(set(moved[2])) == 1, "the same answer once, under one id"
+    legs = [c["body"] for rank in d for c in rank.posts()]
+    assert not [leg for leg in legs if "kimi_pd_resume" in leg], "stock vLLM never gets our internal fields"
+    rest = [leg for leg in legs if leg.get("continue_final_message") or leg.get("prompt") == PROMPT + sequence_text(2)]
+    assert len(rest) == 1 and "kv_transfer_params" not in rest[0] and rest[0]["max_tokens"] == 4
+
+
+@pytest.mark.parametrize("path,body", [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)],
+                         ids=["chat", "completion"])
 def test_a_recomputed_whole_answer_equals_an_undisturbed_one(path, body):
     p, d = AscendRank("p", "kv_producer"), AscendRank("d", "kv_consumer")
     with Servers(p, d), router([p], [d]) as client:
