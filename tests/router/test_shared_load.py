@@ -83,20 +83,18 @@ def placed(big_via: TestClient, small_via: TestClient, shared: bool) -> tuple[st
     return where["big"], [where["small0"], where["small1"]]
 
 
-@pytest.mark.parametrize("shared", [True, False], ids=["shared-through-the-store", "unshared"])
-def test_two_routers_place_as_one(redis_url, shared):
+def test_two_routers_place_as_one_and_without_the_store_they_do_not(redis_url):
     workers = [Stub(), Stub()]
     namespace = f"shared-load-{uuid.uuid4().hex[:8]}"
     with Servers(*workers):
         with router(workers, None, namespace + "-one") as one:
             big, smalls = placed(one, one, False)
         assert smalls == [w.url for w in workers if w.url != big] * 2, "one router: the small ones avoid the big one"
-        store = redis_url if shared else None
-        with router(workers, store, namespace) as a, router(workers, store, namespace) as b:
-            big, smalls = placed(a, b, shared)
-    if shared:
+        with router(workers, redis_url, namespace) as a, router(workers, redis_url, namespace) as b:
+            big, smalls = placed(a, b, True)
         assert smalls == [w.url for w in workers if w.url != big] * 2, "two routers sharing place as one"
-    else:
+        with router(workers, None, namespace) as a, router(workers, None, namespace) as b:
+            big, smalls = placed(a, b, False)
         assert big in smalls and len(set(smalls)) == 2, "two routers that do not share split the small ones"
 
 
