@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 from router.app import create_app
 from router.request.recompute import continuation, merge_whole
 from router.settings import RouterSettings
+from router.vllm_metrics import load_from_vllm_metrics
 from tests.router.ascend_stub import TOKEN_BASE, AscendRank, sequence_text
 from tests.router.fake_vllm import Servers
 
@@ -183,6 +184,23 @@ def test_a_data_parallel_rank_reads_its_own_engine_load():
     page = "\n".join(f'vllm:num_requests_{kind}{{engine="{e}",model_name="m"}} {n}'
                      for e, kind, n in (("0", "running", 3), ("0", "waiting", 1), ("1", "running", 7),
                                         ("1", "waiting", 0)))
-    from router.vllm_metrics import load_from_vllm_metrics
     both, one = load_from_vllm_metrics(page, 0.0), load_from_vllm_metrics(page, 0.0, "1")
     assert (both.running, both.waiting) == (10, 1) and (one.running, one.waiting) == (7, 0)
+
+
+def test_data_parallel_ranks_flag():
+    import argparse
+
+    from router.cli import add_router_args, parse_dp_ranks, settings_from_args
+    parser = argparse.ArgumentParser()
+    add_router_args(parser)
+    s = settings_from_args(parser.parse_args(["--decode", "http://d:8200", "--data-parallel-ranks",
+                                              "http://d:8200=4"]), None)
+    s.validate()
+    assert s.static_dp_ranks == (("http://d:8200", 4),)
+    with pytest.raises(ValueError, match="URL=D"):
+        parse_dp_ranks(["http://d:8200"])
+    for ranks in (("http://other:1", 2), ("http://d:8200", 0)):
+        bad = settings_from_args(parser.parse_args(["--decode", "http://d:8200"]), None)
+        with pytest.raises(ValueError, match="data-parallel-ranks"):
+            type(bad)(**{**bad.__dict__, "static_dp_ranks": (ranks,)}).validate()
