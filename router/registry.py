@@ -185,7 +185,8 @@ class WorkerRegistry:
 
     def refused(self) -> str | None:
         """What the operator must do about static workers declared ours that answer as stock vLLM (None: none)."""
-        urls = [self.static[wid].url for wid, kind in self.identities.items() if kind == "vllm" and wid in self.static]
+        urls = {self.static[wid].url: None for wid, kind in self.identities.items()     # ordered, each URL once
+                if kind == "vllm" and wid in self.static}
         return REFUSAL.format(urls=", ".join(urls)) if urls else None
 
     def _size_static(self, info: WorkerInfo) -> None:
