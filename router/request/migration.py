@@ -36,6 +36,7 @@ class RelayedStream:
     # vLLM-Ascend's recompute hand-back (router/request/recompute.py): the upstream ended "recomputed"
     # (that end and the rest of its stream are not relayed); what was delivered, to run the rest again
     recomputed: bool = False
+    keep_text: bool = False                    # keep `text`/`reasoning` (stock vLLM: what a re-run is told)
     text: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
     content_events: int = 0                    # choices that delivered content (tokens, where ids are missing)
@@ -137,7 +138,8 @@ class RelayedStream:
             if choice.get("finish_reason"):
                 self.finished = True
             delta = choice.get("delta")
-            self._keep_delivered(choice, delta if isinstance(delta, dict) else {})
+            if self.keep_text:
+                self._keep_delivered(choice, delta if isinstance(delta, dict) else {})
             role_only = role_only or (isinstance(delta, dict) and "role" in delta and not delta.get("content")
                                       and len(choices) == 1 and not choice.get("finish_reason"))
         return changed, role_only

@@ -35,7 +35,7 @@ class Relay:
     async def stream(self, trace: Trace, keep_token_ids: bool, body: dict, opened: Opened, route: Route
                      ) -> AsyncGenerator[bytes, None]:
         """Relay the stream, migrating it on a mid-stream failure while another worker can continue."""
-        stream, origin = RelayedStream(keep_token_ids=keep_token_ids), body
+        stream, origin = RelayedStream(keep_token_ids=keep_token_ids, keep_text=self._stock(trace)), body
         trace.outcome = "cancelled"
         try:
             while True:
