@@ -133,15 +133,19 @@ def _router(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from kimi_pd.up import up
+    from kimi_pd.up import ENGINE_FLAGS, ROUTER_FLAGS, passed_argv, up
+    from router.admission.tenants import Tenants
+    if getattr(args, "passed_tenants", None):
+        args.passed_tenants = str(Path(args.passed_tenants).resolve())
+        Tenants(args.passed_tenants)                 # a bad tenants file is refused before anything starts
     model = str(_default_chat_model(args.model).resolve())
     extra = []
     if args.speculative_config:
         from engine.spec_decode.config import SpeculativeConfig
         SpeculativeConfig.parse(args.speculative_config)            # refuse a bad config before starting anything
         extra = ["--speculative-config", args.speculative_config]
-    return up(model, args.port, args.prefill_workers, args.decode_workers, args.redis_url, Path(args.log_dir), [],
-              extra, _autoscale(args))
+    return up(model, args.port, args.prefill_workers, args.decode_workers, args.redis_url, Path(args.log_dir),
+              passed_argv(args, ENGINE_FLAGS), extra, _autoscale(args), passed_argv(args, ROUTER_FLAGS))
 
 
 def _autoscale(args: argparse.Namespace):
@@ -287,6 +291,8 @@ def _add_up(sub: _Subparsers) -> None:
     upp.add_argument("--scale-down-window-s", type=float, default=30.0,
                      help="scale in only below the highest count asked for in this window")
     upp.add_argument("--scale-down-step-s", type=float, default=15.0, help="at most one worker retired per this")
+    from kimi_pd.up import add_passed_args
+    add_passed_args(upp)                 # the workers' engine flags and the router's admission flags, passed on
     upp.set_defaults(func=_up)
 
 

@@ -8,6 +8,7 @@ again with their next heartbeat). Ctrl-C / SIGTERM stops everything it started.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import secrets
 import signal
@@ -27,6 +28,53 @@ from shared.store.factory import REDIS_URL_ENV
 
 READY_TIMEOUT_S = 180.0
 KIMI_PD = [sys.executable, "-m", "kimi_pd"]
+# the workers' engine flags `up` takes and passes on to every worker, as `vllm serve` takes them
+ENGINE_FLAGS = ("--max-num-seqs", "--max-num-batched-tokens", "--max-model-len", "--scheduling-policy",
+                "--enable-prefix-caching", "--block-size", "--dtype", "--device", "--cache-memory",
+                "--kda-chunk-size", "--tensor-parallel-size", "--enable-expert-parallel", "--compilation-config",
+                "--enforce-eager", "--max-structured-output-bytes", "--kv-transport", "--kv-streams")
+# the router's admission flags (docs/admission.md), passed on to the router
+ROUTER_FLAGS = ("--tenants", "--max-inflight-per-worker", "--max-queued", "--queue-timeout")
+_PREFIX = "passed_"
+
+
+def add_passed_args(p: argparse.ArgumentParser) -> None:
+    """`up` takes the workers' engine flags and the router's admission flags with the children's own
+    parsing, help and choices (a bad value is refused before anything starts); absent ones stay unset,
+    so each child keeps its own default."""
+    from router.cli import add_router_args
+    from worker.flags import add_worker_args
+    for title, add, names in (("engine (every worker)", add_worker_args, ENGINE_FLAGS),
+                              ("admission (the router)", add_router_args, ROUTER_FLAGS)):
+        source, group = argparse.ArgumentParser(add_help=False), p.add_argument_group(title)
+        add(source)
+        for action in source._actions:
+            if action.option_strings and action.option_strings[0] in names:
+                flags = [o for o in action.option_strings if o.startswith("--") and not o.startswith("--no-")]
+                if isinstance(action, (argparse.BooleanOptionalAction, argparse._StoreTrueAction)):
+                    group.add_argument(*flags, action=type(action), dest=_PREFIX + action.dest,
+                                       default=argparse.SUPPRESS, help=action.help)
+                    continue
+                added = group.add_argument(*flags, choices=action.choices, help=action.help,
+                                           metavar=action.metavar or (None if action.choices else action.dest.upper()),
+                                           dest=_PREFIX + action.dest, default=argparse.SUPPRESS)
+                added.type = action.type                 # the child's own parsing (sizes, numbers)
+
+
+def passed_argv(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
+    """The command-line flags among `names` the user gave to `up`, as the child parses them."""
+    out: list[str] = []
+    for flag in names:
+        dest = _PREFIX + flag.lstrip("-").replace("-", "_")
+        if not hasattr(args, dest):
+            continue
+        value = getattr(args, dest)
+        if isinstance(value, bool):
+            if value or flag == "--enable-prefix-caching":
+                out.append(flag if value else "--no-" + flag[2:])
+        else:
+            out += [flag, str(value)]
+    return out
 
 
 class PortTaken(ValueError):
@@ -89,7 +137,7 @@ def restart_store(store: EmbeddedValkey) -> None:
 
 def up(model_dir: str, port: int, num_prefill: int, num_decode: int, redis_url: str | None, log_dir: Path,
        extra_worker_args: list[str], speculative_args: list[str] | None = None,
-       autoscale: AutoscaleSettings | None = None) -> int:
+       autoscale: AutoscaleSettings | None = None, router_args: list[str] | None = None) -> int:
     """speculative_args (`--speculative-config JSON`) go to every worker: decode workers speculate; prefill
     workers run the draft's context projection so the prompt's draft rows travel with the state.
     autoscale: the pools start at the given counts, then follow the load within its bounds."""
@@ -115,8 +163,8 @@ def up(model_dir: str, port: int, num_prefill: int, num_decode: int, redis_url: 
                REDIS_URL_ENV: redis_url}                   # through the environment: no password in `ps`
         common = ["--model", model_dir, *extra_worker_args, *(speculative_args or [])]
         autoscaler = start_pools(supervisor, common, env, log_dir, num_prefill, num_decode, autoscale, redis_url)
-        supervisor.spawn("router", [*KIMI_PD, "router", "--model", model_dir, "--port", str(port)],
-                    env, log_dir / "router.log")
+        supervisor.spawn("router", [*KIMI_PD, "router", "--model", model_dir, "--port", str(port),
+                                    *(router_args or [])], env, log_dir / "router.log")
         url = f"http://127.0.0.1:{port}"
         wait_ready(url, fleet, READY_TIMEOUT_S)
         print(f"kimi-pd is up: {url}  ({num_prefill} prefill + {num_decode} decode workers, "

@@ -12,6 +12,7 @@ import logging
 import secrets
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any, cast
 
 import httpx
@@ -20,6 +21,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from router import health_checker
+from router.admission import http as admission_http
+from router.admission.tenants import Tenant, Tenants
 from router.connectors import ALIASES as CONNECTOR_ALIASES
 from router.connectors import CONNECTORS
 from router.dashboard import install as install_dashboard
@@ -33,7 +36,7 @@ from router.registry import WorkerRegistry
 from router.request.trace import Trace
 from router.sampling_check import SamplingCheck
 from router.settings import RouterSettings
-from router.transport.fast_path import FastPathApp
+from router.transport.fast_path import EventStreamResponse, FastPathApp
 from router.transport.upstream import UpstreamError, make_session
 from shared.http import (
     ClientDisconnected,
@@ -59,6 +62,8 @@ _INSTANCE = secrets.token_hex(4)               # router replicas never mint the 
 
 def create_app(settings: RouterSettings) -> FastPathApp:
     settings.validate()
+    tenants = Tenants(settings.tenants_file, settings.api_keys)      # a bad tenants file stops start-up here
+    settings = _with_tenant_keys(settings, tenants)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -71,7 +76,9 @@ def create_app(settings: RouterSettings) -> FastPathApp:
         pipeline = build_pipeline(**settings.pipeline_spec())
         app.state.settings, app.state.registry, app.state.metrics = settings, registry, metrics
         app.state.prompts = prompts = load_prompt_source(settings.model)
-        app.state.helpers = RouterHelpers(settings, prompts)      # /v1/models, /tokenize, ... (shared routes)
+        app.state.tenants = tenants
+        app.state.helpers = RouterHelpers(settings, prompts, tenants)     # /v1/models, /tokenize, ... (shared routes)
+        app.state.admission = admission = admission_http.build(app.state, store, _spawn)
         app.state.sampling_check = SamplingCheck()
         log.info("prompt hashing: %s (%s)", prompts.kind, settings.model or "no tokenizer")
         app.state.orchestrator = Orchestrator(settings, registry, client, pipeline, metrics, settings.admin_token,
@@ -87,7 +94,9 @@ def create_app(settings: RouterSettings) -> FastPathApp:
             raise RuntimeError(refused)
         tasks = [asyncio.create_task(registry.run(stop)),
                  asyncio.create_task(health_checker.run(client, registry, settings.health_check_s, stop,
-                                                                     metrics, settings.health_timeout_s))]
+                                                                     metrics, settings.health_timeout_s)),
+                 asyncio.create_task(admission.limiter.run(stop)),
+                 asyncio.create_task(admission_http.pump_loop(admission, stop))]
         if settings.kv_events:                   # stock vLLM's ZMQ KV events -> the exact prefix index
             app.state.kv_events = relay = KVEventsRelay(settings.kv_events, registry.index.exact,
                                                         registry.index.exact_workers, registry.hash_chain)
@@ -115,6 +124,7 @@ def create_app(settings: RouterSettings) -> FastPathApp:
         app.add_api_route(path, fn, methods=methods)
     # /dashboard (page) and /dashboard/state (admin token)
     install_dashboard(app, _check_admin, _ready_state)
+    admission_http.install(app, _check_admin)        # 429/503 with their headers, /admin/tenants
     app.fast_routes = {"/v1/chat/completions": _chat, "/v1/completions": _completions}
     return app
 
@@ -128,15 +138,36 @@ async def _upstream_error(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(body.model_dump(mode="json"), status_code=exc.status)
 
 
-def _check_client(request: Request) -> None:
-    request.app.state.helpers.check_client(request)
+def _with_tenant_keys(settings: RouterSettings, tenants: Tenants) -> RouterSettings:
+    """Keys in the tenants file are client keys too: workers need authenticated calls, and answers do
+    not name internal workers unless asked to."""
+    if not tenants.keys_required or settings.api_keys:
+        return settings
+    if not (settings.admin_token or settings.worker_api_key):
+        raise ValueError("the tenants file holds API keys, so calls to workers must be authenticated too: set "
+                         "KIMI_PD_ADMIN_TOKEN (or KIMI_PD_WORKER_API_KEY)")
+    return settings if settings.placement_headers is not None else replace(settings, placement_headers=False)
+
+
+_background: set[asyncio.Task] = set()
+
+
+def _spawn(work: Awaitable) -> None:
+    """Run `work` after the answer (settling a tenant's tokens): the answer never waits on the store."""
+    task = asyncio.ensure_future(work)
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+
+
+def _check_client(request: Request) -> Tenant:
+    return request.app.state.helpers.check_client(request)
 
 
 def _check_admin(request: Request) -> None:
     check_admin(request, request.app.state.settings.admin_token)
 
 
-async def _serve(request: Request, endpoint: str, req, prepare, body_bytes: int) -> Response:
+async def _serve(request: Request, endpoint: str, req, prepare, body_bytes: int, tenant: Tenant) -> Response:
     st = request.app.state
     check_model(st.helpers, req.model)
     if st.prompts.kind == "kimi-k3":
@@ -148,17 +179,26 @@ async def _serve(request: Request, endpoint: str, req, prepare, body_bytes: int)
     trace = Trace(f"{endpoint}-{_INSTANCE}-{next(_ids)}", endpoint, client_request_id=client_id)
     if client_id:
         log.debug("request %s is the client's %s", trace.request_id, client_id)
-    outcome = "error"
+    outcome, ticket, streamed = "error", None, False
+
+    async def admitted() -> Response:
+        nonlocal ticket
+        ticket = await admission_http.admit(st.admission, tenant, req, len(prepared.token_ids))
+        return await st.orchestrator.handle(trace, req, prepared)
     try:
         # until the response starts (a stream's first byte, or the whole answer), a client that leaves
-        # cancels both legs; once streaming, closing the relay does the same
-        response = await until_disconnect(request, st.orchestrator.handle(trace, req, prepared))
+        # cancels both legs (or its place in the admission queue); once streaming, closing the relay does the same
+        response = await until_disconnect(request, admitted())
         outcome = "ok"
+        if ticket is not None:
+            streamed = admission_http.attach(ticket, response, trace, EventStreamResponse)
         return response
     except ClientDisconnected:
         outcome = "cancelled"
         raise
     finally:
+        if ticket is not None and not streamed:
+            ticket.leave(trace.completion_tokens if outcome == "ok" else 0, outcome)
         if trace.outcome is None:            # a stream's relay records its own outcome when it ends
             st.metrics.requests.labels(endpoint=endpoint, decision=trace.decision, outcome=outcome).inc()
 
@@ -175,23 +215,24 @@ async def _bounded_body(request: Request) -> tuple[Any, int]:
 
 
 async def _chat(request: Request) -> Response:
-    _check_client(request)
+    tenant = _check_client(request)
     body, size = await _bounded_body(request)
     req = ChatCompletionRequest.model_validate(body)
     st = request.app.state
 
     def one(sub: ChatCompletionRequest) -> Awaitable[Response]:
-        return _serve(request, "chat", sub, lambda: st.prompts.prepare_chat(sub), size)
+        return _serve(request, "chat", sub, lambda: st.prompts.prepare_chat(sub), size, tenant)
     return await (fan_out(req, cast(RunOne, one)) if needs_fan_out(req) else one(req))
 
 
 async def _completions(request: Request) -> Response:
-    _check_client(request)
+    tenant = _check_client(request)
     body, size = await _bounded_body(request)
     req = CompletionRequest.model_validate(body)
 
     def one(sub: CompletionRequest) -> Awaitable[Response]:
-        return _serve(request, "completions", sub, lambda: request.app.state.prompts.prepare_completion(sub), size)
+        return _serve(request, "completions", sub, lambda: request.app.state.prompts.prepare_completion(sub), size,
+                      tenant)
     return await (fan_out(req, cast(RunOne, one)) if needs_fan_out(req) else one(req))
 
 

@@ -62,6 +62,14 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--placement-headers", action=argparse.BooleanOptionalAction, default=None,
                    help="name the prefill/decode workers of each answer in x-kimi-pd-*-worker headers "
                         "(default: only when no client API keys are set)")
+    p.add_argument("--tenants", default=None, metavar="FILE",
+                   help="tenants, their API keys and limits (TOML or JSON; re-read when it changes): docs/admission.md")
+    p.add_argument("--max-inflight-per-worker", type=int, default=0,
+                   help="admission queue: requests in flight per usable decode worker before new ones wait "
+                        "(0: no queue)")
+    p.add_argument("--max-queued", type=int, default=1024, help="admission queue bound (a full queue answers 503)")
+    p.add_argument("--queue-timeout", type=float, default=30.0,
+                   help="seconds a request may wait in the admission queue before a 503 with Retry-After")
     p.add_argument("--health-check-interval", type=float, default=2.0)
     p.add_argument("--health-check-timeout", type=float, default=2.0,
                    help="seconds a worker has to answer one /health probe (two misses in a row: unhealthy)")
@@ -88,7 +96,9 @@ def settings_from_args(args: argparse.Namespace, model_dir: str | None) -> Route
                           prefill_timeout_s=args.prefill_timeout, idle_timeout_s=args.idle_timeout,
                           health_check_s=args.health_check_interval,
                           health_timeout_s=args.health_check_timeout, refresh_s=args.refresh_interval, api_keys=keys,
-                          placement_headers=args.placement_headers,
+                          placement_headers=args.placement_headers, tenants_file=args.tenants,
+                          max_inflight_per_worker=args.max_inflight_per_worker, max_queued=args.max_queued,
+                          queue_timeout_s=args.queue_timeout,
                           admin_token=os.environ.get(ADMIN_TOKEN_ENV) or None,
                           worker_api_key=os.environ.get(WORKER_API_KEY_ENV) or None)
 

@@ -152,6 +152,7 @@ def fleet_state(app_state, history: History, ready_state: Callable[[WorkerRegist
                        ("ok" if registry.store_ok else "unavailable"),
                        "ready": bool(ready_state(registry)["ready"]), "time": now},
             "workers": workers,
+            "tenants": app_state.admission.accounting.snapshot() if hasattr(app_state, "admission") else {},
             "traffic": traffic(oldest, newest) if len(history.samples) > 1 else None,
             "series": history.series()}
 

@@ -2,11 +2,11 @@
 every served name (aliases too), and the prompt source's tokenizer (K3's, a Hugging Face one, or none)."""
 from __future__ import annotations
 
-import hmac
 from typing import Any, cast
 
 from fastapi import Request
 
+from router.admission.tenants import Tenant, Tenants
 from router.prompt_source import PromptSource, foreign_detokenize, foreign_tokenize
 from router.settings import RouterSettings
 from shared.http import bearer_token
@@ -16,18 +16,20 @@ from shared.openai.responses import ModelCard
 
 
 class RouterHelpers:
-    def __init__(self, settings: RouterSettings, prompts: PromptSource) -> None:
-        self.settings, self.prompts = settings, prompts
+    def __init__(self, settings: RouterSettings, prompts: PromptSource, tenants: Tenants) -> None:
+        self.settings, self.prompts, self.tenants = settings, prompts, tenants
         self.served_model_names = settings.served_model_names
         self.max_request_bytes = settings.max_request_bytes
         # K3's own tokenizer serves /tokenize; an HF one (or none) goes through the prompt source
         self.tokenizer = cast(Any, prompts).tokenizer if prompts.kind == "kimi-k3" else None
         self.max_model_len = prompts.max_model_len
 
-    def check_client(self, request: Request) -> None:
-        keys = self.settings.api_keys
-        if keys and not any(hmac.compare_digest(bearer_token(request).encode(), k.encode()) for k in keys):
+    def check_client(self, request: Request) -> Tenant:
+        """The request's tenant (docs/admission.md); 401 for a key that is none of the fleet's."""
+        tenant = self.tenants.resolve(bearer_token(request))
+        if tenant is None:
             raise Unauthorized("Incorrect API key provided.", code="invalid_api_key")
+        return tenant
 
     def card(self, name: str) -> ModelCard:
         return ModelCard(id=name, owned_by="kimi-pd", root=self.settings.model or self.settings.served_model_name,

@@ -20,6 +20,15 @@
   prefill_releases_total{outcome}                prefill states released by the router (client gone)
   workers{role, healthy}                         fleet size as this replica sees it
   store_up                                       1 if the state store answered the last refresh
+  tenant_requests_total{tenant, outcome}         admission (docs/admission.md): finished requests per tenant
+  tenant_tokens_total{tenant, kind}              prompt | completion tokens per tenant
+  tenant_rejections_total{tenant, reason}        rate_limited | queue_full | queue_timeout
+  tenant_request_seconds{tenant}                 admitted request time per tenant (queue wait included)
+  admission_queue_depth, admission_inflight      requests waiting for a slot / holding one on this replica
+  admission_queue_wait_seconds                   time a request waited for its slot
+  admission_queue_rejections_total{reason}       queue_full | queue_timeout
+  ratelimit_local                                1 while the store is unreachable: local limits of 1/N each
+  ratelimit_store_seconds                        one rate-limit round trip to the store (cost per request)
 """
 from __future__ import annotations
 
@@ -83,3 +92,23 @@ class RouterMetrics:
         self.prefill_releases = counter("prefill_releases_total", "Prefill states released by the router", ["outcome"])
         self.workers = Gauge(p + "workers", "Workers known to this replica", ["role", "healthy"], registry=r)
         self.store_up = Gauge(p + "store_up", "State store reachable", registry=r)
+        self._admission(counter, r)
+
+    def _admission(self, counter, r: CollectorRegistry) -> None:
+        p = "kimi_pd_router_"
+        self.tenant_requests = counter("tenant_requests_total", "Finished requests per tenant", ["tenant", "outcome"])
+        self.tenant_tokens = counter("tenant_tokens_total", "Tokens per tenant", ["tenant", "kind"])
+        self.tenant_rejections = counter("tenant_rejections_total", "Requests refused by admission control",
+                                         ["tenant", "reason"])
+        self.tenant_seconds = Histogram(p + "tenant_request_seconds", "Admitted request time per tenant",
+                                        ["tenant"], buckets=_BUCKETS, registry=r)
+        self.queue_depth = Gauge(p + "admission_queue_depth", "Requests waiting for a slot", registry=r)
+        self.inflight = Gauge(p + "admission_inflight", "Requests holding a slot", registry=r)
+        self.queue_wait = Histogram(p + "admission_queue_wait_seconds", "Wait for a slot", buckets=_BUCKETS,
+                                    registry=r)
+        self.queue_rejections = counter("admission_queue_rejections_total", "Requests the queue refused", ["reason"])
+        self.ratelimit_local = Gauge(p + "ratelimit_local", "1: the store is unreachable, limits are local (1/N)",
+                                     registry=r)
+        self.ratelimit_store_seconds = Histogram(p + "ratelimit_store_seconds", "Rate-limit round trip to the store",
+                                                 buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.25),
+                                                 registry=r)

@@ -54,6 +54,12 @@ class RouterSettings:
     # counts guard only against load this replica did not send. Tuned on the Mooncake replay
     # (benchmarks/placement_replay.py): hit >= 0.97 of a pooled LRU, p99 TTFT <= 1.1x an oracle.
     scorer_weights: tuple[tuple[str, Any], ...] = (("completion", (1.0, (("own_weight", 16.0),))),)
+    # admission (docs/admission.md): tenants and their limits; slots per usable decode worker (0: no queue),
+    # the queue's bound and its default deadline
+    tenants_file: str | None = None
+    max_inflight_per_worker: int = 0
+    max_queued: int = 1024
+    queue_timeout_s: float = 30.0
     placement_filters: tuple[Any, ...] = ("model", "role", "healthy", "circuit-not-open", "not-draining", "not-stuck",
                                           ("not-backlogged", (("slack_s", 6.0),)),
                                           ("not-overloaded", (("unseen_only", True),)))
@@ -97,5 +103,7 @@ class RouterSettings:
                              f"{', '.join(bad)}")
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
+        if self.max_inflight_per_worker < 0 or self.max_queued < 0 or self.queue_timeout_s <= 0:
+            raise ValueError("--max-inflight-per-worker and --max-queued must be >= 0, --queue-timeout > 0")
         if self.prefill_tokens_per_s <= 0 or self.static_cache_tokens < 0:
             raise ValueError("prefill_tokens_per_s must be > 0 and static_cache_tokens >= 0")

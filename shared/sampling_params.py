@@ -87,6 +87,7 @@ class SamplingParams:
     bad_words: list[str] = field(default_factory=list)   # never completed (as is and after a space)
     structured_output: StructuredOutput | None = None     # the output must match it (json, regex, ...)
     cache_salt: str | None = None       # prefix-cache isolation: only equal salts share blocks
+    priority: int = 0                   # vLLM's: lower first under --scheduling-policy priority (else unused)
 
     def for_sequence(self, index: int) -> SamplingParams:
         """The params of sequence `index` of n: one sequence, its own seed (seed + index) when seeded."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import time
@@ -44,6 +45,7 @@ class StubSettings:
     tokens: int = 16                  # completion length when max_tokens does not cap it
     token_delay_s: float = 0.0        # simulated time per generated token
     first_token_delay_s: float = 0.0  # extra time before the first token (a simulated prefill)
+    max_running: int = 0              # requests generating at once, the rest wait FIFO (an engine's slots); 0: any
     served_model_name: str = "kimi-k3"
     host: str = "127.0.0.1"           # advertised as remote_host in prefill replies
     port: int = 0                     # advertised as remote_port in prefill replies
@@ -124,6 +126,7 @@ class Stub:
         self.engine_id = uuid.uuid4().hex
         self.counts: Counter[str] = Counter()
         self._ids = itertools.count()
+        self._slots = asyncio.Semaphore(settings.max_running) if settings.max_running > 0 else None
 
     # ---- parsing ------------------------------------------------------------------------------
     def parse(self, body: Any, endpoint: str) -> Leg:
@@ -199,6 +202,17 @@ class Stub:
         if chat:
             yield event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}])
+        async with self._slot():
+            async for piece in self._tokens(leg, choice, event, chat):
+                yield piece
+        if leg.include_usage:
+            yield event([], usage=self.usage(leg))
+        yield SSE_DONE
+
+    def _slot(self):
+        return self._slots if self._slots is not None else contextlib.nullcontext()
+
+    async def _tokens(self, leg: Leg, choice, event, chat: bool) -> AsyncIterator[bytes]:
         for i in range(leg.num_tokens):
             delay = self.s.token_delay_s + (self.s.first_token_delay_s if i == 0 else 0.0)
             if delay:
@@ -207,9 +221,6 @@ class Stub:
             yield event([choice(token_text(i), leg.finish_reason if last and not chat else None)])
         if chat or leg.num_tokens == 0:
             yield event([choice(None if chat else "", leg.finish_reason)])
-        if leg.include_usage:
-            yield event([], usage=self.usage(leg))
-        yield SSE_DONE
 
     # ---- routes -------------------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
@@ -231,7 +242,8 @@ class Stub:
         if leg.stream:
             return StreamingResponse(self.chunks(leg), media_type="text/event-stream", headers=headers)
         if (self.s.token_delay_s or self.s.first_token_delay_s) and leg.num_tokens:
-            await asyncio.sleep(self.s.first_token_delay_s + self.s.token_delay_s * leg.num_tokens)
+            async with self._slot():
+                await asyncio.sleep(self.s.first_token_delay_s + self.s.token_delay_s * leg.num_tokens)
         return Response(_dumps(self.whole(leg)), media_type="application/json", headers=headers)
 
     async def health(self, request: Request) -> JSONResponse:
@@ -273,6 +285,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--token-delay-ms", type=float, default=0.0, help="simulated time per token")
     p.add_argument("--first-token-delay-ms", type=float, default=0.0, help="extra time before the first token")
     p.add_argument("--served-model-name", default="kimi-k3")
+    p.add_argument("--max-running", type=int, default=0, help="requests generating at once (0: any)")
     p.add_argument("--log-level", default="warning")
     return p.parse_args(argv)
 
@@ -283,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     settings = StubSettings(role=args.role, tokens=args.tokens, token_delay_s=args.token_delay_ms / 1000,
                             first_token_delay_s=args.first_token_delay_ms / 1000,
-                            served_model_name=args.served_model_name, host=args.host, port=args.port)
+                            served_model_name=args.served_model_name, host=args.host, port=args.port,
+                            max_running=args.max_running)
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     return 0
 

@@ -34,7 +34,8 @@ def settings_from_args(args: argparse.Namespace, model_dir: str) -> WorkerSettin
                           tensor_parallel_size=args.tensor_parallel_size,
                           enable_expert_parallel=args.enable_expert_parallel, master_addr=args.master_addr,
                           master_port=args.master_port, nnodes=args.nnodes, node_rank=args.node_rank,
-                          compilation_config=args.compilation_config, enforce_eager=args.enforce_eager)
+                          compilation_config=args.compilation_config, enforce_eager=args.enforce_eager,
+                          scheduling_policy=args.scheduling_policy)
     extra = {"worker_id": args.worker_id} if args.worker_id else {}
     return WorkerSettings(engine=engine, host=args.host, port=args.port,
                           served_model_name=args.served_model_name, advertise_url=args.advertise_url,

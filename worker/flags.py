@@ -11,6 +11,8 @@ from shared.store.factory import REDIS_URL_ENV
 _UNITS = {"": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
           "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
 ACCEPTED_PARSERS = ("kimi_k3",)
+_POLICY_HELP = ("fcfs: arrival order; priority: the request's `priority` (lower first, then arrival), preempting "
+                "the lowest under memory pressure (vLLM's)")
 
 
 def parse_bytes(text: str) -> int:
@@ -39,6 +41,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"], help=_POLICY_HELP)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])

@@ -23,7 +23,7 @@ from engine.core.inputs import EngineInput, Resume, encode_images, validate_toke
 from engine.core.model_runner import ModelRunner, RunnerOutput
 from engine.core.outputs import CompletionOutput, PromptLogprob, RequestOutput
 from engine.core.request import Request, RequestStatus
-from engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from engine.core.scheduler import SCHEDULING_POLICIES, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.core.state_export import ExportedState, StateIdentity
 from engine.dtypes import TORCH_DTYPE_NAMES, torch_dtype
 from engine.graphs.config import CompilationConfig
@@ -74,6 +74,7 @@ class EngineConfig:
     master_port: int = 0                   # 0: any free port (one host only)
     nnodes: int = 1
     node_rank: int = 0
+    scheduling_policy: str = "fcfs"        # vLLM's --scheduling-policy: fcfs | priority (lower value first)
 
     def validate(self) -> None:
         checks = {"max_num_seqs": self.max_num_seqs >= 1, "max_num_batched_tokens": self.max_num_batched_tokens >= 1,
@@ -81,7 +82,8 @@ class EngineConfig:
                   "snapshot_interval_blocks": self.snapshot_interval_blocks >= 1,
                   "dtype": self.dtype in TORCH_DTYPE_NAMES,
                   "export_lease_s": self.export_lease_s is None or self.export_lease_s > 0,
-                  "tensor_parallel_size": self.tensor_parallel_size >= 1}
+                  "tensor_parallel_size": self.tensor_parallel_size >= 1,
+                  "scheduling_policy": self.scheduling_policy in SCHEDULING_POLICIES}
         bad = [k for k, ok in checks.items() if not ok]
         if bad:
             raise ValueError(f"invalid engine settings: {', '.join(f'{k}={getattr(self, k)!r}' for k in bad)}")
@@ -125,7 +127,7 @@ class LLMEngine:
                                          if draft_cfg else 0)
         self.cache = HybridCacheManager(self.cache_config)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   self.max_model_len), self.cache)
+                                                   self.max_model_len, config.scheduling_policy), self.cache)
         config_hash = self.model.config.identity_hash()
         schedule = "".join("K" if text.is_kda_layer(i) else "M" for i in range(text.num_hidden_layers))
         self.identity = StateIdentity(config_hash, config.dtype, schedule, config.block_size)
@@ -188,7 +190,8 @@ class LLMEngine:
         max_tokens = self._resolve_max_tokens(len(inputs.prompt_token_ids), params)
         if imported is not None:
             self._check_import(inputs.prompt_token_ids, imported)
-        req = Request(request_id, list(inputs.prompt_token_ids), params, export_state=export_state, imported=imported)
+        req = Request(request_id, list(inputs.prompt_token_ids), params, export_state=export_state, imported=imported,
+                      priority=params.priority)
         if req.wants_prompt_logprobs:
             req.prompt_logprobs = [None] * req.num_prompt_tokens
         req.max_tokens = min(1, max_tokens) if export_state else max_tokens

@@ -41,6 +41,7 @@ class Request:
     export_state: bool = False          # prefill leg: hold the state for a decode worker
     imported: ExportedState | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0                   # lower first under the priority scheduling policy
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)

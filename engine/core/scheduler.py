@@ -7,9 +7,15 @@ a decode step are all that one rule. A fresh prompt waits while a running reques
 block (`waits_for_shared_prefill`), so the blocks they share are computed once and then hit. When
 pages run out, the most recently admitted running request is preempted (its pages freed, recomputed
 later from its tokens: prompt + output so far).
+
+Under the `priority` policy (vLLM's `--scheduling-policy priority`) the waiting queue is ordered by
+(priority, arrival), lower first, preempted requests included, and the victim of a preemption is the
+running request with the highest (priority, arrival) instead of the latest admitted; a victim already
+given tokens in this step gives them back. Only order and latency change: each request's tokens do not.
 """
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -22,6 +28,14 @@ class SchedulerConfig:
     max_num_seqs: int = 8
     max_num_batched_tokens: int = 2048
     max_model_len: int = 4096
+    policy: str = "fcfs"                        # fcfs | priority
+
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+def _rank(req: Request) -> tuple[int, float]:
+    return req.priority, req.arrival_time
 
 
 @dataclass
@@ -63,7 +77,10 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, req: Request) -> None:
-        self.waiting.append(req)
+        if self.config.policy == "priority":
+            bisect.insort(self.waiting, req, key=_rank)
+        else:
+            self.waiting.append(req)
 
     @property
     def has_work(self) -> bool:
@@ -88,6 +105,9 @@ class Scheduler:
                 req.spec_token_ids = []
                 if not self._make_room(req, n, out):
                     break                               # req itself was preempted
+                if out.preempted and self.config.policy == "priority":
+                    budget += self._unschedule(out)     # victims scheduled earlier in this step
+                    i = self.running.index(req)
             n += len(drafts)
             out.seqs.append(ScheduledSeq(req, n, req.num_computed_tokens,
                                          self.cache.plan_snapshots(req, req.num_computed_tokens, n - len(drafts)),
@@ -98,7 +118,7 @@ class Scheduler:
 
     def _make_room(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         while not self.cache.allocate(req, n):
-            victim = self.running[-1]
+            victim = max(self.running, key=_rank) if self.config.policy == "priority" else self.running[-1]
             self._preempt(victim)
             out.preempted.append(victim)
             if victim is req:
@@ -115,7 +135,18 @@ class Scheduler:
         req.spec_token_ids = []
         self.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
-        self.waiting.appendleft(req)
+        if self.config.policy == "priority":
+            bisect.insort(self.waiting, req, key=_rank)
+        else:
+            self.waiting.appendleft(req)
+
+    @staticmethod
+    def _unschedule(out: SchedulerOutput) -> int:
+        """Drop this step's seqs of preempted requests; returns the tokens they had been given."""
+        gone = set(map(id, out.preempted))
+        dropped = [s for s in out.seqs if id(s.req) in gone]
+        out.seqs = [s for s in out.seqs if id(s.req) not in gone]
+        return sum(s.num_new_tokens for s in dropped)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         deferred: list[Request] = []

@@ -217,6 +217,8 @@ class DecodeLeg:
             content = await resp.read()
             body = parse_object(content, "decode")
             outcome = True
+            usage = body.get("usage")
+            trace.completion_tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
         except TRANSPORT_ERRORS as exc:
             err = classify(exc, "decode")
             outcome = err.health_outcome

@@ -64,6 +64,9 @@ class Relay:
                         return
                     opened = moved
         finally:
+            trace.completion_tokens = None if stream.untracked else len(stream.token_ids)
+            if trace.on_end is not None:
+                trace.on_end()
             self.fleet.metrics.e2e.observe(time.perf_counter() - trace.start)
             self.fleet.metrics.requests.labels(endpoint=trace.endpoint, decision=trace.decision,
                                                outcome=trace.outcome).inc()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shared.kv_transfer_params import KVTransferParams
@@ -25,6 +26,8 @@ class Trace:
     kv_connector: str = "kimi-pd"                    # the P/D protocol of this request's pool
     decode_connected: bool = False
     outcome: str | None = None                       # a stream's outcome, set when its relay ends
+    completion_tokens: int | None = None             # what the answer generated (admission settles by it)
+    on_end: Callable[[], None] | None = None         # called once a stream's relay ends (admission)
 
 
 def trace_headers(trace: Trace, workers: bool) -> dict[str, str]:

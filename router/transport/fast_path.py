@@ -64,6 +64,7 @@ class EventStreamResponse(StreamingResponse):
     """
 
     media_type = "text/event-stream"
+    on_close: Callable[[], None] | None = None      # called when the response ends, even if never started
 
     async def __call__(self, scope, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
@@ -89,3 +90,5 @@ class EventStreamResponse(StreamingResponse):
             aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:
                 await aclose()                       # a generator stopped at a yield runs its cleanup now
+            if self.on_close is not None:
+                self.on_close()

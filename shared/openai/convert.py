@@ -71,6 +71,7 @@ def to_sampling_params(req: AnyRequest, *, defaults: Mapping[str, Any] | None = 
         bad_words=list(req.bad_words or []),
         structured_output=_structured_output(req),
         cache_salt=req.cache_salt,
+        priority=req.priority,
         skip_special_tokens=False if chat else req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
         n=req.n,

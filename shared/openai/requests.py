@@ -77,6 +77,7 @@ class SamplingRequest(RequestModel):
     allowed_token_ids: list[Int] | None = None  # vLLM
     bad_words: list[str] | None = None          # vLLM
     cache_salt: str | None = Field(default=None, min_length=1)  # vLLM: only requests with the same salt share cache
+    priority: Int = 0                           # vLLM: lower is served first (--scheduling-policy priority)
 
 
     @field_validator("request_id")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from shared.kv_events import KVEventBatch, decode_batch, encode_batch
@@ -22,6 +22,7 @@ from shared.store.base import (
     check_read,
     check_ttl,
 )
+from shared.store.buckets import BucketResult, BucketSpec, LocalBuckets
 from shared.workers import LoadReport, WorkerInfo
 
 
@@ -55,6 +56,7 @@ class InMemoryStore:
         self._kv: dict[str, _KVState] = {}
         self._last_seq_ever: dict[str, int] = {}      # survives epochs: new epochs start above it
         self._router_loads: dict[str, tuple[float, RouterLoads]] = {}
+        self._buckets = LocalBuckets(clock)
 
     async def register(self, info: WorkerInfo, ttl_s: float) -> None:
         check_ttl(ttl_s)
@@ -125,6 +127,13 @@ class InMemoryStore:
         self._router_loads[router_id] = (now, dict(loads))
         self._router_loads = {rid: e for rid, e in self._router_loads.items() if now - e[0] <= ttl_s}
         return {rid: dict(e[1]) for rid, e in self._router_loads.items() if rid != router_id}
+
+    async def take_buckets(self, specs: Sequence[BucketSpec], force: bool = False) -> BucketResult:
+        return self._buckets.take(specs, force)
+
+    async def router_heartbeat(self, router_id: str, ttl_s: float) -> int:
+        check_ttl(ttl_s)
+        return self._buckets.router_heartbeat(router_id, ttl_s)
 
     async def close(self) -> None:
         return None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import msgpack
@@ -38,6 +38,7 @@ from shared.store.base import (
     check_read,
     check_ttl,
 )
+from shared.store.buckets import ROUTERS_LUA, TAKE_LUA, BucketResult, BucketSpec, check_specs, take_args
 from shared.workers import LoadReport, WorkerInfo
 
 log = logging.getLogger(__name__)
@@ -146,6 +147,8 @@ class RedisStore:
             retry=Retry(NoBackoff(), 1), protocol=2, decode_responses=False)
         self._heartbeat_script = self._redis.register_script(_HEARTBEAT_LUA)
         self._publish_script = self._redis.register_script(_PUBLISH_LUA)
+        self._take_script = self._redis.register_script(TAKE_LUA)
+        self._routers_script = self._redis.register_script(ROUTERS_LUA)
         self._reachable = True
 
     def __repr__(self) -> str:
@@ -242,6 +245,20 @@ class RedisStore:
         if stale:
             await self._run("share_router_load", lambda: self._redis.hdel(key, *stale))
         return others
+
+    async def take_buckets(self, specs: Sequence[BucketSpec], force: bool = False) -> BucketResult:
+        """Tenant rate limits shared by every router (`shared.store.buckets`): one script, atomic."""
+        check_specs(specs)
+        keys = [f"{self._keys.prefix}:bucket:{s.name}" for s in specs]
+        reply = await self._run("take_buckets", lambda: self._take_script(keys, take_args(specs, force)))
+        values = [_bytes(v) if not isinstance(v, int) else str(v).encode() for v in reply]
+        return BucketResult(values[0] == b"1", float(values[1]) / 1000, tuple(float(v) for v in values[2:]))
+
+    async def router_heartbeat(self, router_id: str, ttl_s: float) -> int:
+        """Say this router replica is alive; returns how many are (rate limits split 1/N without the store)."""
+        check_ttl(ttl_s)
+        key = f"{self._keys.prefix}:routers"
+        return int(await self._run("router_heartbeat", lambda: self._routers_script([key], [router_id, _ms(ttl_s)])))
 
     async def close(self) -> None:
         await self._redis.aclose()
