@@ -217,8 +217,6 @@ class DecodeLeg:
             content = await resp.read()
             body = parse_object(content, "decode")
             outcome = True
-            usage = body.get("usage")
-            trace.completion_tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
         except TRANSPORT_ERRORS as exc:
             err = classify(exc, "decode")
             outcome = err.health_outcome
@@ -236,7 +234,9 @@ class DecodeLeg:
         return body
 
     def _respond(self, trace: Trace, body: dict[str, Any]) -> Response:
-        fleet = self.fleet
+        fleet, usage = self.fleet, body.get("usage")
+        # what the answer generated (admission settles by it): every part of a recomputed answer
+        trace.completion_tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
         if trace.cached_tokens is not None and isinstance(body.get("usage"), dict):
             body["usage"]["prompt_tokens_details"] = {"cached_tokens": trace.cached_tokens}
         body.pop("kv_transfer_params", None)
