@@ -32,16 +32,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-events", action="append", default=[], metavar="URL=ENDPOINT",
                    help="a static vLLM worker's ZMQ KV events (its --kv-events-config endpoint, e.g. "
                         "http://10.0.0.5:8100=tcp://10.0.0.5:5557): an exact prefix index for it (needs pyzmq)")
-    p.add_argument("--prefill", action="append", default=[], metavar="URL", help="static prefill worker")
-    p.add_argument("--decode", action="append", default=[], metavar="URL", help="static decode worker")
-    p.add_argument("--worker", action="append", default=[], metavar="URL", help="static colocated worker")
-    p.add_argument("--data-parallel-ranks", action="append", default=[], metavar="URL=D",
-                   help="a static worker whose API server fronts D data-parallel ranks (vLLM --data-parallel-size D "
-                        "behind one server): placed on as D workers (prefix index and load per rank), each request "
-                        "pinned to its rank with the X-data-parallel-rank header")
-    p.add_argument("--block-size", type=int, default=16, help="block size of static workers")
-    p.add_argument("--static-cache-tokens", type=int, default=0,
-                   help="KV cache size of each static worker in tokens (default: read from its /metrics)")
+    add_static_worker_args(p)
     p.add_argument("--prefill-tokens-per-s", type=float, default=20000.0,
                    help="starting guess of a worker's prefill speed; calibrated from its answers")
     p.add_argument("--max-request-bytes", type=int, default=4 << 20,
@@ -77,6 +68,20 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--header-timeout", type=float, default=10.0,
                    help="seconds a connection has to send a request's headers (slowloris guard)")
     p.add_argument("--log-level", default="info")
+
+
+def add_static_worker_args(p: argparse.ArgumentParser) -> None:
+    """Workers given by URL (no store registration): their roles, data-parallel ranks and cache shape."""
+    p.add_argument("--prefill", action="append", default=[], metavar="URL", help="static prefill worker")
+    p.add_argument("--decode", action="append", default=[], metavar="URL", help="static decode worker")
+    p.add_argument("--worker", action="append", default=[], metavar="URL", help="static colocated worker")
+    p.add_argument("--data-parallel-ranks", action="append", default=[], metavar="URL=D",
+                   help="a static worker whose API server fronts D data-parallel ranks (vLLM --data-parallel-size D "
+                        "behind one server): placed on as D workers (prefix index and load per rank), each request "
+                        "pinned to its rank with the X-data-parallel-rank header")
+    p.add_argument("--block-size", type=int, default=16, help="block size of static workers")
+    p.add_argument("--static-cache-tokens", type=int, default=0,
+                   help="KV cache size of each static worker in tokens (default: read from its /metrics)")
 
 
 def settings_from_args(args: argparse.Namespace, model_dir: str | None) -> RouterSettings:
