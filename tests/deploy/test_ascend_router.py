@@ -2,7 +2,8 @@
 prints under DRY_RUN=1, in front of protocol stubs of vLLM-Ascend's MooncakeConnectorV1 ranks
 (tests/router/ascend_stub.py). The P/D handoff happens, the prefill rank's parameters reach the decode
 rank verbatim, and no kimi-pd internal endpoint or admin token ever reaches a rank, also when a decode
-leg fails. Without the script's `--kv-connector` the router refuses to start, naming the flag."""
+leg fails. Without the script's `--kv-connector` the router refuses to start, naming the flag. The
+printed `kimi-pd` is run as `python -m kimi_pd` (the same entry point) so the router is this tree's."""
 from __future__ import annotations
 
 import os
@@ -39,7 +40,7 @@ def router_argv(prefill: list[AscendRank], decode: list[AscendRank], port: int) 
 def start_router(argv: list[str], log: Path) -> subprocess.Popen:
     env = {**os.environ, "KIMI_PD_ADMIN_TOKEN": ADMIN, "PYTHONPATH": str(ROOT)}
     with log.open("wb") as out:
-        return subprocess.Popen([*KIMI_PD, *argv, "--log-level", "warning"], env=env, stdout=out,
+        return subprocess.Popen([*KIMI_PD, *argv], env=env, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
 
 
