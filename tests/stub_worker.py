@@ -199,11 +199,12 @@ class Stub:
                 return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
             return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
 
-        if chat:
-            yield event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None}])
+        role = event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                       "finish_reason": None}])
+        if chat and leg.num_tokens == 0:
+            yield role
         async with self._slot():
-            async for piece in self._tokens(leg, choice, event, chat):
+            async for piece in self._tokens(leg, choice, event, chat, role):
                 yield piece
         if leg.include_usage:
             yield event([], usage=self.usage(leg))
@@ -212,11 +213,13 @@ class Stub:
     def _slot(self):
         return self._slots if self._slots is not None else contextlib.nullcontext()
 
-    async def _tokens(self, leg: Leg, choice, event, chat: bool) -> AsyncIterator[bytes]:
+    async def _tokens(self, leg: Leg, choice, event, chat: bool, role: bytes) -> AsyncIterator[bytes]:
         for i in range(leg.num_tokens):
             delay = self.s.token_delay_s + (self.s.first_token_delay_s if i == 0 else 0.0)
             if delay:
                 await asyncio.sleep(delay)
+            if chat and i == 0:               # as vLLM's server: the role chunk goes with the first token
+                yield role
             last = i == leg.num_tokens - 1
             yield event([choice(token_text(i), leg.finish_reason if last and not chat else None)])
         if chat or leg.num_tokens == 0:

@@ -210,7 +210,9 @@ async def _health(request: Request) -> JSONResponse:
 
 async def _metrics(request: Request) -> Response:
     rt = _rt(request)
-    rt.metrics.sample_engine(rt.engine.stats())
+    stats = rt.engine.stats()
+    rt.metrics.sample_engine(stats)
+    rt.vllm_metrics.sample_engine(stats)
     spec_stats = rt.engine.engine.spec_stats
     if rt.spec_metrics is not None and spec_stats is not None:
         rt.spec_metrics.observe(spec_stats.drain())

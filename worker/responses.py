@@ -213,7 +213,10 @@ async def completion_stream(req: CompletionRequest, model: str, outputs: AsyncGe
         offset += len(text)
         finish = out.output.finish_reason if out.finished else None
         scores = _prompt_logprobs(req, out, tokenizer) if first else None
-        if text or logprobs is not None or finish or scores is not None:
+        # one event per engine step that produced tokens, as vLLM: a token whose text is held back (a split
+        # UTF-8 character, a stripped special token) still goes out, with empty text, instead of riding on
+        # the next event (clients time tokens by events)
+        if text or n or logprobs is not None or finish or scores is not None:
             choice = CompletionChoice(text=text, logprobs=logprobs, finish_reason=finish,
                                       stop_reason=out.output.stop_reason if finish else None, prompt_logprobs=scores,
                                       **ids.take())

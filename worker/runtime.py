@@ -23,6 +23,7 @@ from worker.metrics import WorkerMetrics
 from worker.presence import WorkerPresence
 from worker.role import Leg, Role
 from worker.settings import WorkerSettings
+from worker.vllm_metrics import VllmMetrics
 
 if TYPE_CHECKING:  # imported lazily at run time: only speculating workers load it
     from worker.spec_metrics import SpecDecodeMetrics
@@ -41,9 +42,15 @@ class WorkerRuntime:
     draining: bool = False
     spec_metrics: SpecDecodeMetrics | None = None          # when speculating
     generate: EngineCall = field(init=False)    # the engine call, handed to every leg
+    vllm_metrics: VllmMetrics = field(init=False)           # vLLM's names, beside ours, in the same registry
 
     def __post_init__(self) -> None:
-        self.generate = EngineCall(self.engine, self.metrics)
+        eng = self.engine.engine
+        self.vllm_metrics = VllmMetrics(self.metrics.registry, self.settings.served_model_name, eng.max_model_len)
+        cache = eng.cache_config
+        self.vllm_metrics.set_cache_config(cache.block_size, cache.capacity_tokens // cache.block_size,
+                                           cache.enable_prefix_caching)
+        self.generate = EngineCall(self.engine, self.metrics, self.vllm_metrics)
 
     @classmethod
     def build(cls, settings: WorkerSettings, role: Role) -> WorkerRuntime:
@@ -54,7 +61,8 @@ class WorkerRuntime:
         spec, stats = engine.engine.spec, engine.engine.spec_stats
         if spec is not None and stats is not None:             # both or neither: the engine speculates
             from worker.spec_metrics import SpecDecodeMetrics
-            runtime.spec_metrics = SpecDecodeMetrics(runtime.metrics.registry, stats.num_speculative_tokens)
+            runtime.spec_metrics = SpecDecodeMetrics(runtime.metrics.registry, stats.num_speculative_tokens,
+                                                     runtime.vllm_metrics.labels)
             log.info("speculative decoding: dspark draft %s, %d tokens, %s drafts", spec.model,
                      spec.num_speculative_tokens, spec.draft_sample_method)
         return runtime

@@ -1,10 +1,13 @@
 """One streamed OpenAI request, timed: TTFT, inter-token latencies, end-to-end latency, usage.
 
-Timing follows `vllm bench serve`: TTFT is the arrival of the first chunk carrying a token, every
-later token chunk adds an ITL sample, and the latency ends at the last chunk with choices (the
-trailing usage chunk carries no token). Unlike vLLM, a chat stream's opening role-only chunk
-(`delta: {"role": "assistant", "content": ""}`) and a finish-only chunk are not counted as
-tokens: servers send the first before any token is computed, which would make TTFT meaningless.
+Timing and counting are `vllm bench serve`'s (vLLM 0.32, `benchmarks/lib/endpoint_request_func.py`):
+the stream is split into SSE messages at blank lines, and every message whose `choices` is not empty
+is one event: the first sets TTFT, each later one adds an ITL sample, and the latency ends at the last
+such event (the trailing usage chunk has no choices). A chat stream's opening role chunk and its
+finish chunk count like any other, as vLLM counts them; servers (vLLM's and ours) send the role
+chunk with the first token, not before it. The request body is vLLM's too: no sampling parameter is
+sent unless given (the server's defaults apply), completions carry `repetition_penalty: 1.0` and
+`logprobs`, chat sends one user message with a text part and `max_completion_tokens`.
 """
 from __future__ import annotations
 
@@ -26,9 +29,12 @@ class RequestSettings:
     backend: str                           # CHAT or COMPLETIONS
     model: str
     ignore_eos: bool = False
-    temperature: float = 0.0
+    temperature: float | None = None       # None: not sent, the server's default applies (as vLLM's client)
     api_key: str | None = field(default=None, repr=False)
-    extra_body: tuple[tuple[str, Any], ...] = ()
+    extra_body: tuple[tuple[str, Any], ...] = ()     # sampling parameters given, then --extra-body
+    logprobs: int | None = None
+    headers: tuple[tuple[str, str], ...] = field(default=(), repr=False)    # --header KEY=VALUE
+    request_id_prefix: str | None = None   # x-request-id: prefix + the request's index
 
 
 @dataclass
@@ -47,18 +53,46 @@ class RequestOutput:
 
 
 def payload(s: RequestSettings, req: SampleRequest) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": s.model, "stream": True, "stream_options": {"include_usage": True},
-                            "temperature": s.temperature}
+    body: dict[str, Any] = {"model": s.model}
     if s.backend == CHAT:
-        body["messages"] = [{"role": "user", "content": req.prompt}]
+        body["messages"] = [{"role": "user", "content": [{"type": "text", "text": req.prompt}]}]
         body["max_completion_tokens"] = req.expected_output_len
     else:
-        body["prompt"] = req.prompt
-        body["max_tokens"] = req.expected_output_len
+        body.update(prompt=req.prompt, repetition_penalty=1.0, max_tokens=req.expected_output_len,
+                    logprobs=s.logprobs)
+    body.update(stream=True, stream_options={"include_usage": True})
     if s.ignore_eos:
         body["ignore_eos"] = True
+    if s.temperature is not None:
+        body["temperature"] = s.temperature
     body.update(dict(s.extra_body))
     return body
+
+
+def request_headers(s: RequestSettings, req: SampleRequest) -> dict[str, str]:
+    headers = dict(s.headers)
+    if s.api_key:
+        headers["Authorization"] = f"Bearer {s.api_key}"
+    if s.request_id_prefix is not None:
+        headers["x-request-id"] = s.request_id_prefix + req.request_id.rpartition("-")[2]
+    return headers
+
+
+class SSEMessages:
+    """Bytes of a stream -> its complete SSE messages (split at blank lines, as vLLM's client splits)."""
+
+    def __init__(self) -> None:
+        self.buffer = ""
+
+    def feed(self, text: str) -> list[str]:
+        self.buffer += text.replace("\r\n", "\n")
+        *messages, self.buffer = self.buffer.split("\n\n")
+        return [m.strip() for m in messages if m.strip()]
+
+    def rest(self) -> list[str]:
+        """At the end of the stream: an unterminated last message, if any."""
+        last, self.buffer = self.buffer.strip(), ""
+        return [last] if last else []
 
 
 def _token_text(choice: dict[str, Any], chat: bool) -> str | None:
@@ -85,57 +119,74 @@ def _error_of(status: int, raw: bytes) -> str:
     return f"HTTP {status}: {message}"
 
 
+def _data(message: str) -> tuple[str | None, bool]:
+    """An SSE message's data (None when it has none) and whether it is an `event: error` message."""
+    lines = message.split("\n")
+    data = [line[5:].removeprefix(" ") for line in lines if line.startswith("data:")]
+    return ("\n".join(data) if data else None), any(line.strip() == "event: error" for line in lines)
+
+
+class _Timer:
+    """vLLM's clock over one stream: TTFT at the first event with choices, ITL between later ones."""
+
+    def __init__(self, out: RequestOutput, start: float) -> None:
+        self.out, self.start, self.last, self.events = out, start, start, 0
+
+    def event(self, now: float) -> None:
+        if self.events == 0:
+            self.out.ttft = now - self.start
+        else:
+            self.out.itl.append(now - self.last)
+        self.events += 1
+        self.last = now
+
+
+def _take(out: RequestOutput, timer: _Timer, message: str, chat: bool) -> bool:
+    """Fold one SSE message in; True at [DONE]."""
+    data, is_error = _data(message)
+    if is_error:
+        out.error = "the stream ended with an error event"
+    if data is None or is_error:
+        return False
+    if data == "[DONE]":
+        return True
+    now = time.perf_counter()
+    chunk = json.loads(data)
+    if "error" in chunk and not chunk.get("choices"):
+        out.error = f"stream error: {(chunk['error'] or {}).get('message', chunk['error'])}"
+        return False
+    if choices := chunk.get("choices"):
+        timer.event(now)
+        out.generated_text += _token_text(choices[0], chat) or ""
+    elif usage := chunk.get("usage"):
+        out.output_tokens = int(usage.get("completion_tokens") or 0)
+        out.prompt_len = int(usage.get("prompt_tokens") or out.prompt_len)
+        out.cached_tokens = int(((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0)
+    return False
+
+
 async def send(client: httpx.AsyncClient, s: RequestSettings, req: SampleRequest) -> RequestOutput:
     out = RequestOutput(prompt_len=req.prompt_len)
-    headers = {"Authorization": f"Bearer {s.api_key}"} if s.api_key else {}
     chat = s.backend == CHAT
     st = out.start_time = time.perf_counter()
-    last = st
-    tokens = 0
+    timer = _Timer(out, st)
     try:
-        async with client.stream("POST", s.url, json=payload(s, req), headers=headers) as resp:
+        async with client.stream("POST", s.url, json=payload(s, req), headers=request_headers(s, req)) as resp:
             if resp.status_code != 200:
                 out.error = _error_of(resp.status_code, await resp.aread())
                 return out
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    if line.startswith("event: error"):
-                        out.error = "the stream ended with an error event"
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                now = time.perf_counter()
-                chunk = json.loads(data)
-                if "error" in chunk and not chunk.get("choices"):
-                    out.error = f"stream error: {(chunk['error'] or {}).get('message', chunk['error'])}"
-                    continue
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-                    out.output_tokens = int(usage.get("completion_tokens") or 0)
-                    out.prompt_len = int(usage.get("prompt_tokens") or out.prompt_len)
-                    out.cached_tokens = int(((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0)
-                choices = chunk.get("choices")
-                if not choices:
-                    continue
-                text = _token_text(choices[0], chat)
-                if text is not None:
-                    if tokens == 0:
-                        out.ttft = now - st
-                    else:
-                        out.itl.append(now - last)
-                    tokens += 1
-                    out.generated_text += text
-                last = now
-        out.latency = last - st
+            messages, done = SSEMessages(), False
+            async for text in resp.aiter_text():
+                for message in messages.feed(text):
+                    done = done or _take(out, timer, message, chat)
+            for message in messages.rest():
+                done = done or _take(out, timer, message, chat)
+        out.latency = timer.last - st
         if not out.output_tokens:
-            out.output_tokens = tokens
-        if out.error:
-            return out
-        if tokens == 0:
+            out.output_tokens = timer.events
+        if not out.error and timer.events == 0:
             out.error = "the stream carried no token"
-            return out
-        out.success = True
+        out.success = not out.error
     except (httpx.HTTPError, ValueError) as exc:
         out.error = f"{type(exc).__name__}: {exc}"
     return out

@@ -36,6 +36,9 @@ class RunSettings:
     disable_tqdm: bool = False
     request_timeout_s: float = 6 * 3600.0
     metadata: tuple[tuple[str, str], ...] = field(default=())
+    num_warmups: int = 0                    # copies of the first request sent (not measured) before the run
+    ready_check_s: float = 0.0              # retry the initial test this long while the server starts
+    verify_tls: bool = True
 
 
 def arrival_offsets(n: int, rate: float, burstiness: float, rng: np.random.Generator) -> list[float]:
@@ -49,16 +52,38 @@ def arrival_offsets(n: int, rate: float, burstiness: float, rng: np.random.Gener
     return [0.0, *np.cumsum(gaps).tolist()]
 
 
+async def _initial_test(client: httpx.AsyncClient, s: RunSettings, first: SampleRequest) -> None:
+    """One request first, so a misconfiguration fails fast; retried for `ready_check_s` (a starting
+    server), then `num_warmups` copies of it, at most `max_concurrency` at a time, none measured."""
+    deadline = time.monotonic() + s.ready_check_s
+    while True:
+        probe = await send(client, s.request, first)
+        if probe.success or time.monotonic() >= deadline:
+            break
+        await asyncio.sleep(1.0)
+    if not probe.success:
+        raise RuntimeError(f"the initial test request failed ({s.request.url}): {probe.error}")
+
+
+async def _warm_up(client: httpx.AsyncClient, s: RunSettings, first: SampleRequest) -> None:
+    gate = asyncio.Semaphore(s.max_concurrency or max(1, s.num_warmups))
+
+    async def one() -> None:
+        async with gate:
+            await send(client, s.request, first)
+    await asyncio.gather(*(one() for _ in range(s.num_warmups)))
+
+
 async def run_requests(requests: list[SampleRequest], s: RunSettings) -> tuple[list[RequestOutput], float]:
     """Send `requests` on schedule (their `arrival_s` if every one has it, else the rate); the outputs
     in request order, and the wall time from the first send."""
     timeout = httpx.Timeout(s.request_timeout_s, connect=30.0)
     limits = httpx.Limits(max_connections=s.max_concurrency or max(1, len(requests)), max_keepalive_connections=100)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, verify=s.verify_tls) as client:
         if s.initial_test:
-            probe = await send(client, s.request, requests[0])
-            if not probe.success:
-                raise RuntimeError(f"the initial test request failed ({s.request.url}): {probe.error}")
+            await _initial_test(client, s, requests[0])
+        if s.num_warmups:
+            await _warm_up(client, s, requests[0])
         arrivals = [r.arrival_s for r in requests if r.arrival_s is not None]
         if len(arrivals) == len(requests):
             offsets = [float(a) for a in arrivals]
@@ -121,10 +146,15 @@ def result_stem(s: RunSettings, model_id: str, result_dir: Path, filename: str |
     return result_dir / f"{s.request.backend}-{rate}qps-concurrency{s.max_concurrency}-{Path(model_id).name}-{now}"
 
 
-def save(out: dict[str, Any], stem: Path) -> Path:
+def save(out: dict[str, Any], stem: Path, append: bool = False) -> Path:
+    """The result JSON; with `append` (vLLM's --append-result) one more JSON document on its own line."""
     stem.parent.mkdir(parents=True, exist_ok=True)
     path = stem.with_name(stem.name + ".json")
-    path.write_text(json.dumps(out, indent=1))
+    if append and path.exists() and path.stat().st_size:
+        with path.open("a") as f:
+            f.write("\n" + json.dumps(out))
+    else:
+        path.write_text(json.dumps(out, indent=None if append else 1))
     return path
 
 

@@ -49,6 +49,13 @@ def test_router_pd_with_speculation_equals_plain_offline(fleet, offline):
     assert metric(fleet.d.url, "kimi_pd_worker_spec_decode_verify_seconds_count") > 0
     assert metric(fleet.d.url, "kimi_pd_worker_spec_decode_draft_seconds_count") > 0
     assert metric(fleet.p.url, "kimi_pd_worker_held") == 0
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos"):
+        ours = metric(fleet.d.url, f"kimi_pd_worker_spec_decode_{name}_total")   # vLLM's names carry the same counts
+        assert metric(fleet.d.url, f"vllm:spec_decode_{name}_total", model_name="kimi-k3", engine="0") == ours
+    decode_tokens = metric(fleet.d.url, "kimi_pd_worker_generation_tokens_total")
+    assert metric(fleet.d.url, "vllm:generation_tokens_total", model_name="kimi-k3") == decode_tokens
+    assert metric(fleet.d.url, "vllm:request_success_total", finished_reason="length") == len(PROMPTS)
+    assert metric(fleet.d.url, "vllm:external_prefix_cache_hits_total") > 0     # the pulled prefill states
 
 
 @pytest.mark.parametrize("config, message", [
