@@ -21,11 +21,12 @@ def _checkpoint_create(args: argparse.Namespace) -> int:
         if not args.target:
             raise ValueError("--draft needs --target DIR (the checkpoint the draft speculates for)")
         from engine.spec_decode.checkpoint import create_draft_checkpoint
-        print(create_draft_checkpoint(args.target, args.out, block=args.block or 7, seed=args.seed))
+        print(create_draft_checkpoint(args.target, args.out, block=args.block or 7, seed=args.seed,
+                                      attention=args.attention))
         return 0
-    if args.target or args.block is not None:
-        raise ValueError("--target and --block describe a draft: add --draft")
-    if args.preset == "tiny-chat-dspark":
+    if args.target or args.block is not None or args.attention != "mla":
+        raise ValueError("--target, --block and --attention describe a draft: add --draft")
+    if args.preset.startswith("tiny-chat-dspark"):
         if args.seed or args.quant:
             raise ValueError("--seed/--quant do not apply to the trained tiny-chat-dspark draft (fixed weights; "
                              "retrain with `kimi-pd checkpoint train-draft`)")
@@ -42,7 +43,7 @@ def _checkpoint_train_draft(args: argparse.Namespace) -> int:
     from engine.spec_decode.train import DraftTrainConfig, train_draft
     out = args.out or f"{str(args.target).rstrip('/')}-dspark"
     cfg = DraftTrainConfig(block=args.block, steps=args.steps, num_sequences=args.sequences, seed=args.seed,
-                           threads=args.threads)
+                           threads=args.threads, attention=args.attention)
     result = train_draft(args.target, out, cfg, progress=not args.quiet)
     print(json.dumps({"out": str(out), **{k: v for k, v in result.items() if k != "config"}}))
     return 0
@@ -119,7 +120,9 @@ def _worker(command: str):
     def run(args: argparse.Namespace) -> int:
         from kimi_pd.roles import COMMANDS
         from worker.cli import run_worker
-        return run_worker(args, COMMANDS[command], str(_ensure_model(args.model)))
+        from worker.flags import resolve_model
+        role = COMMANDS["worker" if command == "serve" else command]        # serve: vLLM's colocated server
+        return run_worker(args, role, str(_ensure_model(resolve_model(args))))
     return run
 
 
@@ -189,9 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_create(ckpt: _Subparsers) -> None:
     create = ckpt.add_parser("create", help="write a generated Kimi-K3 checkpoint (HF layout)", allow_abbrev=False)
-    create.add_argument("--preset", choices=("tiny", "small", "tiny-chat", "tiny-chat-dspark"), default="tiny",
-                        help="tiny/small: random weights; tiny-chat: copy the shipped trained checkpoint; "
-                             "tiny-chat-dspark: copy the shipped DSpark draft for tiny-chat")
+    create.add_argument("--preset", choices=("tiny", "small", "tiny-chat", "tiny-chat-dspark", "tiny-chat-dspark-gqa"),
+                        default="tiny", help="tiny/small: random weights; tiny-chat: copy the shipped trained "
+                        "checkpoint; tiny-chat-dspark(-gqa): copy the shipped MLA (GQA) DSpark draft for tiny-chat")
     create.add_argument("--quant", choices=("w4a8",), default=None)
     create.add_argument("--seed", type=int, default=0)
     create.add_argument("--out", required=True)
@@ -200,6 +203,8 @@ def _add_create(ckpt: _Subparsers) -> None:
     create.add_argument("--target", help="with --draft: the target checkpoint directory")
     create.add_argument("--block", type=int, choices=(7, 5), default=None,
                         help="with --draft: Block7 or Block5 draft (its num_speculative_tokens default)")
+    create.add_argument("--attention", choices=("mla", "gqa"), default="mla",
+                        help="with --draft: k3_dspark MLA layout or the Qwen3-style GQA one")
     create.set_defaults(func=_checkpoint_create)
 
 
@@ -209,6 +214,8 @@ def _add_train_draft(ckpt: _Subparsers) -> None:
     distil.add_argument("--target", required=True, help="the target checkpoint directory")
     distil.add_argument("--out", default=None, help="draft directory (default: TARGET-dspark)")
     distil.add_argument("--block", type=int, choices=(7, 5), default=7)
+    distil.add_argument("--attention", choices=("mla", "gqa"), default="mla",
+                        help="the draft's attention: k3_dspark MLA or the Qwen3-style GQA layout")
     distil.add_argument("--steps", type=int, default=1000)
     distil.add_argument("--sequences", type=int, default=384, help="prompts the target answers for the data")
     distil.add_argument("--seed", type=int, default=0)
@@ -334,9 +341,11 @@ def _add_workers(sub: _Subparsers) -> None:
     from worker.flags import add_worker_args
     for role, help_text in (("prefill", "a prefill worker (computes prompts, hands state to decode workers)"),
                             ("decode", "a decode worker (pulls prefill state, generates, streams)"),
-                            ("worker", "a colocated worker (prefill and decode in one engine)")):
+                            ("worker", "a colocated worker (prefill and decode in one engine)"),
+                            ("serve", "`vllm serve MODEL_PATH ...` as written: a colocated worker with vLLM's "
+                                      "defaults (docs/deployment.md)")):
         worker = sub.add_parser(role, help=help_text, allow_abbrev=False)
-        add_worker_args(worker)
+        add_worker_args(worker, serve=role == "serve")
         worker.set_defaults(func=_worker(role))
 
 

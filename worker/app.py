@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from engine.core.inputs import Resume
+from shared.errors import InvalidRequest
 from shared.http import install_error_handlers, read_json_body, read_json_object, until_disconnect
 from shared.kv_transfer_params import KVTransferParams, LegKind
 from shared.openai.convert import to_sampling_params
@@ -28,6 +29,7 @@ from shared.openai.prompts import prepare_chat, prepare_completion
 from shared.openai.requests import ChatCompletionRequest, CompletionRequest
 from shared.openai.sse import SSE_DONE, sse_error
 from worker import responses
+from worker.flags import AUTO_TOOL_CHOICE_ERROR
 from worker.helpers import WorkerHelpers
 from worker.legs import new_request_id, run_leg
 from worker.role import LegResult
@@ -100,6 +102,8 @@ async def _chat(request: Request) -> Response:
 async def _chat_one(request: Request, req: ChatCompletionRequest) -> Response:
     rt = _rt(request)
     model = _check_model(rt, req.model)
+    if req.tools and req.tool_choice in (None, "auto") and not rt.settings.enable_auto_tool_choice:
+        raise InvalidRequest(AUTO_TOOL_CHOICE_ERROR, param="tool_choice")      # vLLM's gate and words
     params = to_sampling_params(req, vocab_size=rt.model_config.text_config.vocab_size)
     prepared = await asyncio.to_thread(prepare_chat, req, rt.tokenizer, rt.model_config.vision_config)
     return await _serve(request, rt, "chat", req, params, prepared,

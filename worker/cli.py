@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import logging
 
 import uvicorn
 
 from engine.core.engine import EngineConfig
 from engine.structured_output import GrammarBudget
 from shared.http_server import protocol_class
-from worker.flags import add_worker_args
+from worker.flags import add_worker_args, check_quantization, resolve_model, startup_notes
 from worker.role import Role
 from worker.settings import (
     ADMIN_TOKEN_ENV,
@@ -18,6 +19,8 @@ from worker.settings import (
     internal_auth_default,
     secret_from_env,
 )
+
+log = logging.getLogger(__name__)
 
 
 def settings_from_args(args: argparse.Namespace, model_dir: str) -> WorkerSettings:
@@ -35,7 +38,7 @@ def settings_from_args(args: argparse.Namespace, model_dir: str) -> WorkerSettin
                           enable_expert_parallel=args.enable_expert_parallel, master_addr=args.master_addr,
                           master_port=args.master_port, nnodes=args.nnodes, node_rank=args.node_rank,
                           compilation_config=args.compilation_config, enforce_eager=args.enforce_eager,
-                          scheduling_policy=args.scheduling_policy)
+                          scheduling_policy=args.scheduling_policy, tokenizer=args.tokenizer)
     extra = {"worker_id": args.worker_id} if args.worker_id else {}
     return WorkerSettings(engine=engine, host=args.host, port=args.port,
                           served_model_name=args.served_model_name, advertise_url=args.advertise_url,
@@ -50,14 +53,24 @@ def settings_from_args(args: argparse.Namespace, model_dir: str) -> WorkerSettin
                                                        args.structured_output_compile_timeout),
                           internal_auth=internal_auth_default() if args.internal_auth is None else args.internal_auth,
                           api_key=secret_from_env(API_KEY_ENV),
-                          admin_token=secret_from_env(ADMIN_TOKEN_ENV) or None, **extra)
+                          admin_token=secret_from_env(ADMIN_TOKEN_ENV) or None,
+                          enable_auto_tool_choice=args.enable_auto_tool_choice, **extra)
+
+
+def checked_settings(args: argparse.Namespace, model_dir: str) -> WorkerSettings:
+    """The settings, after the checks vLLM makes at start-up, with one log line per vLLM flag whose
+    effect is partial or absent here (worker.flags)."""
+    check_quantization(args, model_dir)
+    for note in startup_notes(args):
+        log.warning("%s", note)
+    return settings_from_args(args, model_dir)
 
 
 def run_worker(args: argparse.Namespace, role: Role, model_dir: str) -> int:
     from worker.app import create_app
     from worker.runtime import WorkerRuntime
 
-    settings = settings_from_args(args, model_dir)
+    settings = checked_settings(args, model_dir)
     if args.headless:
         from engine.parallel.launch import run_headless
         return run_headless(settings.engine)
@@ -83,7 +96,6 @@ class DrainingServer(uvicorn.Server):
 
 def main(role: Role, argv: list[str] | None = None) -> int:
     """A worker of `role` on its own (`python -m prefill_worker`); `kimi-pd prefill` is the same."""
-    import logging
     import sys
 
     parser = argparse.ArgumentParser(prog=f"python -m {role.name}_worker", allow_abbrev=False,
@@ -91,10 +103,11 @@ def main(role: Role, argv: list[str] | None = None) -> int:
     add_worker_args(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not args.model:
-        parser.error("--model is required")
     try:
-        return run_worker(args, role, args.model)
+        model = resolve_model(args)
+        if not model:
+            parser.error("MODEL_PATH (or --model) is required")
+        return run_worker(args, role, model)
     except (ValueError, FileNotFoundError) as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 2

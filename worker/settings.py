@@ -59,6 +59,7 @@ class WorkerSettings:
     internal_auth: bool = False                   # OpenAI endpoints need the internal token (or api_key)
     api_key: str | None = field(default=None, repr=False)
     admin_token: str | None = field(default=None, repr=False)
+    enable_auto_tool_choice: bool = True          # off: tool_choice "auto" is a 400, as in vLLM without the flag
 
     @property
     def url(self) -> str:

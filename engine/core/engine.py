@@ -19,7 +19,7 @@ import torch
 
 from engine.checkpoint.loader import load_checkpoint
 from engine.core.cache_manager import HybridCacheManager, budget_cache
-from engine.core.inputs import EngineInput, Resume, encode_images, validate_tokens
+from engine.core.inputs import EngineInput, Resume, checked_max_model_len, encode_images, validate_tokens
 from engine.core.model_runner import ModelRunner, RunnerOutput
 from engine.core.outputs import CompletionOutput, PromptLogprob, RequestOutput
 from engine.core.request import Request, RequestStatus
@@ -31,7 +31,7 @@ from engine.graphs.decode import setup_decode_graphs
 from engine.model.kda import KDAOptions
 from engine.model.kimi_k3 import ModelOptions
 from engine.sampler import SamplingState, sample
-from engine.spec_decode.config import DraftConfig, SpeculativeConfig
+from engine.spec_decode.config import AnyDraftConfig, SpeculativeConfig, read_draft_config
 from engine.spec_decode.proposer import DSparkProposer
 from engine.spec_decode.stats import SpecDecodeStats
 from engine.spec_decode.step import SpecDecodeStep
@@ -75,6 +75,7 @@ class EngineConfig:
     nnodes: int = 1
     node_rank: int = 0
     scheduling_policy: str = "fcfs"        # vLLM's --scheduling-policy: fcfs | priority (lower value first)
+    tokenizer: str | None = None           # vLLM's --tokenizer: tokenizer files' directory (default: model)
 
     def validate(self) -> None:
         checks = {"max_num_seqs": self.max_num_seqs >= 1, "max_num_batched_tokens": self.max_num_batched_tokens >= 1,
@@ -113,9 +114,9 @@ class LLMEngine:
         self.model = self.tp.model if self.tp else load_checkpoint(config.model, torch_dtype(config.dtype),
                                                                     config.device, options)
         self.model.fuse_linears()       # one GEMM per shared input (TP ranks fused their shards already)
-        self.tokenizer = KimiTokenizer.from_dir(config.model)
+        self.tokenizer = KimiTokenizer.from_dir(config.tokenizer or config.model)
         text = self.model.config.text_config
-        self.max_model_len = min(config.max_model_len or text.max_position_embeddings, text.max_position_embeddings)
+        self.max_model_len = checked_max_model_len(config.max_model_len, text.max_position_embeddings)
         dtype_bytes = torch.finfo(torch_dtype(config.dtype)).bits // 8
         self.spec, draft_cfg = self._speculative_config(text)
         num_spec = (self.spec.num_speculative_tokens or 0) if self.spec else 0       # resolved: never None
@@ -131,11 +132,9 @@ class LLMEngine:
         config_hash = self.model.config.identity_hash()
         schedule = "".join("K" if text.is_kda_layer(i) else "M" for i in range(text.num_hidden_layers))
         self.identity = StateIdentity(config_hash, config.dtype, schedule, config.block_size)
-        self.proposer = (DSparkProposer(self.spec, self.model, self.cache_config.num_blocks, config.block_size,
-                                        torch_dtype(config.dtype), torch.device(config.device))
-                         if self.spec else None)
+        self.proposer = self._proposer(config) if self.spec else None
         self.spec_stats = SpecDecodeStats(num_spec) if self.spec else None
-        self.runner = (self.tp.make_runner(self.cache_config, self.identity) if self.tp else
+        self.runner = (self.tp.make_runner(self.cache_config, self.identity, self.proposer) if self.tp else
                        ModelRunner(self.model, self.cache_config, self.identity,
                                    self.proposer.capture_layers if self.proposer else (), self.proposer))
         setup_decode_graphs(self.runner, self.model, config.device, config.max_num_seqs,
@@ -155,15 +154,26 @@ class LLMEngine:
                  self.cache_config.num_blocks, config.block_size, self.capacity_tokens,
                  self.cache_config.num_working_slots, self.cache_config.num_snapshot_slots)
 
-    def _speculative_config(self, text) -> tuple[SpeculativeConfig | None, DraftConfig | None]:
+    def _speculative_config(self, text) -> tuple[SpeculativeConfig | None, AnyDraftConfig | None]:
         """`--speculative-config` resolved against its draft and this target (None: no speculation)."""
         spec = SpeculativeConfig.parse(self.config.speculative_config)
         if spec is None:
             return None, None
         spec = spec.with_model_path()
-        draft_cfg = DraftConfig.from_dir(spec.model)
+        spec.check_draft_tp(self.config.tensor_parallel_size)
+        draft_cfg = read_draft_config(spec.model)
         draft_cfg.check_target(text)
         return spec.resolve(draft_cfg, self.max_model_len), draft_cfg
+
+    def _proposer(self, config: EngineConfig) -> DSparkProposer:
+        """The draft on this process; with tensor parallelism, rank 0's share of a draft sharded like the target."""
+        assert self.spec is not None
+        args = (self.spec, self.model, self.cache_config.num_blocks, config.block_size, torch_dtype(config.dtype),
+                torch.device(config.device))
+        if self.tp is None:
+            return DSparkProposer(*args)
+        from engine.spec_decode.parallel import TPProposer
+        return TPProposer(*args, group=self.tp.group)
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks, if any (idempotent; a TP=1 engine holds no processes)."""

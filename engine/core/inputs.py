@@ -31,6 +31,16 @@ class Resume:
     seed_offset: int = 0
 
 
+def checked_max_model_len(asked: int | None, positions: int) -> int:
+    """--max-model-len, or the checkpoint's positions; longer is refused as vLLM refuses it (RoPE past
+    the trained positions gives garbage, not an error)."""
+    if asked is not None and asked > positions:
+        raise ValueError(f"User-specified max_model_len ({asked}) is greater than the derived max_model_len "
+                         f"(max_position_embeddings={positions} in model's config.json): give --max-model-len "
+                         f"<= {positions}")
+    return asked or positions
+
+
 def validate_tokens(ids: list[int], vocab_size: int, max_model_len: int) -> None:
     if not ids:
         raise InvalidRequest("the prompt is empty")

@@ -28,6 +28,7 @@ from engine.parallel.comm import TPGroup, rank_device
 from engine.parallel.config import ParallelConfig
 from engine.parallel.runner import TPModelRunner
 from engine.parallel.shard import shard_model
+from engine.spec_decode.parallel import check_before_ranks
 from shared.model_config import ModelConfig
 from shared.net import free_port
 
@@ -101,8 +102,7 @@ class TensorParallel:
 
     def __init__(self, config) -> None:
         self.parallel = parallel_config(config)
-        if config.speculative_config is not None:
-            raise ValueError("speculative decoding with tensor_parallel_size > 1 is not supported")
+        check_before_ranks(config)                     # DSpark runs sharded over these ranks; a bad draft stops here
         self.parallel.check(ModelConfig.from_file(Path(config.model) / "config.json").text_config)
         local = node_ranks(config, 0)
         if config.node_rank != 0:
@@ -123,9 +123,12 @@ class TensorParallel:
         """False once a follower of this host has exited (remote ranks show up as a failed collective)."""
         return all(p.poll() is None for p in self.procs)
 
-    def make_runner(self, cache_config, identity) -> TPModelRunner:
+    def make_runner(self, cache_config, identity, proposer=None) -> TPModelRunner:
+        """proposer: DSpark's `TPProposer`; the other ranks build their share of the draft from its command."""
         self.group.broadcast((cache_config, identity))
-        self.runner = TPModelRunner(self.model, cache_config, identity, self.group)
+        self.runner = TPModelRunner(self.model, cache_config, identity, self.group, proposer)
+        if proposer is not None:
+            self.group.broadcast(proposer.setup_command())
         return self.runner
 
     def close(self, timeout: float = 10.0) -> None:

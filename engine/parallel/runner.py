@@ -22,6 +22,7 @@ from engine.core.state_export import ExportedState, StateMismatch
 from engine.model.forward_batch import ForwardBatch, HybridCacheTensors
 from engine.parallel.comm import TPGroup
 from engine.parallel.state_layout import gather_kda, split_kda
+from engine.spec_decode.parallel import apply_draft_command
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +40,9 @@ class _ImportTarget:
 class ShardedRunner(ModelRunner):
     """A ModelRunner whose KDA state holds this rank's heads (MLA pages are replicated)."""
 
-    def __init__(self, model, cache_config: CacheConfig, identity, group: TPGroup) -> None:
+    def __init__(self, model, cache_config: CacheConfig, identity, group: TPGroup, proposer=None) -> None:
         self.group = group
-        super().__init__(model, cache_config, identity)
+        super().__init__(model, cache_config, identity, proposer.capture_layers if proposer else (), proposer)
 
     def _allocate_cache(self, cache_config: CacheConfig, num_slots: int) -> HybridCacheTensors:
         lac = self.text_config.linear_attn_config
@@ -88,6 +89,8 @@ class ShardedRunner(ModelRunner):
             ModelRunner.import_state(self, req, self.local_state(state))
         elif kind == "export":
             self.group.gather(self._local_kda(args[1]))
+        elif kind.startswith("draft_"):           # DSpark's draft, sharded over the same ranks
+            apply_draft_command(self, kind, args)
         elif kind == "stop":
             return False
         else:

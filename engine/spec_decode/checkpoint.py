@@ -17,8 +17,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from engine.checkpoint.init import init_weights
-from engine.spec_decode.config import DraftConfig, SpecConfigError, shipped_draft
-from engine.spec_decode.draft_model import DSparkDraftModel
+from engine.spec_decode.config import (
+    AnyDraftConfig,
+    DraftConfig,
+    GQADraftConfig,
+    SpecConfigError,
+    read_draft_config,
+    shipped_draft,
+)
+from engine.spec_decode.draft_model import DSparkDraftModel, draft_model_for
 from shared.model_config import ModelConfig, TextConfig
 
 log = logging.getLogger(__name__)
@@ -52,6 +59,25 @@ def draft_config_for(target: ModelConfig, block: int, num_layers: int = 2, seed:
         extra={"kimi_pd_target": target.identity_hash(), "kimi_pd_seed": seed})
 
 
+def gqa_draft_config_for(target: ModelConfig, block: int, num_layers: int = 2, seed: int = 0) -> GQADraftConfig:
+    """The GQA (Qwen3-style) draft for `target`: the MLA draft's taps, MASK and heads, KV heads halved."""
+    mla = draft_config_for(target, block, num_layers, seed)
+    heads = mla.num_attention_heads
+    return GQADraftConfig(
+        hidden_size=mla.hidden_size, num_hidden_layers=num_layers, num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2), head_dim=mla.hidden_size // heads,
+        intermediate_size=mla.intermediate_size, vocab_size=mla.vocab_size, target_layer_ids=mla.target_layer_ids,
+        markov_rank=mla.markov_rank, mask_token_id=mla.mask_token_id, block_size=block,
+        target_hidden_size=mla.target_hidden_size, rms_norm_eps=mla.rms_norm_eps, rope_theta=mla.rope_theta,
+        enable_confidence_head=True, confidence_head_with_markov=True, extra=dict(mla.extra))
+
+
+def config_for(target: ModelConfig, block: int, num_layers: int, seed: int, attention: str) -> AnyDraftConfig:
+    if attention not in ("mla", "gqa"):
+        raise ValueError(f"draft attention must be mla or gqa, got {attention!r}")
+    return (gqa_draft_config_for if attention == "gqa" else draft_config_for)(target, block, num_layers, seed)
+
+
 def weights_digest(tensors: dict[str, torch.Tensor]) -> str:
     digest = hashlib.sha256()
     for name in sorted(tensors):
@@ -60,7 +86,7 @@ def weights_digest(tensors: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()[:16]
 
 
-def save_draft(model: DSparkDraftModel, cfg: DraftConfig, out: str | Path, note: str) -> Path:
+def save_draft(model: DSparkDraftModel, cfg: AnyDraftConfig, out: str | Path, note: str) -> Path:
     """Write config.json (with a weights id from the tensors' digest, so two drafts of one shape never
     pass as equal, and retraining from the same seed names the same weights) + weights."""
     out = Path(out)
@@ -74,29 +100,29 @@ def save_draft(model: DSparkDraftModel, cfg: DraftConfig, out: str | Path, note:
 
 
 def create_draft_checkpoint(target_dir: str | Path, out: str | Path, block: int, seed: int = 0,
-                            num_layers: int = 2) -> Path:
-    """A random DSpark draft sized for the target at `target_dir` (block 7 or 5)."""
+                            num_layers: int = 2, attention: str = "mla") -> Path:
+    """A random DSpark draft sized for the target at `target_dir` (block 7 or 5; MLA or GQA attention)."""
     if block not in (5, 7):
         raise ValueError(f"--block must be 7 or 5 (the Block7 / Block5 drafts), got {block}")
     target = ModelConfig.from_file(Path(target_dir) / "config.json")
-    cfg = draft_config_for(target, block, num_layers, seed)
-    model = DSparkDraftModel(cfg)
+    cfg = config_for(target, block, num_layers, seed, attention)
+    model = draft_model_for(cfg)
     init_weights(model, seed)
     path = save_draft(model, cfg, out, f"random-seed{seed}")
-    log.info("wrote random DSpark Block%d draft for %s to %s", block, target_dir, path)
+    log.info("wrote random DSpark Block%d %s draft for %s to %s", block, attention, target_dir, path)
     return path
 
 
 def load_draft(path: str | Path, target: TextConfig, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu") -> tuple[DSparkDraftModel, DraftConfig]:
+               device: str | torch.device = "cpu") -> tuple[DSparkDraftModel, AnyDraftConfig]:
     """Validate and load a draft checkpoint for `target`; raises SpecConfigError naming the problem."""
     path = Path(path)
-    cfg = DraftConfig.from_dir(path)
+    cfg = read_draft_config(path)
     cfg.check_target(target)
     file = path / WEIGHTS_FILE
     if not file.exists():
         raise SpecConfigError(f"{path}: no {WEIGHTS_FILE}")
-    model = DSparkDraftModel(cfg)
+    model = draft_model_for(cfg)
     expected = model.state_dict()
     with safe_open(str(file), framework="pt") as f:
         stored = f.keys()                        # safetensors' safe_open is not iterable: keys() it is
@@ -133,4 +159,4 @@ def copy_shipped_draft(name: str, out: str | Path) -> Path:
 
 def draft_identity(path: str | Path) -> str:
     """Names one draft's weights (config incl. weights id): P and D must use the same draft to share its cache."""
-    return DraftConfig.from_dir(path).identity_hash()
+    return read_draft_config(path).identity_hash()

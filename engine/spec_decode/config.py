@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from engine.json_flag import json_object
+
+log = logging.getLogger(__name__)
 
 
 class SpecConfigError(ValueError):
@@ -20,7 +23,7 @@ class SpecConfigError(ValueError):
 
 # Trained drafts shipped as package data, next to the trained targets they were distilled from.
 SHIPPED_DRAFTS_DIR = Path(__file__).parents[1] / "presets_data"
-SHIPPED_DRAFTS = ("tiny-chat-dspark",)           # distilled from the shipped tiny-chat
+SHIPPED_DRAFTS = ("tiny-chat-dspark", "tiny-chat-dspark-gqa")    # MLA and GQA, distilled from the shipped tiny-chat
 
 
 def shipped_draft(name: str) -> Path:
@@ -87,9 +90,6 @@ class SpeculativeConfig:
             v = d.get(key)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise SpecConfigError(f"{where}.{key}: expected an integer >= 1, got {v!r}")
-        if d.get("draft_tensor_parallel_size") not in (None, 1):
-            raise SpecConfigError(f"{where}.draft_tensor_parallel_size: must be 1 (equal to the target's tensor "
-                                  f"parallel size, 1 in this build), got {d['draft_tensor_parallel_size']}")
         if d.get("draft_sample_method", "greedy") not in _DRAFT_SAMPLE_METHODS:
             raise SpecConfigError(f"{where}.draft_sample_method: one of {_DRAFT_SAMPLE_METHODS}, "
                                   f"got {d['draft_sample_method']!r}")
@@ -102,6 +102,18 @@ class SpeculativeConfig:
         extra = {k: v for k, v in d.items() if k not in names}
         return cls(**known, extra=extra)
 
+    def check_draft_tp(self, target_tp: int) -> None:
+        """vLLM's rule: the draft's TP is 1 or the target's. Here the draft always runs on the target's ranks,
+        sharded like it (its embedding and LM head ARE the target's vocabulary-parallel ones)."""
+        draft_tp = self.draft_tensor_parallel_size
+        if draft_tp not in (None, 1, target_tp):
+            raise SpecConfigError(f"--speculative-config.draft_tensor_parallel_size={draft_tp} cannot be other than "
+                                  f"1 or the target's --tensor-parallel-size ({target_tp})")
+        if draft_tp == 1 and target_tp > 1:
+            log.warning("--speculative-config.draft_tensor_parallel_size=1: the draft runs sharded over the "
+                        "target's %d ranks here (it shares their vocabulary-parallel embedding and LM head)",
+                        target_tp)
+
     def with_model_path(self) -> SpeculativeConfig:
         """`model` as a directory: a path as given, or the name of a shipped draft preset (`tiny-chat-dspark`)."""
         if Path(self.model).exists():
@@ -110,7 +122,7 @@ class SpeculativeConfig:
             return dataclasses.replace(self, model=str(shipped_draft(self.model)))
         return self                         # DraftConfig.from_dir names the missing directory
 
-    def resolve(self, draft: DraftConfig, target_max_model_len: int) -> SpeculativeConfig:
+    def resolve(self, draft: AnyDraftConfig, target_max_model_len: int) -> SpeculativeConfig:
         """Fill the draft-dependent defaults and check consistency with the draft and the target."""
         n = self.num_speculative_tokens or draft.block_size
         if n > draft.block_size:
@@ -233,22 +245,15 @@ class DraftConfig:
 
     def check_target(self, target) -> None:
         """The draft must read the target it was made for (TextConfig)."""
-        problems = []
-        if self.vocab_size != target.vocab_size:
-            problems.append(f"vocab_size {self.vocab_size} != target {target.vocab_size}")
-        if self.hidden_size != target.hidden_size:
-            problems.append(f"hidden_size {self.hidden_size} != target {target.hidden_size} (shared embedding)")
-        if self.target_hidden_size != target.hidden_size:
-            problems.append(f"target_hidden_size {self.target_hidden_size} != target {target.hidden_size}")
-        bad = [i for i in self.target_layer_ids if not 0 <= i < target.num_hidden_layers]
-        if bad:
-            problems.append(f"target_layer_ids {bad} outside 0..{target.num_hidden_layers - 1}")
-        if problems:
-            raise SpecConfigError("draft does not fit the target: " + "; ".join(problems))
+        check_fits(self, target)
 
     @property
     def cache_dim(self) -> int:
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def attention(self) -> str:
+        return "mla"
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -262,6 +267,161 @@ class DraftConfig:
         return {**d, **extra}
 
     def identity_hash(self) -> str:
-        import hashlib
-        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
+        return identity_hash(self.to_dict())
+
+
+def identity_hash(config: dict[str, Any]) -> str:
+    import hashlib
+    blob = json.dumps(config, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def check_fits(cfg: DraftConfig | GQADraftConfig, target) -> None:
+    """A draft (either attention) must read the target it was made for (TextConfig)."""
+    problems = []
+    if cfg.vocab_size != target.vocab_size:
+        problems.append(f"vocab_size {cfg.vocab_size} != target {target.vocab_size}")
+    if cfg.hidden_size != target.hidden_size:
+        problems.append(f"hidden_size {cfg.hidden_size} != target {target.hidden_size} (shared embedding)")
+    if cfg.target_hidden_size != target.hidden_size:
+        problems.append(f"target_hidden_size {cfg.target_hidden_size} != target {target.hidden_size}")
+    bad = [i for i in cfg.target_layer_ids if not 0 <= i < target.num_hidden_layers]
+    if bad:
+        problems.append(f"target_layer_ids {bad} outside 0..{target.num_hidden_layers - 1}")
+    if problems:
+        raise SpecConfigError("draft does not fit the target: " + "; ".join(problems))
+
+
+def _first(d: dict[str, Any], *keys: str) -> Any:
+    """The first of `keys` set in d or in its `dflash_config` (where DFlash-family drafts keep them)."""
+    for source in (d.get("dflash_config") or {}, d):
+        for key in keys:
+            if source.get(key) is not None:
+                return source[key]
+    return None
+
+
+@dataclass(frozen=True)
+class GQADraftConfig:
+    """`config.json` of the GQA (Qwen3-style, RadixArk's) DSpark draft: `model_type: "qwen3"`,
+    `architectures: ["DSparkDraftModel"]`, taps and MASK id in `dflash_config` (docs/dspark.md)."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    target_layer_ids: tuple[int, ...]
+    markov_rank: int
+    mask_token_id: int
+    block_size: int
+    target_hidden_size: int = 0                   # 0: hidden_size (vLLM's fallback)
+    model_type: str = "qwen3"
+    architectures: tuple[str, ...] = ("DSparkDraftModel",)
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1000000.0
+    rope_type: str = "default"
+    attention_bias: bool = False
+    draft_vocab_size: int | None = None
+    logit_scale: float = 1.0
+    enable_confidence_head: bool = False
+    confidence_head_with_markov: bool = False
+    dspark_draft_topk: int | None = None
+    torch_dtype: str = "float32"
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], where: str = "draft config") -> GQADraftConfig:
+        d = dict(d)
+        rope = d.pop("rope_parameters", None) or d.pop("rope_scaling", None) or {}
+        d.setdefault("rope_theta", rope.get("rope_theta", cls.rope_theta))
+        d["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
+        d["target_layer_ids"] = _first(d, "target_layer_ids", "dspark_target_layer_ids")
+        d["block_size"] = _first(d, "block_size", "dspark_block_size")
+        d["mask_token_id"] = _first(d, *_MASK_TOKEN_KEYS)
+        d["head_dim"] = d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
+        fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "extra"}
+        known = {k: v for k, v in d.items() if k in fields and v is not None}
+        for name, f in fields.items():
+            if name not in known and f.default is dataclasses.MISSING:
+                raise SpecConfigError(f"{where}: missing required key '{name}'")
+        known["target_layer_ids"] = tuple(known["target_layer_ids"])
+        known["architectures"] = tuple(known.get("architectures", cls.architectures))
+        known["target_hidden_size"] = known.get("target_hidden_size") or known["hidden_size"]
+        if known.get("draft_vocab_size") == known["vocab_size"]:
+            known["draft_vocab_size"] = None                      # the full vocabulary, as written by to_dict
+        consumed = {"dspark_target_layer_ids", "dspark_block_size", *_MASK_TOKEN_KEYS}
+        cfg = cls(**known, extra={k: v for k, v in d.items() if k not in fields and k not in consumed})
+        cfg.validate(where)
+        return cfg
+
+    def validate(self, where: str) -> None:
+        checks = {"num_attention_heads must be a multiple of num_key_value_heads":
+                  self.num_attention_heads % self.num_key_value_heads == 0,
+                  "head_dim must be even": self.head_dim % 2 == 0,
+                  "hidden_act: only 'silu' is implemented": self.hidden_act == "silu",
+                  f"rope: only 'default' RoPE is implemented, got {self.rope_type!r}": self.rope_type == "default",
+                  "attention_bias: only false is implemented": not self.attention_bias,
+                  "draft_vocab_size must equal vocab_size (embedding and LM head are shared)":
+                  (self.draft_vocab_size or self.vocab_size) == self.vocab_size,
+                  "target_layer_ids must be non-empty": bool(self.target_layer_ids),
+                  f"mask_token_id {self.mask_token_id} is outside the vocabulary":
+                  0 <= self.mask_token_id < self.vocab_size,
+                  "block_size, num_hidden_layers and markov_rank must be >= 1":
+                  min(self.block_size, self.num_hidden_layers, self.markov_rank) >= 1}
+        bad = [what for what, ok in checks.items() if not ok]
+        if bad:
+            raise SpecConfigError(f"{where}: {bad[0]}")
+
+    def check_target(self, target) -> None:
+        check_fits(self, target)
+
+    @property
+    def num_target_layers(self) -> int:
+        return len(self.target_layer_ids)
+
+    @property
+    def cache_dim(self) -> int:
+        """One cache row: K (normed, rotated) then V of every KV head."""
+        return 2 * self.num_key_value_heads * self.head_dim
+
+    @property
+    def attention(self) -> str:
+        return "gqa"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        extra = d.pop("extra")
+        dflash = {**extra.pop("dflash_config", {}), "target_layer_ids": list(d.pop("target_layer_ids")),
+                  "mask_token_id": d.pop("mask_token_id")}
+        d["architectures"] = list(d["architectures"])
+        d["rope_parameters"] = {"rope_type": d.pop("rope_type"), "rope_theta": d["rope_theta"]}
+        d["draft_vocab_size"] = d["draft_vocab_size"] or d["vocab_size"]
+        return {**d, "dflash_config": dflash, **extra}
+
+    def identity_hash(self) -> str:
+        return identity_hash(self.to_dict())
+
+
+AnyDraftConfig = DraftConfig | GQADraftConfig
+GQA_ARCHITECTURES = ("DSparkDraftModel", "Qwen3DSparkModel")
+
+
+def read_draft_config(path: str | Path) -> AnyDraftConfig:
+    """A draft's `config.json`: the MLA `k3_dspark` layout or the GQA `qwen3` DSpark one."""
+    file = Path(path) / "config.json"
+    try:
+        raw = json.loads(file.read_text())
+    except FileNotFoundError as exc:
+        raise SpecConfigError(f"{file}: no draft config.json") from exc
+    except json.JSONDecodeError as exc:
+        raise SpecConfigError(f"{file}: not valid JSON ({exc})") from exc
+    if raw.get("model_type") == "qwen3" and set(raw.get("architectures") or ()) & set(GQA_ARCHITECTURES):
+        return GQADraftConfig.from_dict(raw, str(file))
+    if raw.get("model_type") != "k3_dspark":
+        raise SpecConfigError(f"{file}.model_type: expected 'k3_dspark' (MLA draft) or 'qwen3' with architectures "
+                              f"{list(GQA_ARCHITECTURES)} (GQA draft), got {raw.get('model_type')!r}")
+    return DraftConfig.from_dict(raw, str(file))

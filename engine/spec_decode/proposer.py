@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.spec_decode.checkpoint import draft_identity, load_draft
-from engine.spec_decode.config import DraftConfig, SpeculativeConfig
+from engine.spec_decode.config import AnyDraftConfig, SpeculativeConfig
 from engine.spec_decode.verify import sample_draft
 
 log = logging.getLogger(__name__)
@@ -53,9 +53,10 @@ class DSparkProposer:
         assert spec.num_speculative_tokens is not None, "resolve the config against its draft first"
         self.num_spec: int = spec.num_speculative_tokens
         self.block_size = block_size
-        self.device = device
+        self.device, self.dtype = device, dtype
         lm = target_model.language_model
         self.embed_tokens, self.lm_head = lm.model.embed_tokens, lm.lm_head
+        self.head_dtype = getattr(lm.lm_head, "inner", lm.lm_head).weight.dtype   # a TP head wraps its shard
         self.pages = {j: torch.zeros(num_blocks, block_size, self.cfg.cache_dim, dtype=dtype, device=device)
                       for j in range(self.cfg.num_hidden_layers)}
 
@@ -64,7 +65,7 @@ class DSparkProposer:
         return self.cfg.target_layer_ids
 
     @staticmethod
-    def bytes_per_block(cfg: DraftConfig, block_size: int, dtype_bytes: int) -> int:
+    def bytes_per_block(cfg: AnyDraftConfig, block_size: int, dtype_bytes: int) -> int:
         return cfg.num_hidden_layers * block_size * cfg.cache_dim * dtype_bytes
 
     def _index(self, blocks: list[int], lo: int, hi: int) -> torch.Tensor:
@@ -102,19 +103,27 @@ class DSparkProposer:
 
     # ---- drafting --------------------------------------------------------------------------
     @torch.inference_mode()
-    def propose(self, reqs: list[DraftRequest]) -> list[DraftBlock]:
-        """One parallel forward over every request's `[anchor, MASK x (N-1)]`, then the Markov loop."""
-        if not reqs:
-            return []
+    def block_logits(self, reqs: list[DraftRequest]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The draft forward over every request's `[anchor, MASK x (N-1)]`: ids [R, n], final hidden
+        [R*n, D], base logits [R, n, V]. Every tensor-parallel rank runs this part (its collectives)."""
         n, cfg = self.num_spec, self.cfg
         ids = torch.full((len(reqs), n), cfg.mask_token_id, dtype=torch.long, device=self.device)
         ids[:, 0] = torch.tensor([r.anchor for r in reqs], device=self.device)
         positions = torch.cat([torch.arange(r.num_verified, r.num_verified + n, device=self.device) for r in reqs])
         contexts = [[pages.view(-1, pages.shape[-1])[self._index(r.blocks, 0, r.num_verified)] for r in reqs]
                     for pages in self.pages.values()]
-        embeds = self.embed_tokens(ids.view(-1)).to(self.model.context_proj.weight.dtype)
+        embeds = self.embed_tokens(ids.view(-1)).to(self.dtype)
         hidden = self.model.block_hidden(embeds, positions, contexts, n)               # [R*n, D]
-        base = (self.lm_head(hidden.to(self.lm_head.weight.dtype)).float() * cfg.logit_scale).view(len(reqs), n, -1)
+        base = (self.lm_head(hidden.to(self.head_dtype)).float() * cfg.logit_scale).view(len(reqs), n, -1)
+        return ids, hidden, base
+
+    @torch.inference_mode()
+    def propose(self, reqs: list[DraftRequest]) -> list[DraftBlock]:
+        """One parallel forward over every request's `[anchor, MASK x (N-1)]`, then the Markov loop."""
+        if not reqs:
+            return []
+        n, cfg = self.num_spec, self.cfg
+        ids, hidden, base = self.block_logits(reqs)
         top = self.spec.dspark_draft_topk or cfg.dspark_draft_topk
         prev = ids[:, 0]
         tokens = torch.empty(len(reqs), n, dtype=torch.long)

@@ -26,8 +26,17 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.forward_batch import ForwardBatch, HybridCacheTensors, SequenceSlice
-from engine.spec_decode.checkpoint import draft_config_for, save_draft
-from engine.spec_decode.draft_model import DraftLayer, DraftMLA, DSparkDraftModel, apply_rope, rope_cos_sin
+from engine.spec_decode.checkpoint import config_for, save_draft
+from engine.spec_decode.draft_model import (
+    DraftGQA,
+    DraftLayer,
+    DraftMLA,
+    DSparkDraftModel,
+    apply_rope,
+    apply_rope_neox,
+    draft_model_for,
+    rope_cos_sin,
+)
 from shared.model_config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -37,6 +46,7 @@ log = logging.getLogger(__name__)
 class DraftTrainConfig:
     block: int = 7
     num_layers: int = 2
+    attention: str = "mla"                  # "gqa": the Qwen3-style draft (docs/dspark.md)
     num_sequences: int = 384
     max_new_tokens: int = 160
     steps: int = 1000
@@ -135,6 +145,22 @@ def _attention(attn: DraftMLA, x: torch.Tensor, q_pos: torch.Tensor, ctx_rows: t
     return attn.o_proj(out)
 
 
+def _gqa_attention(attn: DraftGQA, x: torch.Tensor, q_pos: torch.Tensor, ctx_rows: torch.Tensor,
+                   allowed: torch.Tensor) -> torch.Tensor:
+    """`_attention` for the GQA draft: ctx_rows [B, T, 2*kv_heads*head_dim] (K then V)."""
+    b, q_len, _ = x.shape
+    nh, nkv, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    cos, sin = rope_cos_sin(q_pos.reshape(-1), hd, attn.theta)
+    q = apply_rope_neox(attn.q_norm(attn.q_proj(x).view(b * q_len, nh, hd)), cos, sin).view(b, q_len, nh, hd)
+    own = attn.cache_rows(x.reshape(b * q_len, -1), cos, sin).view(b, q_len, -1)
+    k, v = torch.cat([ctx_rows, own], dim=1).split(nkv * hd, dim=-1)              # [B, T+Q, nkv*hd] each
+    k = k.view(b, -1, nkv, hd).repeat_interleave(attn.group, dim=2)
+    v = v.view(b, -1, nkv, hd).repeat_interleave(attn.group, dim=2)
+    scores = torch.einsum("bqhd,bshd->bhqs", q, k) * attn.scale
+    probs = torch.softmax(scores.masked_fill(~allowed[:, None], float("-inf")), dim=-1)
+    return attn.o_proj(torch.einsum("bhqs,bshd->bqhd", probs, v).reshape(b, q_len, nh * hd))
+
+
 def block_logits(draft: DSparkDraftModel, embed, lm_head, features: torch.Tensor, valid: torch.Tensor,
                  token_ids: torch.Tensor, anchors: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Base draft logits [B, M, n, V] and hidden [B, M, n, D] for query blocks at `anchors` [B, M].
@@ -145,8 +171,8 @@ def block_logits(draft: DSparkDraftModel, embed, lm_head, features: torch.Tensor
     cfg = draft.cfg
     b, t = token_ids.shape
     m = anchors.shape[1]
-    context = draft.context_norm(draft.context_proj(features))
-    cos_c, sin_c = rope_cos_sin(torch.arange(t).repeat(b), cfg.qk_rope_head_dim, cfg.rope_theta)
+    context = draft.context_states(features)
+    cos_c, sin_c = rope_cos_sin(torch.arange(t).repeat(b), draft.rope_dim, cfg.rope_theta)
     offsets = torch.arange(n)
     q_pos = (anchors[:, :, None] + offsets).reshape(b, m * n)
     ids = torch.full((b, m, n), cfg.mask_token_id, dtype=torch.long)
@@ -159,10 +185,12 @@ def block_logits(draft: DSparkDraftModel, embed, lm_head, features: torch.Tensor
     for layer in typing.cast("Iterable[DraftLayer]", draft.layers):       # an nn.ModuleList of DraftLayer
         rows = layer.self_attn.cache_rows(context.reshape(b * t, -1), cos_c, sin_c).view(b, t, -1)
         residual = h if residual is None else h + residual
-        a = _attention(layer.self_attn, layer.input_layernorm(residual), q_pos, rows, allowed)
+        attn, x = layer.self_attn, layer.input_layernorm(residual)
+        a = (_gqa_attention(attn, x, q_pos, rows, allowed) if isinstance(attn, DraftGQA)
+             else _attention(attn, x, q_pos, rows, allowed))
         residual = a + residual
         h = layer.mlp(layer.post_attention_layernorm(residual))
-    hidden = draft.final_norm(h + residual)
+    hidden = draft.output_norm(h + residual)
     base = lm_head(hidden).float() * cfg.logit_scale
     return base.view(b, m, n, -1), hidden.view(b, m, n, -1)
 
@@ -216,7 +244,7 @@ def train_draft(target_dir: str | Path, out: str | Path, cfg: DraftTrainConfig =
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.threads)
     target_cfg = ModelConfig.from_file(Path(target_dir) / "config.json")
-    draft_cfg = draft_config_for(target_cfg, cfg.block, cfg.num_layers, cfg.seed)
+    draft_cfg = config_for(target_cfg, cfg.block, cfg.num_layers, cfg.seed, cfg.attention)
     started = time.monotonic()
     data = data if data is not None else build_dataset(target_dir, cfg, draft_cfg.target_layer_ids)
     data_s = time.monotonic() - started
@@ -224,7 +252,7 @@ def train_draft(target_dir: str | Path, out: str | Path, cfg: DraftTrainConfig =
     lm = target.language_model
     for p in target.parameters():
         p.requires_grad_(False)
-    draft = DSparkDraftModel(draft_cfg)
+    draft = draft_model_for(draft_cfg)
     init_weights(draft, cfg.seed)
     draft.train()
     opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)

@@ -74,7 +74,14 @@ def test_indivisible_layout_is_refused_before_any_process_starts(tiny_dir):
         LLM(str(tiny_dir), tensor_parallel_size=3, **SETTINGS)
 
 
-def test_speculative_decoding_with_tp_is_refused(tiny_dir):
-    with pytest.raises(ValueError, match="speculative decoding"):
+def test_speculative_config_with_tp_is_checked_before_any_process_starts(tiny_dir, monkeypatch):
+    """DSpark runs at TP > 1 now (tests/engine/spec_decode/test_tp_spec.py); what cannot run still stops
+    start-up, before a follower rank is spawned: a directory that is no draft, a draft TP other than 1 or N."""
+    import engine.parallel.launch as launch
+    monkeypatch.setattr(launch, "spawn_followers", lambda *a: pytest.fail("a follower started"))
+    with pytest.raises(ValueError, match="model_type: expected 'k3_dspark'"):
         LLM(str(tiny_dir), tensor_parallel_size=2, speculative_config={"method": "dspark", "model": str(tiny_dir)},
             **SETTINGS)
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size=3 cannot be other than 1"):
+        LLM(str(tiny_dir), tensor_parallel_size=2, speculative_config={
+            "method": "dspark", "model": str(tiny_dir), "draft_tensor_parallel_size": 3}, **SETTINGS)

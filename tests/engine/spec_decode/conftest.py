@@ -40,6 +40,13 @@ def draft5(tiny_dir, tmp_path_factory) -> Path:
     return create_draft_checkpoint(tiny_dir, tmp_path_factory.mktemp("spec") / "draft5", block=5, seed=2)
 
 
+@pytest.fixture(scope="session")
+def draft_gqa(tiny_dir, tmp_path_factory) -> Path:
+    """A random GQA (Qwen3-style) Block7 draft for the tiny target."""
+    return create_draft_checkpoint(tiny_dir, tmp_path_factory.mktemp("spec") / "draft-gqa", block=7, seed=3,
+                                   attention="gqa")
+
+
 def spec(draft: Path, **fields) -> dict:
     return {"method": "dspark", "model": str(draft), **fields}
 

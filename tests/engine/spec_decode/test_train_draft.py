@@ -1,6 +1,7 @@
 """train-draft: the dense training forward is the serving proposer's maths; a short run learns."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.checkpoint.loader import load_checkpoint
@@ -11,7 +12,9 @@ from engine.spec_decode.train import DraftTrainConfig, block_logits, build_datas
 from tests.engine.spec_decode.conftest import make_llm, prompt_ids, spec
 
 
-def test_training_forward_equals_serving_proposer(tiny_dir, draft7):
+@pytest.mark.parametrize("draft_name", ["draft7", "draft_gqa"])
+def test_training_forward_equals_serving_proposer(tiny_dir, draft_name, request):
+    draft7 = request.getfixturevalue(draft_name)            # MLA or GQA: the same contract
     target = load_checkpoint(tiny_dir)
     cfg = load_draft(draft7, target.config.text_config)[1]
     prop = DSparkProposer(SpeculativeConfig.parse(spec(draft7)).resolve(cfg, 4096), target, 16, 4,
