@@ -56,7 +56,8 @@ class AsyncEngine:
     # ---- public API -----------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt: EngineInput | list[int], params: SamplingParams,
                        export_state: bool = False,
-                       imported: ExportedState | None = None) -> AsyncGenerator[RequestOutput, None]:
+                       imported: ExportedState | None = None,
+                       group: str | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Yield this request's outputs as steps produce them; the last one has `finished=True`."""
         if params.structured_output is not None:
             await self.prepare_grammar(params.structured_output)
@@ -64,7 +65,7 @@ class AsyncEngine:
         outputs: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, outputs)
         try:
-            await self.call(lambda: self.engine.add_request(request_id, prompt, params, export_state, imported))
+            await self.call(lambda: self.engine.add_request(request_id, prompt, params, export_state, imported, group))
         except BaseException as exc:
             self._streams.pop(request_id, None)
             if isinstance(exc, asyncio.CancelledError):

@@ -32,9 +32,11 @@ KIMI_PD = [sys.executable, "-m", "kimi_pd"]
 ENGINE_FLAGS = ("--max-num-seqs", "--max-num-batched-tokens", "--max-model-len", "--scheduling-policy",
                 "--enable-prefix-caching", "--block-size", "--dtype", "--device", "--cache-memory",
                 "--kda-chunk-size", "--tensor-parallel-size", "--enable-expert-parallel", "--compilation-config",
-                "--enforce-eager", "--max-structured-output-bytes", "--kv-transport", "--kv-streams")
+                "--enforce-eager", "--max-structured-output-bytes", "--kv-transport", "--kv-streams",
+                "--request-share")
 # the router's admission flags (docs/admission.md), passed on to the router
-ROUTER_FLAGS = ("--tenants", "--max-inflight-per-worker", "--max-queued", "--queue-timeout")
+ROUTER_FLAGS = ("--tenants", "--max-inflight-per-worker", "--max-queued", "--queue-timeout",
+                "--max-sequences-per-request")
 _PREFIX = "passed_"
 
 

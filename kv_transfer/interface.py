@@ -58,6 +58,7 @@ class TransferConfig:
     read_timeout_s: float = 10.0
     transfer_timeout_s: float = 120.0
     lease_s: float = 30.0
+    renewed_lease_s: float = 5.0        # a state its router renews (x-kimi-pd-lease-renew): each renewal's span
     sweep_interval_s: float = 0.5
     max_state_bytes: int = 64 << 30
     device: str = "cpu"
@@ -83,8 +84,8 @@ class TransferConfig:
         if self.recv_pool_bytes < 0:
             raise TransferConfigError("recv_pool_bytes must be >= 0")
         timeouts = (self.connect_timeout_s, self.read_timeout_s, self.transfer_timeout_s)
-        if min(*timeouts, self.lease_s, self.sweep_interval_s) <= 0:
-            raise TransferConfigError("timeouts, lease_s and sweep_interval_s must be positive")
+        if min(*timeouts, self.lease_s, self.renewed_lease_s, self.sweep_interval_s) <= 0:
+            raise TransferConfigError("timeouts, lease_s, renewed_lease_s and sweep_interval_s must be positive")
 
 
 class KVSender(abc.ABC):
@@ -110,6 +111,11 @@ class KVSender(abc.ABC):
     @abc.abstractmethod
     def abort(self, request_id: str) -> bool:
         """Free a held request with reason `aborted`; False if it was not held. Thread-safe."""
+
+    def renew(self, request_ids: list[str], lease_s: float) -> int:
+        """Hold these published states `lease_s` more seconds, never past the config's `lease_s` from their
+        publication (a router renewing the states its requests wait for); how many were renewed."""
+        return 0
 
     @abc.abstractmethod
     def held_count(self) -> int:

@@ -54,6 +54,7 @@ class Lease:
     on_free: OnFree
     readers: int = 0
     ended: str | None = None
+    added_at: float = 0.0
 
 
 class LeaseTable:
@@ -80,7 +81,8 @@ class LeaseTable:
         with self._lock:
             if request_id in self._unfreed:
                 raise DuplicateRequest(f"request {request_id!r} is already held")
-            lease = Lease(request_id, payload, self._clock() + lease_s, on_free)
+            now = self._clock()
+            lease = Lease(request_id, payload, now + lease_s, on_free, added_at=now)
             self._live[request_id] = self._unfreed[request_id] = lease
             self._ended.pop(request_id, None)
             return lease
@@ -130,6 +132,17 @@ class LeaseTable:
                 self._end_locked(lease, reason, freed)
         self._run_frees(freed)
         return lease is not None
+
+    def renew(self, request_id: str, lease_s: float, max_total_s: float) -> bool:
+        """Hold a live lease until `now + lease_s`, never past `max_total_s` from when it was added (and
+        never shorter than it already was); False if it is not held or already expired."""
+        with self._lock:
+            lease = self._live.get(request_id)
+            now = self._clock()
+            if lease is None or now >= lease.expires_at:
+                return False
+            lease.expires_at = max(lease.expires_at, min(now + lease_s, lease.added_at + max_total_s))
+            return True
 
     def sweep(self) -> int:
         """End every lease past its expiry; returns how many."""

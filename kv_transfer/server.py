@@ -113,6 +113,9 @@ class ControlSender(KVSender):
     def abort(self, request_id: str) -> bool:
         return self._leases.end(request_id, "aborted")
 
+    def renew(self, request_ids: list[str], lease_s: float) -> int:
+        return sum(self._leases.renew(rid, lease_s, self.config.lease_s) for rid in request_ids)
+
     def held_count(self) -> int:
         return self._leases.held_count()
 

@@ -28,12 +28,13 @@ class PrefillHandoff:
         self.engine, self.sender, self.lease_s = engine, sender, lease_s
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    async def publish(self, request_id: str) -> KVTransferParams:
-        """Export the held state of `request_id` and publish it; the engine frees it when the lease ends."""
+    async def publish(self, request_id: str, lease_s: float | None = None) -> KVTransferParams:
+        """Export the held state of `request_id` and publish it under `lease_s` (None: the full lease); the
+        engine frees it when the lease ends."""
         self._loop = asyncio.get_running_loop()
         try:
             state = await self.engine.export_state(request_id)
-            params = self.sender.publish(to_payload(state), self.lease_s, self._on_free)
+            params = self.sender.publish(to_payload(state), lease_s or self.lease_s, self._on_free)
         except BaseException:
             await self.engine.release_export(request_id, "publish failed")
             raise

@@ -13,10 +13,13 @@ from kv_transfer.interface import KVSender, TransferConfig, make_sender
 from kv_transfer.metrics import TransferMetrics
 from prefill_worker.handoff import PrefillHandoff
 from shared.kv_transfer_params import KVTransferParams, LegKind
+from shared.openai.errors import BadRequest
 from shared.prompt.prepare import PreparedPrompt
 from shared.sampling_params import SamplingParams
 from worker.role import EngineCallFn, LegResult, LegRoute
 from worker.runtime import WorkerRuntime
+
+MAX_RENEWED = 100_000                                  # ids in one renewal (a router's requests in flight)
 
 
 async def _release(leg: PrefillLeg, body: dict[str, Any]) -> dict[str, Any]:
@@ -25,16 +28,25 @@ async def _release(leg: PrefillLeg, body: dict[str, Any]) -> dict[str, Any]:
     return {"released": isinstance(request_id, str) and leg.release(request_id)}
 
 
+async def _renew(leg: PrefillLeg, body: dict[str, Any]) -> dict[str, Any]:
+    """Router -> prefill worker: the states its requests still wait for live `renewed_lease_s` longer."""
+    ids = body.get("request_ids")
+    if not isinstance(ids, list) or len(ids) > MAX_RENEWED or not all(isinstance(i, str) for i in ids):
+        raise BadRequest(f"request_ids must be a list of at most {MAX_RENEWED} strings", param="request_ids")
+    return {"renewed": leg.sender.renew(ids, leg.renewed_lease_s)}
+
+
 class PrefillLeg:
     kind: ClassVar[LegKind] = "prefill"
     streams: ClassVar[bool] = False                     # one token, answered whole with the decode's parameters
-    routes: ClassVar[tuple[LegRoute, ...]] = (("/internal/kv/release", _release),)
+    routes: ClassVar[tuple[LegRoute, ...]] = (("/internal/kv/release", _release), ("/internal/kv/renew", _renew))
 
     def __init__(self, rt: WorkerRuntime, config: TransferConfig, metrics: TransferMetrics,
                  generate: EngineCallFn) -> None:
         self.generate = generate
         self.sender: KVSender = make_sender(config, metrics)
         self.handoff = PrefillHandoff(rt.engine, self.sender, config.lease_s)
+        self.renewed_lease_s = config.renewed_lease_s
 
     async def start(self) -> None:
         await self.sender.start()
@@ -57,7 +69,8 @@ class PrefillLeg:
                 final = out
         assert final is not None, "the engine ended the prefill without output"
         start = time.perf_counter()
-        result.kv_transfer_params = await self.handoff.publish(result.request_id)
+        lease_s = self.renewed_lease_s if result.lease_renewed else None    # None: the full lease
+        result.kv_transfer_params = await self.handoff.publish(result.request_id, lease_s)
         result.timings["publish_s"] = time.perf_counter() - start
         result.num_cached_tokens = final.num_cached_tokens
         yield final

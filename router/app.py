@@ -47,8 +47,8 @@ from shared.http import (
     read_json_object,
     until_disconnect,
 )
-from shared.openai.errors import OpenAIError, error_response
-from shared.openai.fanout import AnyRequest, fan_out, needs_fan_out
+from shared.openai.errors import BadRequest, OpenAIError, error_response
+from shared.openai.fanout import AnyRequest, R, fan_out, needs_fan_out
 from shared.openai.helpers import check_admin, check_model, install_helpers
 from shared.openai.ids import header_request_id
 from shared.openai.requests import ChatCompletionRequest, CompletionRequest
@@ -183,7 +183,8 @@ async def _serve(request: Request, endpoint: str, req, prepare, body_bytes: int,
     # stall the event loop (bodies are bounded by max_request_bytes)
     prepared = prepare() if body_bytes <= INLINE_PREPARE_BYTES else await asyncio.to_thread(prepare)
     client_id = req.request_id or header_request_id(header(request, b"x-request-id"))
-    trace = Trace(f"{endpoint}-{_INSTANCE}-{next(_ids)}", endpoint, client_request_id=client_id)
+    trace = Trace(f"{endpoint}-{_INSTANCE}-{next(_ids)}", endpoint, client_request_id=client_id,
+                  group=getattr(request.state, "kimi_pd_group", None))
     if client_id:
         log.debug("request %s is the client's %s", trace.request_id, client_id)
     outcome, ticket, streamed = "error", None, False
@@ -229,7 +230,7 @@ async def _chat(request: Request) -> Response:
 
     def one(sub: ChatCompletionRequest) -> Awaitable[Response]:
         return _serve(request, "chat", sub, lambda: st.prompts.prepare_chat(sub), size, tenant)
-    return await (fan_out(req, cast(RunOne, one)) if needs_fan_out(req) else one(req))
+    return await _one_or_fanned_out(request, req, one)
 
 
 async def _completions(request: Request) -> Response:
@@ -240,7 +241,21 @@ async def _completions(request: Request) -> Response:
     def one(sub: CompletionRequest) -> Awaitable[Response]:
         return _serve(request, "completions", sub, lambda: request.app.state.prompts.prepare_completion(sub), size,
                       tenant)
-    return await (fan_out(req, cast(RunOne, one)) if needs_fan_out(req) else one(req))
+    return await _one_or_fanned_out(request, req, one)
+
+
+async def _one_or_fanned_out(request: Request, req: R, one) -> Response:
+    """A fan-out's sub-requests share one group id, so a worker gives them one share of its batch; more
+    sequences than `max_sequences_per_request` are a 400 before any is placed."""
+    if not needs_fan_out(req):
+        return await one(req)
+    limit = request.app.state.settings.max_sequences_per_request
+    sequences = len(req.prompts) * req.num_sequences if isinstance(req, CompletionRequest) else req.n
+    if sequences > limit:
+        raise BadRequest(f"this request asks for {sequences} sequences (prompts x n); this server allows at most "
+                         f"{limit} per request", param="n")
+    request.state.kimi_pd_group = f"group-{_INSTANCE}-{next(_ids)}"
+    return await fan_out(req, cast(RunOne, one))
 
 
 async def _health(request: Request) -> JSONResponse:

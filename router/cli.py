@@ -13,6 +13,13 @@ API_KEYS_ENV = CLIENT_KEYS_ENV            # comma-separated client keys (optiona
 WORKER_API_KEY_ENV = "KIMI_PD_WORKER_API_KEY"  # the key workers expect (their KIMI_PD_API_KEY), if any
 
 
+def _add_request_limits(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-request-bytes", type=int, default=4 << 20,
+                   help="largest request body; larger ones get a 413 before being parsed or tokenised")
+    p.add_argument("--max-sequences-per-request", type=int, default=1024,
+                   help="prompts x n (or best_of) of one request; more get a 400 (at most 1024)")
+
+
 def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="for prompt hashing: a Kimi-K3 checkpoint or any Hugging Face tokenizer "
                                    "directory (tokenizer.json + its chat template); default: the tiny generated K3 one")
@@ -35,8 +42,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     add_static_worker_args(p)
     p.add_argument("--prefill-tokens-per-s", type=float, default=20000.0,
                    help="starting guess of a worker's prefill speed; calibrated from its answers")
-    p.add_argument("--max-request-bytes", type=int, default=4 << 20,
-                   help="largest request body; larger ones get a 413 before being parsed or tokenised")
+    _add_request_limits(p)
     p.add_argument("--redis-url", default=os.environ.get(REDIS_URL_ENV) or None,
                    help=f"state store: discover workers, load, KV events (default ${REDIS_URL_ENV}; "
                         "redis://:PASSWORD@HOST:PORT, and the environment keeps the password out of `ps`)")
@@ -94,6 +100,7 @@ def settings_from_args(args: argparse.Namespace, model_dir: str | None) -> Route
                           static_both=tuple(args.worker), static_dp_ranks=parse_dp_ranks(args.data_parallel_ranks),
                           block_size=args.block_size, store_url=args.redis_url,
                           static_cache_tokens=args.static_cache_tokens, max_request_bytes=args.max_request_bytes,
+                          max_sequences_per_request=args.max_sequences_per_request,
                           prefill_tokens_per_s=args.prefill_tokens_per_s,
                           namespace=args.namespace, disagg_threshold_tokens=args.disagg_threshold,
                           transfer_aware=args.transfer_aware,

@@ -30,6 +30,7 @@ from router.placement.types import RoutingContext, WorkerState
 from router.registry import WorkerRegistry
 from router.request.decode import DecodeLeg, Route, decode_body
 from router.request.fleet import Fleet
+from router.request.leases import LeaseKeeper
 from router.request.prefill import PrefillLeg
 from router.request.relay import Relay
 from router.request.trace import Trace, trace_headers
@@ -51,6 +52,7 @@ class Orchestrator:
         self.s, self.registry, self.pipeline, self.metrics = settings, registry, pipeline, metrics
         self.prefill, self.decode = PrefillLeg(self.fleet), DecodeLeg(self.fleet)
         self.relay = Relay(self.fleet, self.decode)
+        self.leases = LeaseKeeper(self.fleet)        # renews prefill states until their decode worker answers
         self._background: set[asyncio.Task] = set()
 
     async def handle(self, trace: Trace, req: SamplingRequest, prepared: PreparedPrompt) -> Response:
@@ -68,7 +70,8 @@ class Orchestrator:
 
     async def _handle(self, trace: Trace, req: SamplingRequest, prepared: PreparedPrompt) -> Response:
         decode, route = await self._place(trace, req, prepared)
-        return await self._call_decode(trace, req, decode, route)
+        async with self.leases.kept(trace):
+            return await self._call_decode(trace, req, decode, route)
 
     async def _rerun(self, trace: Trace, req: SamplingRequest, prepared: PreparedPrompt, body: dict
                      ) -> tuple[WorkerState, Route, dict]:

@@ -70,19 +70,24 @@ class CombinedIndex:
 
 class _SinceReport:
     """This replica's begins (+1) and ends (-1) on one worker, newest last, with their sum; entries
-    older than the worker's latest load report are dropped as they stop mattering."""
+    older than the worker's latest load report are dropped as they stop mattering, and so are those
+    older than `MAX_AGE_S` or beyond `MAX_EVENTS` (a static worker never reports: without these bounds
+    its events grew with every request)."""
 
     __slots__ = ("events", "total")
+    MAX_EVENTS = 8192
+    MAX_AGE_S = 60.0                                  # a load report older than this is long stale
 
     def __init__(self) -> None:
         self.events: deque[tuple[float, int]] = deque()
         self.total = 0
 
     def add(self, now: float, sign: int) -> None:
-        self.events.append((now, sign))
+        events = self.events
+        events.append((now, sign))
         self.total += sign
-        if len(self.events) > 65536:                  # no reports at all: bound the memory
-            self.total -= self.events.popleft()[1]
+        while len(events) > self.MAX_EVENTS or events[0][0] < now - self.MAX_AGE_S:
+            self.total -= events.popleft()[1]
 
     def after(self, ts: float) -> int:
         events = self.events

@@ -38,6 +38,7 @@ class RouterSettings:
     idle_timeout_s: float = 60.0                  # longest gap between two streamed chunks
     max_attempts: int = 3                         # connect failures retried on a different worker
     max_request_bytes: int = 4 << 20               # larger bodies get a 413 before any parsing or tokenising
+    max_sequences_per_request: int = 1024          # prompts x n (best_of) of one request; more: a 400
     approximate_index_blocks: int = 65536         # per static worker whose cache size is unknown
     static_cache_tokens: int = 0                  # KV cache of each static worker (0: ask its /metrics)
     prefill_tokens_per_s: float = 20000.0         # starting guess per worker; the ledger calibrates it
@@ -103,6 +104,8 @@ class RouterSettings:
                              f"{', '.join(bad)}")
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
+        if not 1 <= self.max_sequences_per_request <= 1024:
+            raise ValueError("max_sequences_per_request must be in 1..1024")
         if self.max_inflight_per_worker < 0 or self.max_queued < 0 or self.queue_timeout_s <= 0:
             raise ValueError("--max-inflight-per-worker and --max-queued must be >= 0, --queue-timeout > 0")
         if self.prefill_tokens_per_s <= 0 or self.static_cache_tokens < 0:

@@ -24,7 +24,7 @@ from shared.openai.convert import to_sampling_params
 from shared.openai.errors import ModelNotFound, OpenAIError, error_from_exception
 from shared.openai.fanout import fan_out, needs_fan_out
 from shared.openai.helpers import check_admin, install_helpers
-from shared.openai.ids import header_request_id
+from shared.openai.ids import GROUP_HEADER, LEASE_RENEW_HEADER, header_request_id
 from shared.openai.prompts import prepare_chat, prepare_completion
 from shared.openai.requests import ChatCompletionRequest, CompletionRequest
 from shared.openai.sse import SSE_DONE, sse_error
@@ -91,6 +91,7 @@ async def _validated_then_fanned_out(request: Request, model_cls, one) -> Respon
     _check_api_key(request)
     req = model_cls.model_validate(await read_json_body(request, _rt(request).settings.max_request_bytes))
     if needs_fan_out(req):
+        request.state.kimi_pd_group = new_request_id("group", None)    # one share of the batch for all
         return await fan_out(req, lambda sub: one(request, sub))
     return await one(request, req)
 
@@ -128,7 +129,8 @@ async def _completion_one(request: Request, req: CompletionRequest) -> Response:
 async def _serve(request: Request, rt: WorkerRuntime, endpoint: str, req, params, prepared,
                  stream_fn: Callable, whole_fn: Callable) -> Response:
     client_id = req.request_id or header_request_id(request.headers.get("x-request-id"))
-    result = LegResult(new_request_id(endpoint, client_id))
+    result = LegResult(new_request_id(endpoint, client_id), group=_group(request),
+                       lease_renewed=request.headers.get(LEASE_RENEW_HEADER) == "1")
     ktp = KVTransferParams.parse(req.kv_transfer_params)
     spec = req.kimi_pd_resume
     resume = Resume(list(spec.token_ids), spec.seed_offset) if spec is not None else None
@@ -143,6 +145,11 @@ async def _serve(request: Request, rt: WorkerRuntime, endpoint: str, req, params
     rt.metrics.requests.labels(endpoint=endpoint, outcome="ok").inc()
     return JSONResponse(whole_fn(final, result).model_dump(mode="json", exclude_none=True),
                         headers=_leg_headers(result))
+
+
+def _group(request: Request) -> str | None:
+    """The fan-out this request is one sequence of: ours, or the router's (`x-kimi-pd-group`)."""
+    return getattr(request.state, "kimi_pd_group", None) or header_request_id(request.headers.get(GROUP_HEADER))
 
 
 def _leg_headers(result: LegResult) -> dict[str, str]:

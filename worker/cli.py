@@ -29,6 +29,7 @@ def settings_from_args(args: argparse.Namespace, model_dir: str) -> WorkerSettin
     secret = secret_from_env(TRANSFER_SECRET_ENV) or ""
     engine = EngineConfig(model=model_dir, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                          request_share=args.request_share,
                           enable_prefix_caching=args.enable_prefix_caching, block_size=args.block_size,
                           device=args.device, dtype=args.dtype, cache_memory_bytes=args.cache_memory,
                           kda_chunk_size=args.kda_chunk_size,
@@ -46,6 +47,7 @@ def settings_from_args(args: argparse.Namespace, model_dir: str) -> WorkerSettin
                           transfer_advertise_host=args.kv_advertise_host,
                           transfer_port=args.kv_port, transfer_streams=args.kv_streams,
                           transfer_secret=secret.encode(), kv_lease_s=args.kv_lease_s,
+                          kv_renewed_lease_s=args.kv_renewed_lease_s,
                           kv_load_failure_policy=args.kv_load_failure_policy, store_url=args.redis_url,
                           namespace=args.namespace, heartbeat_s=args.heartbeat_s,
                           max_request_bytes=args.max_request_bytes,

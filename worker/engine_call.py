@@ -36,7 +36,7 @@ class EngineCall:
         """The engine's outputs, observed for metrics. `aclosing`: when our consumer stops early, the
         engine stream is closed at once, which aborts the request."""
         stream = self.engine.generate(result.request_id, engine_input(prepared, resume), params, imported=imported,
-                                      export_state=export_state)
+                                      export_state=export_state, group=result.group)
         times = RequestTimes(result.timings["start"])
         external = len(imported.prompt_token_ids) if imported is not None else 0
         finished = False

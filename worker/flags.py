@@ -34,6 +34,17 @@ def add_multi_host_args(p: argparse.ArgumentParser) -> None:
                    help="run only this node's ranks (node-rank > 0): no HTTP server, no registration")
 
 
+def add_sharing_args(p: argparse.ArgumentParser) -> None:
+    """How a worker shares its batch between requests, and how long a prefill state waits for a router."""
+    p.add_argument("--kv-lease-s", type=float, default=30.0)
+    p.add_argument("--request-share", type=float, default=0.5,
+                   help="the share of --max-num-seqs one request's sequences (n, best_of, a prompt list) hold "
+                        "while another request waits (0 < share <= 1; 1: no limit)")
+    p.add_argument("--kv-renewed-lease-s", type=float, default=5.0,
+                   help="a prefill state whose router renews it (ours, with an admin token) is freed this long "
+                        "after the last renewal (a killed router's states go within seconds; --kv-lease-s bounds all)")
+
+
 def add_worker_args(p: argparse.ArgumentParser, serve: bool = False) -> None:   # serve: vLLM's defaults
     add_vllm_serve_args(p, serve)                         # MODEL_PATH / --model first
     p.add_argument("--host", default="127.0.0.1")
@@ -75,7 +86,7 @@ def add_worker_args(p: argparse.ArgumentParser, serve: bool = False) -> None:   
     p.add_argument("--kv-port", type=int, default=0)
     p.add_argument("--kv-streams", type=int, default=2,
                    help="parallel TCP streams per pull (2 x 8 MiB chunks measured best on 2 cores)")
-    p.add_argument("--kv-lease-s", type=float, default=30.0)
+    add_sharing_args(p)
     p.add_argument("--kv-load-failure-policy", default="recompute", choices=["recompute", "fail"])
     p.add_argument("--redis-url", default=os.environ.get(REDIS_URL_ENV) or None,
                    help=f"state store (registration, load, KV events; default ${REDIS_URL_ENV}, "

@@ -30,6 +30,8 @@ class LegResult:
     kv_transfer_params: KVTransferParams | None = None
     num_cached_tokens: int = 0
     recomputed: bool = False
+    group: str | None = None            # the fan-out this leg is one sequence of (x-kimi-pd-group)
+    lease_renewed: bool = False         # the router renews a prefill state's lease (x-kimi-pd-lease-renew)
     timings: dict[str, float] = field(default_factory=lambda: {"start": time.perf_counter()})
 
 

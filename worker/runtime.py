@@ -81,7 +81,8 @@ class WorkerRuntime:
         return TransferConfig(identity=ModelIdentity(i.config_hash, i.dtype, i.layer_schedule, i.block_size),
                               secret=s.transfer_secret, transport=s.transfer_transport, engine_id=s.worker_id,
                               host=s.transfer_host, port=s.transfer_port, streams=s.transfer_streams,
-                              lease_s=s.kv_lease_s, advertise_host=s.transfer_advertise_host)
+                              lease_s=s.kv_lease_s, renewed_lease_s=min(s.kv_renewed_lease_s, s.kv_lease_s),
+                              advertise_host=s.transfer_advertise_host)
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()

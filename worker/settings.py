@@ -49,6 +49,7 @@ class WorkerSettings:
     transfer_streams: int = 2
     transfer_secret: bytes = field(default=b"", repr=False)
     kv_lease_s: float = 30.0
+    kv_renewed_lease_s: float = 5.0               # a state its router renews lives this long past each renewal
     kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
     store_url: str | None = None
     namespace: str = "default"

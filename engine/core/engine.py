@@ -52,6 +52,7 @@ class EngineConfig:
     model: str
     max_num_seqs: int = 8
     max_num_batched_tokens: int = 2048
+    request_share: float = 0.5             # of max_num_seqs one request's fan-out holds while others wait
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     block_size: int = 16
@@ -81,7 +82,7 @@ class EngineConfig:
         checks = {"max_num_seqs": self.max_num_seqs >= 1, "max_num_batched_tokens": self.max_num_batched_tokens >= 1,
                   "block_size": self.block_size >= 1, "kda_chunk_size": self.kda_chunk_size >= 1,
                   "snapshot_interval_blocks": self.snapshot_interval_blocks >= 1,
-                  "dtype": self.dtype in TORCH_DTYPE_NAMES,
+                  "dtype": self.dtype in TORCH_DTYPE_NAMES, "request_share": 0 < self.request_share <= 1,
                   "export_lease_s": self.export_lease_s is None or self.export_lease_s > 0,
                   "tensor_parallel_size": self.tensor_parallel_size >= 1,
                   "scheduling_policy": self.scheduling_policy in SCHEDULING_POLICIES}
@@ -128,7 +129,7 @@ class LLMEngine:
                                          if draft_cfg else 0)
         self.cache = HybridCacheManager(self.cache_config)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   self.max_model_len, config.scheduling_policy), self.cache)
+                                   self.max_model_len, config.scheduling_policy, config.request_share), self.cache)
         config_hash = self.model.config.identity_hash()
         schedule = "".join("K" if text.is_kda_layer(i) else "M" for i in range(text.num_hidden_layers))
         self.identity = StateIdentity(config_hash, config.dtype, schedule, config.block_size)
@@ -186,8 +187,8 @@ class LLMEngine:
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: EngineInput | list[int], params: SamplingParams,
-                    export_state: bool = False, imported: ExportedState | None = None) -> str:
-        """Validate and queue. Raises InvalidRequest subclasses (bad tokens, too long, never fits)."""
+                    export_state: bool = False, imported: ExportedState | None = None, group: str | None = None) -> str:
+        """Validate and queue (`group`: the fan-out sharing one share of the batch). Raises InvalidRequest."""
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
@@ -201,7 +202,7 @@ class LLMEngine:
         if imported is not None:
             self._check_import(inputs.prompt_token_ids, imported)
         req = Request(request_id, list(inputs.prompt_token_ids), params, export_state=export_state, imported=imported,
-                      priority=params.priority)
+                      priority=params.priority, group=group)
         if req.wants_prompt_logprobs:
             req.prompt_logprobs = [None] * req.num_prompt_tokens
         req.max_tokens = min(1, max_tokens) if export_state else max_tokens

@@ -68,6 +68,7 @@ class Request:
     prompt_logprobs: list[Any] | None = None   # PromptLogprob per position (0: None) when asked for
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     grammar: Any = None                 # structured output matcher (engine.structured_output)
+    group: str | None = None            # the fan-out this sequence belongs to (its request's id); None: alone
 
     @property
     def slot(self) -> int:
@@ -75,6 +76,11 @@ class Request:
         if self.kda_slot is None:
             raise RuntimeError(f"request {self.request_id} is scheduled without a KDA slot")
         return self.kda_slot
+
+    @property
+    def group_key(self) -> str:
+        """Whose share of the batch this sequence counts against (engine/core/scheduler.py)."""
+        return self.group if self.group is not None else self.request_id
 
     @property
     def wants_prompt_logprobs(self) -> bool:

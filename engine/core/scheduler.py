@@ -12,10 +12,17 @@ Under the `priority` policy (vLLM's `--scheduling-policy priority`) the waiting 
 (priority, arrival), lower first, preempted requests included, and the victim of a preemption is the
 running request with the highest (priority, arrival) instead of the latest admitted; a victim already
 given tokens in this step gives them back. Only order and latency change: each request's tokens do not.
+
+Fairness between requests: the sequences of one request's fan-out (`n`, `best_of`, a list of prompts:
+one `group`) hold at most `request_share` of `max_num_seqs` while another group waits. Admission takes
+the waiting requests of groups under their share first (under `priority`: first within each priority),
+and, under `fcfs`, when every slot is taken the newest sequence of a group over its share is preempted
+for them; with nobody else waiting, one group may fill the batch (`fair_order`, `fair_victim`).
 """
 from __future__ import annotations
 
 import bisect
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -29,6 +36,12 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 4096
     policy: str = "fcfs"                        # fcfs | priority
+    request_share: float = 0.5          # of max_num_seqs, per group while another group waits (1.0: off)
+
+    @property
+    def max_group_seqs(self) -> int | None:
+        """Sequences one group holds while another waits; None: no limit (first come, first served)."""
+        return None if self.request_share >= 1 else max(1, math.ceil(self.request_share * self.max_num_seqs))
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -88,6 +101,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._make_fair_room(out)
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
@@ -148,7 +162,23 @@ class Scheduler:
         out.seqs = [s for s in out.seqs if id(s.req) not in gone]
         return sum(s.num_new_tokens for s in dropped)
 
+    def _make_fair_room(self, out: SchedulerOutput) -> None:
+        """Every slot taken and a group under its share waiting: preempt one sequence of a group over it."""
+        cap = self.config.max_group_seqs
+        if cap is None or self.config.policy != "fcfs" or len(self.running) < self.config.max_num_seqs \
+                or not self.waiting:
+            return                                      # under `priority`, priorities decide who is preempted
+        victim = fair_victim(self.waiting, self.running, cap)
+        if victim is not None:
+            self._preempt(victim)
+            out.preempted.append(victim)
+
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        if self.config.max_group_seqs is not None:
+            fair = fair_order(self.waiting, self.running, self.config.max_group_seqs)
+            if fair is not self.waiting and self.config.policy == "priority":   # by priority, then the share
+                fair = deque(sorted(fair, key=lambda r: r.priority))
+            self.waiting = fair
         deferred: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
@@ -192,3 +222,38 @@ def waits_for_shared_prefill(req: Request, running: list[Request]) -> bool:
     first = req.block_hashes[0]
     return any(r.block_hashes[:1] == [first] and r.num_computed_tokens < r.num_prompt_tokens and r.imported is None
                for r in running)
+
+
+def _group_counts(running: list[Request]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for r in running:
+        counts[r.group_key] = counts.get(r.group_key, 0) + 1
+    return counts
+
+
+def fair_order(waiting: deque[Request], running: list[Request], cap: int) -> deque[Request]:
+    """The waiting queue with, first, the requests that keep their group within `cap` sequences (counting
+    those running and those ahead of them), then the rest; each part in its own order."""
+    counts = _group_counts(running)
+    within: deque[Request] = deque()
+    beyond: list[Request] = []
+    for req in waiting:
+        n = counts.get(req.group_key, 0)
+        counts[req.group_key] = n + 1
+        (within if n < cap else beyond).append(req)
+    if not beyond:
+        return waiting
+    within.extend(beyond)
+    return within
+
+
+def fair_victim(waiting: deque[Request], running: list[Request], cap: int) -> Request | None:
+    """The most recently admitted sequence of the group most over `cap`, when a request whose group is
+    under `cap` waits; else None (a group within its share is never preempted for another)."""
+    counts = _group_counts(running)
+    if all(counts.get(req.group_key, 0) >= cap for req in waiting):
+        return None
+    over = max(counts, key=lambda g: counts[g])
+    if counts[over] <= cap:
+        return None
+    return next(r for r in reversed(running) if r.group_key == over)

@@ -15,6 +15,7 @@ from router.request.trace import Trace
 from router.settings import RouterSettings
 from router.transport.upstream import LegTimeout, UpstreamError, leg_timeout
 from router.transport.worker_http import Origin, WorkerClient
+from shared.openai.ids import GROUP_HEADER
 
 T = TypeVar("T")
 
@@ -63,10 +64,11 @@ class Fleet:
 
     def headers(self, trace: Trace, worker: WorkerState) -> dict[str, str]:
         auth = self._auth if self.registry.is_proven(worker.worker_id) else self._vllm_auth
+        extra = {GROUP_HEADER: trace.group} if trace.group else {}
         rank = self.registry.dp_ranks.get(worker.worker_id)
         if rank is not None:                 # one of the data-parallel ranks behind one vLLM API server
-            return {"x-request-id": trace.request_id, "x-data-parallel-rank": str(rank), **auth}
-        return {"x-request-id": trace.request_id, **auth}
+            extra["x-data-parallel-rank"] = str(rank)
+        return {"x-request-id": trace.request_id, **extra, **auth}
 
     async def call(self, worker: WorkerState, send: Callable[[], Awaitable[T]]) -> T:
         """begin/end around one call; a cancelled call (client gone) records no health outcome."""

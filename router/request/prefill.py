@@ -16,6 +16,7 @@ from router.connectors import Connector, connector
 from router.placement.pipeline import NoWorkerAvailable
 from router.placement.types import RoutingContext, WorkerState
 from router.request.fleet import Fleet
+from router.request.leases import renew_headers
 from router.request.trace import PATHS, Trace
 from router.transport.upstream import JsonReply, UpstreamError, post_json
 from shared.openai.legs import prefill_body
@@ -86,7 +87,7 @@ class PrefillLeg:
         try:
             reply = await fleet.call(worker, lambda: post_json(
                 fleet.session, fleet.origin(worker), PATHS[trace.endpoint], body, fleet.timeouts["prefill"],
-                fleet.headers(trace, worker), "prefill"))
+                {**fleet.headers(trace, worker), **renew_headers(fleet, worker.worker_id)}, "prefill"))
             answered = True
         finally:
             fleet.registry.ledger.settle(leg, calibrate=answered)

@@ -15,6 +15,7 @@ class Trace:
     request_id: str                                  # the router's own id: what workers see (never the client's)
     endpoint: str
     client_request_id: str | None = None             # the client's validated id, for logs only
+    group: str | None = None                         # a fan-out's id, shared by its sub-requests (x-kimi-pd-group)
     decision: str = "none"
     start: float = field(default_factory=time.perf_counter)
     prefill_worker: str | None = None

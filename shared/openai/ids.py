@@ -12,6 +12,10 @@ MAX_REQUEST_ID_CHARS = 128
 _SAFE = re.compile(rf"[!#-~]{{1,{MAX_REQUEST_ID_CHARS}}}")       # printable ASCII, no space, no '"'
 
 
+GROUP_HEADER = "x-kimi-pd-group"        # router -> worker: the fan-out a sub-request belongs to
+LEASE_RENEW_HEADER = "x-kimi-pd-lease-renew"   # router -> prefill worker: "1": it renews the state's lease
+
+
 def is_safe_request_id(value: object) -> bool:
     return isinstance(value, str) and _SAFE.fullmatch(value) is not None
 

@@ -31,7 +31,8 @@ def test_the_worker_service_names_no_role() -> None:
 
 
 def test_legs_say_whether_they_stream_and_which_routes_they_add() -> None:
-    assert [(path, kind) for path, kind, _ in PREFILL.routes(SECRET)] == [("/internal/kv/release", "prefill")]
+    assert [(path, kind) for path, kind, _ in PREFILL.routes(SECRET)] == [("/internal/kv/release", "prefill"),
+                                                                             ("/internal/kv/renew", "prefill")]
     assert DECODE.routes(SECRET) == []
     assert ROLES["both"].routes(b"") == []                       # no transfers configured: no legs, no routes
     assert {leg.kind: leg.streams for role in ROLES.values() for leg in role.legs} == {"prefill": False,

@@ -198,3 +198,27 @@ def test_concurrent_ends_free_exactly_once(clock: Clock) -> None:
         t.join()
     assert sorted(int(rid) for rid, _ in log.calls) == list(range(200))
     assert table.held_count() == 0
+
+
+def test_renewal_extends_a_short_lease_up_to_the_full_one(table: LeaseTable, clock: Clock) -> None:
+    """A router renews a 5 s lease every second: it lives on, but never past the full lease (30 s from
+    its publication); once renewals stop it ends 5 s after the last one. Ended leases are not renewed."""
+    log = FreeLog()
+    table.add("a", "state", 5, log)
+    for _ in range(20):
+        clock.now += 1
+        assert table.renew("a", 5, max_total_s=30)
+    assert table.sweep() == 0                      # 20 s: renewed past its first 5 s
+    clock.now += 4.9
+    assert table.sweep() == 0
+    clock.now += 0.1
+    assert table.sweep() == 1 and log.calls == [("a", "expired")]
+    assert not table.renew("a", 5, max_total_s=30) and not table.renew("unknown", 5, max_total_s=30)
+    table.add("b", "state", 5, log)
+    added = clock.now
+    for _ in range(40):                            # renewed for 40 s: still freed at 30 s
+        clock.now += 1
+        table.renew("b", 5, max_total_s=30)
+        if table.sweep():
+            break
+    assert log.calls[-1] == ("b", "expired") and clock.now - added == 30
