@@ -75,7 +75,7 @@ class LLM:
         if isinstance(prompt, EngineInput):
             return prompt
         if isinstance(prompt, str):
-            return EngineInput(self.tokenizer.encode(prompt))
+            return EngineInput(self.tokenizer.encode_prompt(prompt))
         if isinstance(prompt, dict):
             return EngineInput(list(prompt["prompt_token_ids"]), list(prompt.get("images", [])))
         return EngineInput(list(prompt))

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import json
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from shared.errors import InvalidRequest
+from shared.prompt.parsers import RESPONSE_OPEN, THINK_CLOSE
 from shared.prompt.tokenizer import KimiTokenizer
 from shared.structured_output import StructuredOutput
 
@@ -68,13 +70,19 @@ class GrammarCompiler:
         info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=self.vocab_size, stop_token_ids=[tok.eos_id])
         return xgr.GrammarCompiler(info, max_threads=1)
 
-    def matcher(self, spec: StructuredOutput) -> RequestGrammar:
-        """A fresh matcher for `spec` (compiled now unless cached); a spec that cannot compile is a 400."""
+    def matcher(self, spec: StructuredOutput, accepted: Sequence[int] = ()) -> RequestGrammar | AfterReasoning:
+        """A fresh matcher for `spec` (compiled now unless cached); a spec that cannot compile is a 400.
+        `accepted`: tokens already generated under it (a resumed request's), advanced over."""
         import xgrammar as xgr
-        return RequestGrammar(xgr.GrammarMatcher(self.compiled(spec)), self.vocab_size)
+        grammar = RequestGrammar(xgr.GrammarMatcher(self.compiled(spec)), self.vocab_size)
+        matcher = AfterReasoning(grammar, self.tokenizer, self.vocab_size) if spec.after_reasoning else grammar
+        for token in accepted:
+            matcher.accept(token)
+        return matcher
 
     def compiled(self, spec: StructuredOutput) -> Any:
         """`spec` compiled, from the cache when it is there. Thread-safe; may run on any thread."""
+        spec = _cache_key(spec)
         with self._lock:
             if spec in self._cache:
                 self._cache.move_to_end(spec)
@@ -92,7 +100,7 @@ class GrammarCompiler:
 
     def is_cached(self, spec: StructuredOutput) -> bool:
         with self._lock:
-            return spec in self._cache
+            return _cache_key(spec) in self._cache
 
     def _compile(self, spec: StructuredOutput):
         c = self._compiler
@@ -128,6 +136,10 @@ class RequestGrammar:
         if not self.matcher.is_terminated():
             self.matcher.accept_token(token_id)
 
+    def try_accept(self, token_id: int) -> bool:
+        """Advance if the grammar allows `token_id` (a verifier's tentative step); False leaves it as it was."""
+        return bool(self.matcher.accept_token(token_id))
+
     def rollback(self, num_tokens: int) -> None:
         """Undo the last accepted tokens (a verifier that rejected drafts)."""
         self.matcher.rollback(num_tokens)
@@ -135,3 +147,74 @@ class RequestGrammar:
     @property
     def terminated(self) -> bool:
         return self.matcher.is_terminated()
+
+
+def _cache_key(spec: StructuredOutput) -> StructuredOutput:
+    """Where a grammar starts does not change what it compiles to: one cache entry for both."""
+    return StructuredOutput(spec.kind, spec.value) if spec.after_reasoning else spec
+
+
+class AfterReasoning:
+    """A grammar that starts where the answer starts (vLLM's reasoning-aware structured output).
+
+    Thinking on, K3 generates `REASONING<|close|>think<|sep|><|open|>response<|sep|>ANSWER`. The
+    reasoning is free text (constraining it would leave no room for the answer); once its closer has
+    been generated, the response opener is forced token by token, then the request's grammar applies.
+    Same interface as `RequestGrammar`, rollback included (DSpark drafts span the phase changes).
+    """
+
+    HISTORY = 256                       # tokens a verifier may roll back (far above any draft block)
+
+    def __init__(self, grammar: RequestGrammar, tokenizer: KimiTokenizer, vocab_size: int) -> None:
+        self.grammar, self.tokenizer = grammar, tokenizer
+        self._closer = THINK_CLOSE.encode()
+        self._opener = tokenizer.encode(RESPONSE_OPEN, allow_special=True)
+        self._tail = b""                # the reasoning's last bytes, as long as the closer at most
+        self._forced = -1               # -1: reasoning; 0..len(opener)-1: opener tokens placed; len: the answer
+        self._history: deque[tuple[bytes, int]] = deque(maxlen=self.HISTORY)   # the state before each token
+
+    @property
+    def in_answer(self) -> bool:
+        return self._forced >= len(self._opener)
+
+    def mask(self, logits_row: torch.Tensor) -> None:
+        if self.in_answer:
+            self.grammar.mask(logits_row)
+        elif self._forced >= 0:         # only the opener's next token
+            keep = logits_row[self._opener[self._forced]].clone()
+            logits_row.fill_(float("-inf"))
+            logits_row[self._opener[self._forced]] = keep
+
+    def accept(self, token_id: int) -> None:
+        if not self.terminated:
+            self.try_accept(token_id)
+
+    def try_accept(self, token_id: int) -> bool:
+        """Advance over `token_id`; False (and no change) only where the answer's grammar refuses it."""
+        before = (self._tail, self._forced)
+        if self.in_answer:
+            if not self.grammar.try_accept(token_id):
+                return False
+        elif self._forced >= 0:
+            self._forced += 1
+        else:
+            self._tail = (self._tail + self.tokenizer.token_bytes(token_id))[-len(self._closer):]
+            if self._tail == self._closer:
+                self._forced = 0
+        self._history.append(before)
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens, across phase changes."""
+        if num_tokens > len(self._history):
+            raise ValueError(f"cannot roll back {num_tokens} tokens; {len(self._history)} are kept")
+        in_grammar = 0
+        for _ in range(num_tokens):
+            self._tail, self._forced = self._history.pop()
+            in_grammar += self.in_answer            # the state before the token: was it the grammar's
+        if in_grammar:
+            self.grammar.rollback(in_grammar)
+
+    @property
+    def terminated(self) -> bool:
+        return self.in_answer and self.grammar.terminated

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from pathlib import Path
 from typing import TypeAlias
+
+from shared.logs import configure_logging
 
 DEFAULT_TINY_DIR = Path("checkpoints/tiny")
 # Kept in step with engine.training (not imported here: the parser must build without torch loaded).
@@ -147,8 +148,11 @@ def _up(args: argparse.Namespace) -> int:
         from engine.spec_decode.config import SpeculativeConfig
         SpeculativeConfig.parse(args.speculative_config)            # refuse a bad config before starting anything
         extra = ["--speculative-config", args.speculative_config]
+    from shared.openai.surface import surface_argv
+    surface = surface_argv(args)                              # the router and every worker take the same
     return up(model, args.port, args.prefill_workers, args.decode_workers, args.redis_url, Path(args.log_dir),
-              passed_argv(args, ENGINE_FLAGS), extra, _autoscale(args), passed_argv(args, ROUTER_FLAGS))
+              [*passed_argv(args, ENGINE_FLAGS), *surface], extra, _autoscale(args),
+              [*passed_argv(args, ROUTER_FLAGS), *surface])
 
 
 def _autoscale(args: argparse.Namespace):
@@ -300,6 +304,8 @@ def _add_up(sub: _Subparsers) -> None:
     upp.add_argument("--scale-down-step-s", type=float, default=15.0, help="at most one worker retired per this")
     from kimi_pd.up import add_passed_args
     add_passed_args(upp)                 # the workers' engine flags and the router's admission flags, passed on
+    from shared.openai.surface import add_surface_args
+    add_surface_args(upp)                # the request-surface flags, passed on to the router and every worker
     upp.set_defaults(func=_up)
 
 
@@ -351,7 +357,7 @@ def _add_workers(sub: _Subparsers) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as exc:

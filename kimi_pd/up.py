@@ -142,6 +142,7 @@ def up(model_dir: str, port: int, num_prefill: int, num_decode: int, redis_url: 
        autoscale: AutoscaleSettings | None = None, router_args: list[str] | None = None) -> int:
     """speculative_args (`--speculative-config JSON`) go to every worker: decode workers speculate; prefill
     workers run the draft's context projection so the prompt's draft rows travel with the state.
+    router_args: more router flags (the request-surface flags, which the workers get too).
     autoscale: the pools start at the given counts, then follow the load within its bounds."""
     check_port_free(port)
     fleet, store, autoscaler = Processes(), None, None

@@ -51,6 +51,7 @@ from shared.openai.errors import BadRequest, OpenAIError, error_response
 from shared.openai.fanout import AnyRequest, R, fan_out, needs_fan_out
 from shared.openai.helpers import check_admin, check_model, install_helpers
 from shared.openai.ids import header_request_id
+from shared.openai.prompts import fetches_images
 from shared.openai.requests import ChatCompletionRequest, CompletionRequest
 from shared.store.factory import make_store
 
@@ -75,7 +76,7 @@ def create_app(settings: RouterSettings) -> FastPathApp:
         metrics = RouterMetrics()
         pipeline = build_pipeline(**settings.pipeline_spec())
         app.state.settings, app.state.registry, app.state.metrics = settings, registry, metrics
-        app.state.prompts = prompts = load_prompt_source(settings.model)
+        app.state.prompts = prompts = load_prompt_source(settings.model, settings.surface)
         app.state.tenants = tenants
         app.state.helpers = RouterHelpers(settings, prompts, tenants)     # /v1/models, /tokenize, ... (shared routes)
         app.state.admission = admission = admission_http.build(app.state, store, _spawn)
@@ -181,7 +182,8 @@ async def _serve(request: Request, endpoint: str, req, prepare, body_bytes: int,
         st.sampling_check(req)                   # reject bad parameters here, before any worker is busy
     # a small prompt renders and tokenises in less time than a hop to a thread costs; big ones must not
     # stall the event loop (bodies are bounded by max_request_bytes)
-    prepared = prepare() if body_bytes <= INLINE_PREPARE_BYTES else await asyncio.to_thread(prepare)
+    inline = body_bytes <= INLINE_PREPARE_BYTES and not (endpoint == "chat" and fetches_images(req))
+    prepared = prepare() if inline else await asyncio.to_thread(prepare)
     client_id = req.request_id or header_request_id(header(request, b"x-request-id"))
     trace = Trace(f"{endpoint}-{_INSTANCE}-{next(_ids)}", endpoint, client_request_id=client_id,
                   group=getattr(request.state, "kimi_pd_group", None))
@@ -203,6 +205,10 @@ async def _serve(request: Request, endpoint: str, req, prepare, body_bytes: int,
         return response
     except ClientDisconnected:
         outcome = "cancelled"
+        raise
+    except Exception as exc:
+        if 400 <= getattr(exc, "status", 500) < 500:
+            outcome = "client_error"         # the worker refused the request (a 4xx): not a fleet error
         raise
     finally:
         if ticket is not None and not streamed:

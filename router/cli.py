@@ -7,6 +7,7 @@ import os
 from router.kv_events_relay import parse_kv_events_flag
 from router.settings import RouterSettings
 from shared.env import ADMIN_TOKEN_ENV, CLIENT_KEYS_ENV
+from shared.openai.surface import add_surface_args, surface_from_args
 from shared.store.factory import REDIS_URL_ENV
 
 API_KEYS_ENV = CLIENT_KEYS_ENV            # comma-separated client keys (optional)
@@ -71,9 +72,15 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--health-check-timeout", type=float, default=2.0,
                    help="seconds a worker has to answer one /health probe (two misses in a row: unhealthy)")
     p.add_argument("--refresh-interval", type=float, default=0.5, help="state store polling")
+    p.add_argument("--log-level", default="info")
+    _add_front_args(p)
+
+
+def _add_front_args(p: argparse.ArgumentParser) -> None:
+    """The HTTP front: the slowloris guard and vLLM's request-surface flags."""
     p.add_argument("--header-timeout", type=float, default=10.0,
                    help="seconds a connection has to send a request's headers (slowloris guard)")
-    p.add_argument("--log-level", default="info")
+    add_surface_args(p)
 
 
 def add_static_worker_args(p: argparse.ArgumentParser) -> None:
@@ -112,7 +119,7 @@ def settings_from_args(args: argparse.Namespace, model_dir: str | None) -> Route
                           max_inflight_per_worker=args.max_inflight_per_worker, max_queued=args.max_queued,
                           queue_timeout_s=args.queue_timeout,
                           admin_token=os.environ.get(ADMIN_TOKEN_ENV) or None,
-                          worker_api_key=os.environ.get(WORKER_API_KEY_ENV) or None)
+                          worker_api_key=os.environ.get(WORKER_API_KEY_ENV) or None, surface=surface_from_args(args))
 
 
 def parse_dp_ranks(values: list[str]) -> tuple[tuple[str, int], ...]:

@@ -29,6 +29,9 @@ if TYPE_CHECKING:  # only for annotations: the registry module is the app's, not
     from router.registry import WorkerRegistry
 
 WINDOW_S = 60.0
+# a sample at most this much older than the window still opens it (the page polls every 2 s); an older one
+# is from a previous visit, and a rate over the time since then is not "the last minute"
+STALE_MARGIN_S = 10.0
 MAX_SAMPLES = 600
 HTML_FILE = Path(__file__).with_name("dashboard.html")
 
@@ -55,7 +58,7 @@ def sample(metrics, clock: Callable[[], float] = time.time) -> Sample:
         if not s.name.endswith("_total"):
             continue
         requests += s.value
-        errors += s.value if s.labels.get("outcome") != "ok" else 0.0
+        errors += s.value if s.labels.get("outcome") == "error" else 0.0   # not the clients' 4xx or hang-ups
         key = s.labels.get("decision", "none")
         by_decision[key] = by_decision.get(key, 0.0) + s.value
     hists = {}
@@ -123,6 +126,8 @@ class History:
         self.samples.append(s)
         while len(self.samples) > 2 and s.t - self.samples[1].t >= self.window_s:
             self.samples.popleft()
+        if len(self.samples) > 1 and s.t - self.samples[0].t > self.window_s + STALE_MARGIN_S:
+            self.samples.popleft()          # the page was closed: measure from now on, not across the gap
 
     def series(self) -> list[dict]:
         """Per-interval request rate and TTFT p99, oldest first (the page's sparklines)."""

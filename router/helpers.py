@@ -2,6 +2,7 @@
 every served name (aliases too), and the prompt source's tokenizer (K3's, a Hugging Face one, or none)."""
 from __future__ import annotations
 
+import asyncio
 from typing import Any, cast
 
 from fastapi import Request
@@ -20,6 +21,7 @@ class RouterHelpers:
         self.settings, self.prompts, self.tenants = settings, prompts, tenants
         self.served_model_names = settings.served_model_names
         self.max_request_bytes = settings.max_request_bytes
+        self.options = settings.surface
         # K3's own tokenizer serves /tokenize; an HF one (or none) goes through the prompt source
         self.tokenizer = cast(Any, prompts).tokenizer if prompts.kind == "kimi-k3" else None
         self.max_model_len = prompts.max_model_len
@@ -38,7 +40,9 @@ class RouterHelpers:
     async def tokenize(self, req: tokenize_api.TokenizeRequest) -> dict[str, Any]:
         if self.tokenizer is None:                       # an HF tokenizer, or none (text mode refuses)
             return foreign_tokenize(self.prompts, req)
-        return tokenize_api.tokenize(req, self.tokenizer, self.max_model_len, self.prompts.vision_config)
+        # off the event loop: messages may hold image URLs to fetch
+        return await asyncio.to_thread(tokenize_api.tokenize, req, self.tokenizer, self.max_model_len,
+                                       self.prompts.vision_config, self.options)
 
     def detokenize(self, req: tokenize_api.DetokenizeRequest) -> dict[str, Any]:
         if self.tokenizer is None:

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 from shared.errors import InvalidRequest
 from shared.model_config import ModelConfig, VisionConfig
 from shared.openai.requests import ChatCompletionRequest, CompletionRequest
+from shared.openai.surface import SurfaceOptions
 from shared.prompt.prepare import PreparedPrompt
 
 DEFAULT_MAX_MODEL_LEN = 1 << 20          # what /v1/models reports when nothing says (text mode)
@@ -41,7 +42,7 @@ class PromptSource(Protocol):
     def tokenizer_info(self) -> dict[str, Any]: ...
 
 
-def load_prompt_source(model_dir: str | None) -> PromptSource:
+def load_prompt_source(model_dir: str | None, options: SurfaceOptions | None = None) -> PromptSource:
     """The source for `--model`: a K3 checkpoint, an HF tokenizer directory, or none (text)."""
     if model_dir is None:
         return TextSource()
@@ -50,7 +51,7 @@ def load_prompt_source(model_dir: str | None) -> PromptSource:
         raise ValueError(f"--model {model_dir}: not a directory (give a Kimi-K3 checkpoint or a Hugging Face "
                          "tokenizer directory, or --no-tokenizer)")
     if (path / "tiktoken.model").is_file():
-        return K3Source(path)
+        return K3Source(path, options or SurfaceOptions())
     if (path / "tokenizer.json").is_file():
         return HFSource(path)
     raise ValueError(f"--model {model_dir}: neither a Kimi-K3 checkpoint (tiktoken.model) nor a Hugging Face "
@@ -62,8 +63,9 @@ class K3Source:
 
     kind = "kimi-k3"
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, options: SurfaceOptions | None = None) -> None:
         from shared.prompt.tokenizer import KimiTokenizer
+        self.options = options or SurfaceOptions()
         self.tokenizer = KimiTokenizer.from_dir(path)
         config = ModelConfig.from_file(str(path))
         self.vision_config = config.vision_config
@@ -71,14 +73,14 @@ class K3Source:
 
     def prepare_chat(self, req: ChatCompletionRequest) -> PreparedPrompt:
         from shared.openai.prompts import prepare_chat
-        return prepare_chat(req, self.tokenizer, self.vision_config)
+        return prepare_chat(req, self.tokenizer, self.vision_config, self.options)
 
     def prepare_completion(self, req: CompletionRequest) -> PreparedPrompt:
         from shared.openai.prompts import prepare_completion
         return prepare_completion(req, self.tokenizer)
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
+        return self.tokenizer.encode_prompt(text)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
@@ -133,6 +135,7 @@ class HFSource:
         self.max_model_len = int(model_config.get("max_position_embeddings")
                                  or (limit if isinstance(limit, int) and limit < 1 << 30 else DEFAULT_MAX_MODEL_LEN))
         source = _chat_template(path, config)
+        self.template_source = source
         self.template = _compile(source) if source else None
 
     def render_chat(self, req: ChatCompletionRequest) -> str:
@@ -168,19 +171,12 @@ class HFSource:
         return {"tokenizer_class": self.config.get("tokenizer_class", "PreTrainedTokenizerFast"),
                 "bos_token": self.bos_token, "eos_token": self.eos_token,
                 "model_max_length": self.max_model_len, "vocab_size": self.tokenizer.get_vocab_size(),
-                "chat_template": self.template is not None}
+                **({"chat_template": self.template_source} if self.template_source else {})}
 
 
 def _compile(source: str):
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str):
-        raise ValueError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent, ensure_ascii=False)
-    return env.from_string(source)
+    from shared.prompt.jinja_template import compile_template
+    return compile_template(source)
 
 
 def _plain_chat(messages: list[dict[str, Any]]) -> str:

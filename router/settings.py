@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from shared.openai.surface import SurfaceOptions
+
 
 @dataclass(frozen=True)
 class RouterSettings:
@@ -49,6 +51,8 @@ class RouterSettings:
     placement_headers: bool | None = None
     worker_api_key: str | None = field(default=None, repr=False)   # sent to workers that require a key
     admin_token: str | None = field(default=None, repr=False)
+    surface: SurfaceOptions = field(default_factory=SurfaceOptions)   # vLLM's request-surface flags (tokenizer
+    #                                                                    info, request templates, image URLs)
     # placement (router/placement): expected completion time, in seconds of prefill work, with a
     # recomputed token charged `own_weight` times (it also costs every later request its cache); a
     # worker more than `slack_s` of queued work behind the least-backlogged one is skipped; request

@@ -7,7 +7,7 @@ API layer can call it once and map the error to a 400.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -88,6 +88,9 @@ class SamplingParams:
     structured_output: StructuredOutput | None = None     # the output must match it (json, regex, ...)
     cache_salt: str | None = None       # prefix-cache isolation: only equal salts share blocks
     priority: int = 0                   # vLLM's: lower first under --scheduling-policy priority (else unused)
+    # vLLM's repetition_detection (max_pattern_size, min_pattern_size, min_count): the output ends
+    # ("repetition") once its last tokens are one pattern of that size repeated min_count times
+    repetition_detection: tuple[int, int, int] | None = None
 
     def for_sequence(self, index: int) -> SamplingParams:
         """The params of sequence `index` of n: one sequence, its own seed (seed + index) when seeded."""
@@ -98,6 +101,12 @@ class SamplingParams:
         self.stop = _as_list(self.stop)
         self.stop_token_ids = _as_list(self.stop_token_ids)
         self.bad_words = _as_list(self.bad_words)
+
+    def repeats(self, output_token_ids: Sequence[int]) -> bool:
+        """`repetition_detection` fires on these outputs (never within `min_tokens`, as in vLLM)."""
+        detect = self.repetition_detection
+        return detect is not None and len(output_token_ids) >= self.min_tokens and \
+            repetition_detected(output_token_ids, *detect)
 
     @property
     def is_greedy(self) -> bool:
@@ -214,3 +223,15 @@ def _check_token_constraints(params: SamplingParams, vocab_size: int) -> None:
             _fail("allowed_token_ids", f"must contain only token ids in [0, {vocab_size}), got {bad[:8]!r}")
     if not isinstance(params.bad_words, list) or not all(isinstance(w, str) and w for w in params.bad_words):
         _fail("bad_words", f"must be a list of non-empty strings, got {params.bad_words!r}")
+
+
+def repetition_detected(token_ids: Sequence[int], max_pattern_size: int, min_pattern_size: int, min_count: int) -> bool:
+    """vLLM's repetition detection: the last tokens are one pattern of `min_pattern_size..max_pattern_size`
+    tokens repeated `min_count` times in a row."""
+    for size in range(max(min_pattern_size, 1), max_pattern_size + 1):
+        if size * min_count > len(token_ids):
+            return False
+        tail = token_ids[-size:]
+        if all(token_ids[-size * (k + 1):len(token_ids) - size * k] == tail for k in range(1, min_count)):
+            return True
+    return False

@@ -16,6 +16,10 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar", "xtml")   # xtml: 
 class StructuredOutput:
     kind: str           # one of KINDS
     value: str          # JSON schema text, regex, JSON list of choices, EBNF grammar ("" for json_object)
+    # True: the grammar constrains the answer only. The reasoning (K3's think channel) runs free until it
+    # closes, the response channel's opener follows, and the grammar applies from there (vLLM's
+    # reasoning-aware structured output); a chat request with thinking on sets it.
+    after_reasoning: bool = False
 
     @classmethod
     def from_request(cls, response_format: Any, structured_outputs: Any) -> StructuredOutput | None:

@@ -106,7 +106,8 @@ async def _chat_one(request: Request, req: ChatCompletionRequest) -> Response:
     if req.tools and req.tool_choice in (None, "auto") and not rt.settings.enable_auto_tool_choice:
         raise InvalidRequest(AUTO_TOOL_CHOICE_ERROR, param="tool_choice")      # vLLM's gate and words
     params = to_sampling_params(req, vocab_size=rt.model_config.text_config.vocab_size)
-    prepared = await asyncio.to_thread(prepare_chat, req, rt.tokenizer, rt.model_config.vision_config)
+    prepared = await asyncio.to_thread(prepare_chat, req, rt.tokenizer, rt.model_config.vision_config,
+                                       rt.settings.surface)
     return await _serve(request, rt, "chat", req, params, prepared,
                         lambda outs, result: responses.chat_stream(req, model, prepared, outs, result, rt.tokenizer),
                         lambda out, result: responses.chat_completion(req, model, prepared, out, result, rt.tokenizer))

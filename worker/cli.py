@@ -9,6 +9,7 @@ import uvicorn
 from engine.core.engine import EngineConfig
 from engine.structured_output import GrammarBudget
 from shared.http_server import protocol_class
+from shared.openai.surface import surface_from_args
 from worker.flags import add_worker_args, check_quantization, resolve_model, startup_notes
 from worker.role import Role
 from worker.settings import (
@@ -56,7 +57,8 @@ def settings_from_args(args: argparse.Namespace, model_dir: str) -> WorkerSettin
                           internal_auth=internal_auth_default() if args.internal_auth is None else args.internal_auth,
                           api_key=secret_from_env(API_KEY_ENV),
                           admin_token=secret_from_env(ADMIN_TOKEN_ENV) or None,
-                          enable_auto_tool_choice=args.enable_auto_tool_choice, **extra)
+                          enable_auto_tool_choice=args.enable_auto_tool_choice,
+                          surface=surface_from_args(args), **extra)
 
 
 def checked_settings(args: argparse.Namespace, model_dir: str) -> WorkerSettings:
@@ -100,11 +102,12 @@ def main(role: Role, argv: list[str] | None = None) -> int:
     """A worker of `role` on its own (`python -m prefill_worker`); `kimi-pd prefill` is the same."""
     import sys
 
+    from shared.logs import configure_logging
     parser = argparse.ArgumentParser(prog=f"python -m {role.name}_worker", allow_abbrev=False,
                                      description=f"kimi-pd {role.name} worker")
     add_worker_args(parser)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
     try:
         model = resolve_model(args)
         if not model:

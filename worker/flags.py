@@ -7,6 +7,7 @@ import os
 import re
 from pathlib import Path
 
+from shared.openai.surface import add_surface_args
 from shared.store.factory import REDIS_URL_ENV
 
 _UNITS = {"": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
@@ -96,6 +97,12 @@ def add_worker_args(p: argparse.ArgumentParser, serve: bool = False) -> None:   
                         "default: on when the fleet has client keys ($KIMI_PD_API_KEYS) or $KIMI_PD_INTERNAL_AUTH=1")
     p.add_argument("--namespace", default="default")
     p.add_argument("--heartbeat-s", type=float, default=1.0)
+    p.add_argument("--log-level", default="info")
+    _add_request_args(p)
+
+
+def _add_request_args(p: argparse.ArgumentParser) -> None:
+    """What one request may send and cost, and vLLM's request-surface flags."""
     p.add_argument("--max-request-bytes", type=parse_bytes, default="16MiB",
                    help="largest request body; larger ones get a 413 before being parsed")
     p.add_argument("--header-timeout", type=float, default=10.0,
@@ -104,7 +111,7 @@ def add_worker_args(p: argparse.ArgumentParser, serve: bool = False) -> None:   
                    help="largest JSON schema / regex / grammar a request may send (400 above)")
     p.add_argument("--structured-output-compile-timeout", type=float, default=10.0,
                    help="seconds a request's grammar may take to compile, off the engine thread (400 after)")
-    p.add_argument("--log-level", default="info")
+    add_surface_args(p)
 
 # ---- `vllm serve` flags a vLLM command line carries (the seed's DP4/TP16/EP64 lines, deploy/ascend/seed.sh)
 # whose effect here is partial or absent. Each is accepted with vLLM's name and values; the ones this

@@ -20,6 +20,7 @@ class WorkerHelpers:
         self.rt = rt
         self.served_model_names = (rt.settings.served_model_name,)
         self.max_request_bytes = rt.settings.max_request_bytes
+        self.options = rt.settings.surface
 
     def check_client(self, request: Request) -> None:
         """The worker's API key, or the internal token routers send; needed when either is configured."""
@@ -38,7 +39,7 @@ class WorkerHelpers:
     async def tokenize(self, req: tokenize_api.TokenizeRequest) -> dict[str, Any]:
         rt = self.rt
         return await asyncio.to_thread(tokenize_api.tokenize, req, rt.tokenizer, rt.engine.engine.max_model_len,
-                                       rt.model_config.vision_config)
+                                       rt.model_config.vision_config, self.options)
 
     def detokenize(self, req: tokenize_api.DetokenizeRequest) -> dict[str, Any]:
         return tokenize_api.detokenize(req, self.rt.tokenizer)

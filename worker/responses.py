@@ -35,6 +35,21 @@ def _token_text(tokenizer: KimiTokenizer):
     return lambda token_id: tokenizer.decode([token_id])
 
 
+def _logprob_text(req: ChatCompletionRequest | CompletionRequest, tokenizer: KimiTokenizer):
+    """How logprobs name tokens: their text, or vLLM's `return_tokens_as_token_ids` form `token_id:N`
+    (for tokens whose text is not valid UTF-8 on its own)."""
+    if (req.model_extra or {}).get("return_tokens_as_token_ids"):
+        return lambda token_id: f"token_id:{token_id}"
+    return _token_text(tokenizer)
+
+
+def _prompt_text(req: ChatCompletionRequest, prepared: PreparedPrompt, tokenizer: KimiTokenizer) -> dict[str, Any]:
+    """vLLM's `return_prompt_text`: the templated prompt the model read (on the first stream chunk)."""
+    if not (req.model_extra or {}).get("return_prompt_text"):
+        return {}
+    return {"prompt_text": tokenizer.decode(prepared.token_ids)}
+
+
 def _special_strip(req: ChatCompletionRequest, tokenizer: KimiTokenizer) -> SpecialTokenStrip | None:
     """Chat's `skip_special_tokens` (default true, as in vLLM): special tokens leave the parsed text."""
     return _strip_for(tokenizer) if req.skip_special_tokens else None
@@ -88,23 +103,25 @@ def chat_completion(req: ChatCompletionRequest, model: str, prepared: PreparedPr
                     result: LegResult, tokenizer: KimiTokenizer) -> ChatCompletion:
     o = out.output
     shaped = shape_chat_message(o.text, thinking=prepared.thinking, tools_requested=prepared.tools_requested,
-                                strip=_special_strip(req, tokenizer))
-    logprobs = (chat_logprobs(o.token_ids, o.logprobs, o.top_logprobs, _token_text(tokenizer), tokenizer.token_bytes)
-                if req.logprobs else None)
+                                strip=_special_strip(req, tokenizer), cut=o.finish_reason == "length")
+    logprobs = (chat_logprobs(o.token_ids, o.logprobs, o.top_logprobs, _logprob_text(req, tokenizer),
+                              tokenizer.token_bytes) if req.logprobs else None)
+    calls = shaped.tool_calls[:1] if req.parallel_tool_calls is False else shaped.tool_calls   # vLLM's rule
     message = ChatCompletionMessage(content=shaped.content, reasoning_content=shaped.reasoning_content,
-                                    tool_calls=shaped.tool_calls or None)
+                                    tool_calls=calls or None)
     choice = ChatCompletionChoice(message=message, logprobs=logprobs,
                                   finish_reason=shaped.finish_reason or o.finish_reason, stop_reason=o.stop_reason,
                                   **_token_ids_field(req, out))
     return ChatCompletion(model=model, choices=[choice], usage=usage_of(out, result),
-                          prompt_logprobs=_prompt_logprobs(req, out, tokenizer), kv_transfer_params=_wire(result))
+                          prompt_logprobs=_prompt_logprobs(req, out, tokenizer), kv_transfer_params=_wire(result),
+                          **_prompt_text(req, prepared, tokenizer))
 
 
 def completion(req: CompletionRequest, model: str, out: RequestOutput, result: LegResult,
                tokenizer: KimiTokenizer) -> Completion:
     o = out.output
     prefix = _echo_text(req, out, tokenizer) if req.echo else ""
-    logprobs = (completion_logprobs(o.token_ids, o.logprobs, o.top_logprobs, _token_text(tokenizer),
+    logprobs = (completion_logprobs(o.token_ids, o.logprobs, o.top_logprobs, _logprob_text(req, tokenizer),
                                     text_offset=len(prefix))
                 if req.logprobs is not None else None)
     if req.echo and logprobs is not None:
@@ -148,14 +165,14 @@ async def chat_stream(req: ChatCompletionRequest, model: str, prepared: Prepared
                              strip=_special_strip(req, tokenizer))
     ids = _TokenIds(req.return_token_ids)
 
-    def chunk(delta: DeltaMessage, **choice: Any) -> bytes:
+    def chunk(delta: DeltaMessage, top: dict[str, Any] | None = None, **choice: Any) -> bytes:
         return sse_event(ChatCompletionChunk(id=chunk_id, model=model,
                                              choices=[ChatCompletionChunkChoice(delta=delta, **choice, **ids.take())],
-                                             usage=_running_usage(req, last, result)))
+                                             usage=_running_usage(req, last, result), **(top or {})))
 
     last: RequestOutput | None = None
     if resume is None:
-        yield chunk(DeltaMessage(role="assistant", content=""))
+        yield chunk(DeltaMessage(role="assistant", content=""), _prompt_text(req, prepared, tokenizer))
     async for out in _closing(outputs):
         if last is None and resume is not None:
             shaper.feed(_resumed_text(out))             # the client has seen these deltas already
@@ -166,14 +183,17 @@ async def chat_stream(req: ChatCompletionRequest, model: str, prepared: Prepared
         ids.add(out)
         delta = shaper.feed(out.new_text) if out.new_text else None
         if out.finished:
-            tail = shaper.finish()
+            tail = shaper.finish(cut=out.output.finish_reason == "length")
             delta = _merge(delta, tail)
+        if delta is not None and delta.tool_calls and req.parallel_tool_calls is False:
+            delta.tool_calls = [call for call in delta.tool_calls if call.index == 0] or None    # the first call only
+            delta = None if delta == DeltaMessage() else delta
         n = len(out.new_token_ids)
         logprobs = None
         if req.logprobs and n:
             o = out.output
-            logprobs = chat_logprobs(o.token_ids[-n:], o.logprobs[-n:], o.top_logprobs[-n:], _token_text(tokenizer),
-                                     tokenizer.token_bytes)
+            logprobs = chat_logprobs(o.token_ids[-n:], o.logprobs[-n:], o.top_logprobs[-n:],
+                                     _logprob_text(req, tokenizer), tokenizer.token_bytes)
         if delta is not None or logprobs is not None:
             yield chunk(delta or DeltaMessage(), logprobs=logprobs)
     final = _final(last)
@@ -200,14 +220,14 @@ async def completion_stream(req: CompletionRequest, model: str, outputs: AsyncGe
         if req.logprobs is not None and n:
             o = out.output
             logprobs = completion_logprobs(o.token_ids[-n:], o.logprobs[-n:], o.top_logprobs[-n:],
-                                           _token_text(tokenizer), text_offset=offset)
+                                           _logprob_text(req, tokenizer), text_offset=offset)
         text = out.new_text
         if first and req.echo:                  # the prompt (and its logprobs) open the stream
             prefix = _echo_text(req, out, tokenizer)
             if logprobs is not None or req.logprobs is not None:
                 shifted = completion_logprobs(out.new_token_ids, out.output.logprobs[-n:] if n else [],
-                                              out.output.top_logprobs[-n:] if n else [], _token_text(tokenizer),
-                                              text_offset=len(prefix))
+                                              out.output.top_logprobs[-n:] if n else [],
+                                              _logprob_text(req, tokenizer), text_offset=len(prefix))
                 logprobs = concat_logprobs(_echo_logprobs(req, out, tokenizer), shifted)
             text = prefix + text
         offset += len(text)

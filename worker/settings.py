@@ -14,6 +14,7 @@ from typing import Literal
 from engine.core.engine import EngineConfig
 from engine.structured_output import GrammarBudget
 from shared.env import ADMIN_TOKEN_ENV, CLIENT_KEYS_ENV
+from shared.openai.surface import SurfaceOptions
 
 TRANSFER_SECRET_ENV = "KIMI_PD_TRANSFER_SECRET"
 API_KEY_ENV = "KIMI_PD_API_KEY"
@@ -61,6 +62,7 @@ class WorkerSettings:
     api_key: str | None = field(default=None, repr=False)
     admin_token: str | None = field(default=None, repr=False)
     enable_auto_tool_choice: bool = True          # off: tool_choice "auto" is a 400, as in vLLM without the flag
+    surface: SurfaceOptions = field(default_factory=SurfaceOptions)   # vLLM's request-surface flags
 
     @property
     def url(self) -> str:

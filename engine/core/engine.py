@@ -219,7 +219,7 @@ class LLMEngine:
             self._resume(req, inputs.resume, vocab_size=self.model.config.text_config.vocab_size)
         req.bad_words_token_ids = bad_words_token_ids(params.bad_words, self.tokenizer.encode)
         if params.structured_output is not None:
-            req.grammar = self.grammars.matcher(params.structured_output)
+            req.grammar = self.grammars.matcher(params.structured_output, accepted=req.output_token_ids)
         self.requests[request_id] = req
         if imported is not None:
             self._pending_outputs.append(self._adopt_first_token(req, imported))
@@ -439,13 +439,13 @@ class LLMEngine:
         return self._output(req, new_text, added)
 
     def _stop_check(self, req: Request, stopped) -> tuple[str | None, int | str | None]:
-        if stopped is not None:
-            return ("stop", stopped.value)
+        if stopped is not None:                     # vLLM: no stop_reason at the model's own end (eos)
+            return ("stop", None if stopped.kind == "eos" else stopped.value)
         if req.grammar is not None and req.grammar.terminated:
             return ("stop", None)                   # the structured output is complete
         if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
             return ("length", None)
-        return (None, None)
+        return ("repetition", "repetition_detected") if req.params.repeats(req.output_token_ids) else (None, None)
 
     def _finish(self, req: Request, reason: str, stop) -> None:
         self.scheduler.remove(req)

@@ -92,7 +92,7 @@ class _TentativeGrammar:
         """Advance over an accepted draft; True if the grammar has now terminated (the block ends)."""
         if self.grammar is None:
             return False
-        if self.grammar.matcher.accept_token(token):
+        if self.grammar.try_accept(token):
             self.steps += 1
         return self.grammar.terminated
 

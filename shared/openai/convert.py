@@ -8,6 +8,7 @@ to a 400.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from collections.abc import Mapping
@@ -40,6 +41,14 @@ _UNSUPPORTED = {
     "guided_choice": "guided_* (use structured_outputs)", "guided_grammar": "guided_* (use structured_outputs)",
     "structural_tag": "structural tags",
     "logits_processors": "logits processors",
+    "vllm_xargs": "custom logits-processor arguments (vllm_xargs)",
+    "logprob_token_ids": "logprobs of chosen token ids (use logprobs / top_logprobs)",
+    "prompt_embeds": "prompt embeddings (send prompt text or token ids)",
+    "documents": "documents (the K3 chat template has no retrieval section)",
+    "media_io_kwargs": "per-request media loading options",
+    "mm_processor_kwargs": "per-request image processing options",
+    "ec_transfer_params": "encoder-cache transfer (EPD disaggregation)",
+    "watermarking": "watermarking",
 }
 
 
@@ -75,6 +84,7 @@ def to_sampling_params(req: AnyRequest, *, defaults: Mapping[str, Any] | None = 
         skip_special_tokens=False if chat else req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
         n=req.n,
+        repetition_detection=_repetition_detection((req.model_extra or {}).get("repetition_detection")),
     )
     try:
         params.validate(vocab_size if vocab_size is not None else sys.maxsize)
@@ -84,6 +94,25 @@ def to_sampling_params(req: AnyRequest, *, defaults: Mapping[str, Any] | None = 
     except InvalidSamplingParams as exc:
         raise _as_request_field(exc, req) from None
     return params
+
+
+def _repetition_detection(given: Any) -> tuple[int, int, int] | None:
+    """vLLM's `repetition_detection` {max_pattern_size, min_pattern_size, min_count}, checked as vLLM does;
+    None (off) when absent or max_pattern_size is 0."""
+    if given is None:
+        return None
+    names = ("max_pattern_size", "min_pattern_size", "min_count")
+    if not isinstance(given, dict) or set(given) - set(names) or not all(
+            isinstance(given.get(n, 0), int) and not isinstance(given.get(n, 0), bool) for n in names):
+        raise InvalidRequest(f"repetition_detection: an object of integers {', '.join(names)}",
+                             param="repetition_detection")
+    largest, smallest, count = (given.get(n, 0) for n in names)
+    if largest < 0 or smallest < 0 or smallest > largest:
+        raise InvalidRequest("repetition_detection: max_pattern_size, min_pattern_size must be >= 0 with "
+                             "min_pattern_size <= max_pattern_size", param="repetition_detection")
+    if largest and count < 2:
+        raise InvalidRequest("repetition_detection.min_count: must be >= 2", param="repetition_detection.min_count")
+    return (largest, smallest, count) if largest else None
 
 
 def _logprobs(req: AnyRequest) -> int | None:
@@ -98,14 +127,16 @@ def _structured_output(req: AnyRequest) -> StructuredOutput | None:
     "required" or a named function), the grammar of a K3 tool call of the allowed tools."""
     extra = req.model_extra or {}
     spec = StructuredOutput.from_request(extra.get("response_format"), extra.get("structured_outputs"))
-    forced = _forced_tool(req) if isinstance(req, ChatCompletionRequest) else None
-    if forced is None or not isinstance(req, ChatCompletionRequest):
-        return spec
+    if not isinstance(req, ChatCompletionRequest):
+        return spec                 # a text prompt: the grammar applies from the first generated token
+    forced = _forced_tool(req)
+    thinking = _thinking(req.chat_template_kwargs or {}) and req.reasoning_effort != "none"
+    if forced is None:              # thinking on: the grammar constrains the answer, after the reasoning
+        return dataclasses.replace(spec, after_reasoning=True) if spec is not None and thinking else spec
     if spec is not None:
         raise InvalidRequest("tool_choice: a forced tool call cannot be combined with response_format or "
                              "structured_outputs", param="tool_choice")
     tools = [t.model_dump(mode="json", exclude_none=True) for t in req.tools or []]
-    thinking = _thinking(req.chat_template_kwargs or {}) and req.reasoning_effort != "none"
     name = None if forced == "required" else forced
     return StructuredOutput("xtml", forced_tool_call_grammar(tools, thinking=thinking, name=name))
 
@@ -176,6 +207,10 @@ _ONLY_DEFAULT = {
                                 "chat_template_kwargs.thinking=false or reasoning_effort=\"none\""),
     "truncate_prompt_tokens": (None, "prompts are never truncated; an over-long prompt is a 400"),
     "thinking_token_budget": (None, "a thinking budget is not supported"),
+    "length_penalty": (1.0, "it applies to beam search, which this server does not run"),
+    "routed_experts_prompt_start": (0, "routed-expert data is not returned"),
+    "stream_interval": (1, "every token is streamed as soon as it is decoded"),
+    "echo": (False, "chat echo (prefixing the last assistant message) is not supported; /v1/completions echoes"),
 }
 
 
@@ -189,6 +224,8 @@ def _refuse_unsupported(req: AnyRequest) -> None:
             raise InvalidRequest(f"{name}: only {json.dumps(default)} is supported ({why})", param=name)
     if extra.get("best_of") not in (None, 1):
         raise InvalidRequest("best_of: only /v1/completions takes best_of", param="best_of")
+    if extra.get("truncation_side") not in (None, "left", "right"):
+        raise InvalidRequest('truncation_side: must be "left" or "right"', param="truncation_side")
 
 
 def _as_request_field(exc: InvalidSamplingParams, req: AnyRequest) -> InvalidSamplingParams:
@@ -240,12 +277,18 @@ def _thinking(kwargs: Mapping[str, Any]) -> bool:
     return next(iter(given.values()), True)
 
 
+# vLLM 0.32's reasoning_effort values K3's template does not name, at the nearest K3 effort
+REASONING_EFFORT_ALIASES = {"minimal": "low", "xhigh": "max"}
+
+
 def _effort(kwargs: Mapping[str, Any], reasoning_effort: str | None) -> str | None:
+    reasoning_effort = REASONING_EFFORT_ALIASES.get(reasoning_effort or "", reasoning_effort)
     given = {name: value for name, value in (("chat_template_kwargs.thinking_effort", kwargs.get("thinking_effort")),
                                              ("reasoning_effort", reasoning_effort)) if value not in (None, "none")}
     for name, value in given.items():
         if value not in THINKING_EFFORTS:
-            raise InvalidRequest(f"{name}: must be one of {', '.join(THINKING_EFFORTS)}, got {value!r}", param=name)
+            accepted = [*THINKING_EFFORTS, *(REASONING_EFFORT_ALIASES if name == "reasoning_effort" else ())]
+            raise InvalidRequest(f"{name}: must be one of {', '.join(accepted)}, got {value!r}", param=name)
     if len(set(given.values())) > 1:
         raise InvalidRequest("reasoning_effort: disagrees with chat_template_kwargs.thinking_effort",
                              param="reasoning_effort")

@@ -107,6 +107,10 @@ class ModelNotFound(OpenAIError):
         super().__init__(f"The model `{model}` does not exist.", param="model")
 
 
+class NotFound(OpenAIError):
+    status = 404
+
+
 class ServiceUnavailable(OpenAIError):
     status = 503
 

@@ -13,8 +13,9 @@ from fastapi.responses import JSONResponse
 
 from shared.http import bearer_token, read_json_body
 from shared.openai import tokenize as tokenize_api
-from shared.openai.errors import ModelNotFound, Unauthorized
+from shared.openai.errors import ModelNotFound, NotFound, Unauthorized
 from shared.openai.responses import ModelCard, ModelList
+from shared.openai.surface import SurfaceOptions
 
 
 class HelperSurface(Protocol):
@@ -22,6 +23,7 @@ class HelperSurface(Protocol):
 
     served_model_names: tuple[str, ...]          # the first is the model's name; the rest are aliases
     max_request_bytes: int
+    options: SurfaceOptions                       # --enable-tokenizer-info-endpoint, ...
 
     def check_client(self, request: Request) -> None:
         """Raise Unauthorized unless the caller may use the OpenAI endpoints."""
@@ -87,4 +89,9 @@ async def _detokenize(request: Request) -> JSONResponse:
 
 
 async def _tokenizer_info(request: Request) -> JSONResponse:
-    return JSONResponse(_surface(request).tokenizer_info())
+    """Off unless the server was started with vLLM's `--enable-tokenizer-info-endpoint` (it shows the chat
+    template): a 404 then, as vLLM answers, which also tells lm-eval to use a local tokenizer."""
+    surface = _surface(request)
+    if not surface.options.enable_tokenizer_info_endpoint:
+        raise NotFound("/tokenizer_info is off on this server (start it with --enable-tokenizer-info-endpoint)")
+    return JSONResponse(surface.tokenizer_info())

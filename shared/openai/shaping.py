@@ -10,6 +10,10 @@ that message for every way of splitting the text. It walks the channels in order
 holding back only text that may still turn into a marker (or, at the start of the response
 channel, whitespace that a following `<|open|>response<|sep|>` would swallow), so markers never
 reach `content` and no delta is ever taken back. Each piece costs time proportional to its length.
+
+An output cut at the length limit (`cut`) keeps what was held back: a fragment that never became a
+marker is text, and a tools channel cut before its first complete call is given as `content` (its raw
+markup), as vLLM gives a model output its tool parser cannot parse, rather than dropping it.
 """
 from __future__ import annotations
 
@@ -50,13 +54,16 @@ class ShapedMessage(NamedTuple):
 
 
 def shape_chat_message(text: str, *, thinking: bool, tools_requested: bool,
-                       strip: SpecialTokenStrip | None = None) -> ShapedMessage:
+                       strip: SpecialTokenStrip | None = None, cut: bool = False) -> ShapedMessage:
     """Split a finished K3 completion into reasoning, content and tool calls.
 
     Nothing after the first `<|end_of_msg|>` belongs to the message. `content` is None only when
     there are tool calls and no text, as in OpenAI's responses. `strip` (skip_special_tokens)
     removes special-token text from the reasoning and the content once the markers are parsed.
+    `cut`: the output ended at the length limit (see the module doc); shaped as the stream is.
     """
+    if cut:
+        return _shape_cut(text, thinking=thinking, tools_requested=tools_requested, strip=strip)
     reasoning, content = split_reasoning(text, thinking=thinking)
     if strip is not None:
         reasoning, content = strip(reasoning), strip(content)
@@ -70,6 +77,19 @@ def shape_chat_message(text: str, *, thinking: bool, tools_requested: bool,
         tool_calls=calls,
         finish_reason="tool_calls" if calls else None,
     )
+
+
+def _shape_cut(text: str, *, thinking: bool, tools_requested: bool, strip: SpecialTokenStrip | None) -> ShapedMessage:
+    """A cut output, shaped by streaming it whole: one definition of what a cut keeps."""
+    shaper = ChatDeltaShaper(thinking=thinking, tools_requested=tools_requested, strip=strip)
+    deltas = [d for d in (shaper.feed(text), shaper.finish(cut=True)) if d is not None]
+    content = "".join(d.content or "" for d in deltas)
+    reasoning = "".join(d.reasoning_content or "" for d in deltas)
+    calls = [ToolCall(id=c.id or "", function=FunctionCall(name=c.function.name or "", arguments=c.function.arguments
+                                                            or "")) for d in deltas for c in d.tool_calls or []
+             if c.function is not None]
+    return ShapedMessage(content=None if calls and not content else content, reasoning_content=reasoning or None,
+                         tool_calls=calls, finish_reason=shaper.finish_reason)
 
 
 def _tool_call(call: dict[str, Any]) -> ToolCall:
@@ -126,6 +146,7 @@ class ChatDeltaShaper:
         self._calls_sent = 0
         self._out: dict[str, str] = {}
         self._new_calls: list[DeltaToolCall] = []
+        self._cut = False               # finishing an output cut at the length limit
 
     @property
     def finish_reason(self) -> str | None:
@@ -137,8 +158,10 @@ class ChatDeltaShaper:
         self._buf += text
         return self._run(final=False)
 
-    def finish(self) -> DeltaMessage | None:
-        """What the finished text adds: text that was held back for a marker that never came."""
+    def finish(self, cut: bool = False) -> DeltaMessage | None:
+        """What the finished text adds: text that was held back for a marker that never came (`cut`: the
+        output ended at the length limit, so fragments and an unfinished tools channel are kept too)."""
+        self._cut = cut
         return self._run(final=True)
 
     def _run(self, final: bool) -> DeltaMessage | None:
@@ -181,7 +204,7 @@ class ChatDeltaShaper:
     def _state_think(self, final: bool) -> bool:
         end = _first(self._buf, _THINK_ENDS)
         if end < 0:
-            keep = len(self._buf) - _held_len(self._buf, _THINK_ENDS)
+            keep = len(self._buf) - (0 if final and self._cut else _held_len(self._buf, _THINK_ENDS))
             self._emit("reasoning", self._buf[:keep])
             self._buf = self._buf[keep:]
             return False
@@ -201,7 +224,7 @@ class ChatDeltaShaper:
     def _state_response(self, final: bool) -> bool:
         end = _first(self._buf, _CONTENT_ENDS)
         if end < 0:
-            keep = len(self._buf) - _held_len(self._buf, _CONTENT_MARKERS)
+            keep = len(self._buf) - (0 if final and self._cut else _held_len(self._buf, _CONTENT_MARKERS))
             self._emit("content", self._buf[:keep])
             self._buf = self._buf[keep:]
             return False
@@ -226,6 +249,9 @@ class ChatDeltaShaper:
         body = self._tools_text if end < 0 else self._tools_text[:scan_from + end]
         if _CALL_CLOSE in body[scan_from:]:
             self._send_calls(parse_tool_calls(TOOLS_OPEN + body, thinking=False))
+        if final and self._cut and end < 0 and not self._calls_sent:
+            pending = self._unstripped.pop("content", "")                      # cut before a complete call
+            self._emit_stripped("content", pending + TOOLS_OPEN + self._tools_text)
         return self._goto("done", "") if end >= 0 else False
 
     def _send_calls(self, calls: list[dict[str, Any]]) -> None:

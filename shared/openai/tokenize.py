@@ -14,6 +14,7 @@ from shared.model_config import VisionConfig
 from shared.openai.base import Bool, Int, RequestModel
 from shared.openai.messages import ChatMessage
 from shared.openai.requests import ChatCompletionRequest
+from shared.openai.surface import SurfaceOptions
 from shared.prompt.tokenizer import KimiTokenizer
 
 
@@ -21,7 +22,7 @@ class TokenizeRequest(RequestModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: Bool = True             # K3's tokenizer adds no BOS/EOS: accepted, no effect
+    add_special_tokens: Bool = True             # K3's tokenizer adds no BOS/EOS: either value gives the same ids
     add_generation_prompt: Bool = True
     return_token_strs: Bool = False
     tools: list[dict[str, Any]] | None = None
@@ -34,12 +35,12 @@ class DetokenizeRequest(RequestModel):
 
 
 def tokenize(req: TokenizeRequest, tokenizer: KimiTokenizer, max_model_len: int,
-             vision: VisionConfig | None) -> dict[str, Any]:
+             vision: VisionConfig | None, options: SurfaceOptions | None = None) -> dict[str, Any]:
     """`{count, max_model_len, tokens, token_strs}`; exactly one of `prompt` and `messages`."""
     if (req.prompt is None) == (req.messages is None):
         raise InvalidRequest("give exactly one of prompt and messages", param="prompt")
     if req.prompt is not None:
-        ids = tokenizer.encode(req.prompt)
+        ids = tokenizer.encode_prompt(req.prompt)
     else:
         if not req.add_generation_prompt:
             raise InvalidRequest("add_generation_prompt: false is not supported (the K3 template always opens "
@@ -48,7 +49,7 @@ def tokenize(req: TokenizeRequest, tokenizer: KimiTokenizer, max_model_len: int,
         chat = ChatCompletionRequest.model_validate({
             "messages": [m.model_dump(mode="json", exclude_none=True) for m in req.messages or []],
             "tools": req.tools, "chat_template_kwargs": req.chat_template_kwargs})
-        ids = prepare_chat(chat, tokenizer, vision).token_ids
+        ids = prepare_chat(chat, tokenizer, vision, options).token_ids
     return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids,
             "token_strs": [tokenizer.decode([i]) for i in ids] if req.return_token_strs else None}
 
@@ -61,8 +62,11 @@ def detokenize(req: DetokenizeRequest, tokenizer: KimiTokenizer) -> dict[str, An
 
 
 def tokenizer_info(tokenizer: KimiTokenizer, max_model_len: int) -> dict[str, Any]:
-    """vLLM's /tokenizer_info: the tokenizer's config (special tokens, class, lengths)."""
+    """vLLM's /tokenizer_info: the tokenizer's config (special tokens, class, lengths) and the chat template
+    (the checkpoint's, else the Jinja twin of the renderer), so a client applying it renders our prompts."""
+    from shared.prompt.hf_files import CHAT_TEMPLATE
     return {"tokenizer_class": "TikTokenTokenizer", "bos_token": tokenizer.bos_token,
             "eos_token": tokenizer.eos_token, "pad_token": tokenizer.pad_token, "unk_token": tokenizer.unk_token,
             "model_max_length": max_model_len, "vocab_size": tokenizer.vocab_size,
-            "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False}
+            "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
+            "chat_template": tokenizer.chat_template or CHAT_TEMPLATE}

@@ -3,8 +3,9 @@
 `num_image_tokens` tells the prompt builder how many `<|media_pad|>` tokens an image of a given
 original size expands to; `resized_size` is the size `engine.model.image_processing.preprocess_image`
 resizes it to, so the count always equals the encoder's output length (sizing notes there).
-`load_image` decodes bounded input; `decode_image_part` reads an OpenAI content part (data: URLs
-only: servers fetch nothing); `content_hash` is what prefix hashing keys an image by.
+`load_image` decodes bounded input; `decode_image_part` reads an OpenAI content part (a data: URL, or an
+http(s) URL fetched within `media_fetch`'s default limits); `content_hash` is what prefix hashing keys an
+image by.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import io
 import math
 import operator
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,8 @@ from PIL import Image, UnidentifiedImageError
 
 from shared.hashing import image_content_hash
 from shared.model_config import ConfigError, VisionConfig
+
+_REPR = re.compile(r"<[^<>]*\bat 0x[0-9a-fA-F]+>")
 
 # The reference precomputes MoonViT's 2D RoPE for a 512 x 512 patch grid: larger grids have no defined model.
 ROPE_MAX_GRID = 512
@@ -84,8 +88,11 @@ def load_image(source: str | os.PathLike[str] | bytes | bytearray | memoryview, 
     data = _read_source(source, max_bytes)
     try:
         image = Image.open(io.BytesIO(data))
-    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError, SyntaxError) as exc:
-        raise ValueError(f"could not decode image ({len(data)} bytes): {exc}") from exc
+    except UnidentifiedImageError:
+        raise ValueError(f"could not decode image ({len(data)} bytes): not an image format this server reads "
+                         "(PNG, JPEG, GIF, WebP, BMP, ...)") from None
+    except (Image.DecompressionBombError, OSError, ValueError, SyntaxError) as exc:
+        raise ValueError(f"could not decode image ({len(data)} bytes): {_reason(exc)}") from None
     width, height = image.size
     if width * height > max_pixels:
         raise ValueError(f"image is {width}x{height} = {width * height} pixels, over the {max_pixels} limit")
@@ -93,7 +100,13 @@ def load_image(source: str | os.PathLike[str] | bytes | bytearray | memoryview, 
         image.load()
         return image.convert("RGB")
     except (OSError, ValueError, SyntaxError, EOFError) as exc:
-        raise ValueError(f"could not decode image ({width}x{height}, {len(data)} bytes): {exc}") from exc
+        raise ValueError(f"could not decode image ({width}x{height}, {len(data)} bytes): {_reason(exc)}") from None
+
+
+def _reason(exc: BaseException) -> str:
+    """What went wrong, in words a client can read: PIL's messages may carry an object's repr, which says
+    nothing to a client and something about the server."""
+    return _REPR.sub("the image data", str(exc)) or type(exc).__name__
 
 
 def _read_source(source: str | os.PathLike[str] | bytes | bytearray | memoryview, max_bytes: int) -> bytes:
@@ -120,13 +133,16 @@ def decode_image_part(part: dict[str, Any]) -> Image.Image:
         return part["image"]
     image_url = part.get("image_url")
     url = image_url.get("url", "") if isinstance(image_url, dict) else part.get("image_url", "")
+    if isinstance(url, str) and url[:8].lower().startswith(("http://", "https://")):
+        from shared.prompt.media_fetch import MediaFetchLimits, fetch_url_bytes
+        return load_image(fetch_url_bytes(url, MediaFetchLimits()))
     return load_image(data_url_bytes(url))
 
 
 def data_url_bytes(url: object) -> bytes:
-    """The encoded image of a base64 data: URL (the only kind accepted: servers fetch nothing)."""
+    """The encoded image of a base64 data: URL (http(s) URLs are `media_fetch`'s)."""
     if not isinstance(url, str) or not url.startswith("data:") or ";base64," not in url:
-        raise ValueError("images must be given as data: URLs with base64 content (no network fetches)")
+        raise ValueError("images must be given as data: URLs with base64 content or as http(s) URLs")
     try:
         return base64.b64decode(url.split(";base64,", 1)[1], validate=True)
     except binascii.Error as exc:

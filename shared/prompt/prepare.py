@@ -2,7 +2,8 @@
 every worker and in the offline `LLM`.
 
 The router hashes what this returns to place the request; the worker computes exactly the same ids,
-so prefix hashes agree. Only data: URLs are accepted for images (servers fetch nothing).
+so prefix hashes agree. Images come as data: URLs or http(s) URLs (`media_fetch`, within the server's
+limits; the router sends the fetched image on inlined, so every server of a request sees the same bytes).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from shared.hashing import ImageSpan
 from shared.model_config import VisionConfig
 from shared.prompt.chat import render_chat
 from shared.prompt.images import content_hash, data_url_bytes, load_images, num_image_tokens
+from shared.prompt.media_fetch import MediaFetchLimits, fetch_url_bytes
 from shared.prompt.tokenizer import KimiTokenizer
 
 
@@ -40,12 +42,21 @@ class PreparedPrompt:
         return [ImageSpan(i.start, i.length, content_hash(i.image)) for i in self.images]
 
 
-def decode_image_urls(urls: list[str]) -> list[Image.Image]:
+def is_remote(url: str) -> bool:
+    return url[:8].lower().startswith(("http://", "https://"))
+
+
+def image_url_bytes(url: str, limits: MediaFetchLimits | None = None) -> bytes:
+    """The encoded image of a data: URL, or fetched from an http(s) URL within `limits`."""
+    return fetch_url_bytes(url, limits or MediaFetchLimits()) if is_remote(url) else data_url_bytes(url)
+
+
+def decode_image_urls(urls: list[str], limits: MediaFetchLimits | None = None) -> list[Image.Image]:
     """One request's images, decoded within the per-image and per-request pixel limits; a bad one is a 400."""
     try:
-        return load_images([data_url_bytes(url) for url in urls])
+        return load_images([image_url_bytes(url, limits) for url in urls])
     except ValueError as exc:
-        raise InvalidRequest(f"image_url: {exc}", param="messages") from exc
+        raise InvalidRequest(f"image_url: {exc}", param="messages") from None
 
 
 def image_parts(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

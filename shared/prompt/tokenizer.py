@@ -7,7 +7,10 @@ like the released K3 checkpoint, so `from_dir` loads both the shipped 1024-rank 
 real 163584-rank one: the special ids are always `num_ranks + offset` (`special_tokens.py`).
 
 Plain `encode` never produces a special id: control-token text typed by a user stays text, which is
-what keeps chat prompts injection-safe. The chat renderer adds control tokens by id.
+what keeps chat prompts injection-safe. The chat renderer adds control tokens by id. A text prompt
+(`/v1/completions`, `/tokenize`'s `prompt`, `LLM.generate("...")`) goes through `encode_prompt`, which
+reads special-token text as the special tokens, as Hugging Face tokenizers and vLLM do: a chat
+rendered to text by the checkpoint's template and sent as a text prompt gives the rendered ids.
 """
 from __future__ import annotations
 
@@ -69,6 +72,7 @@ class KimiTokenizer:
         self.bos_token, self.pad_token, self.unk_token = bos_token, pad_token, unk_token
         self.eos_token = EOS_TOKEN
         self.model_max_length = model_max_length
+        self.chat_template: str | None = None          # the checkpoint's Jinja twin (`hf_files`), when it has one
         self._memo = SegmentMemo()
         self.render_memo: RenderMemo | None = RenderMemo()   # whole chat pieces (shared.prompt.chat); None: off
 
@@ -85,7 +89,7 @@ class KimiTokenizer:
             ranks = parse_tiktoken_model(f)
         config_file = path / CONFIG_FILE
         config: dict[str, Any] = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
-        return cls(
+        tokenizer = cls(
             ranks,
             _specials_from_config(config, len(ranks), path),
             bos_token=_token_name(config.get("bos_token") or DEFAULT_BOS),
@@ -93,6 +97,9 @@ class KimiTokenizer:
             unk_token=_token_name(config.get("unk_token") or DEFAULT_UNK),
             model_max_length=int(config.get("model_max_length", DEFAULT_MODEL_MAX_LENGTH)),
         )
+        template = config.get("chat_template")
+        tokenizer.chat_template = template if isinstance(template, str) else None
+        return tokenizer
 
     @classmethod
     def generated(cls) -> KimiTokenizer:
@@ -194,6 +201,11 @@ class KimiTokenizer:
         if allow_special or len(text) > MAX_RUN_CHARS:
             return self._encode(text, allow_special)
         return self._memo.encode(text, self._enc.encode_ordinary)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A text prompt's ids: special-token text (`<|open|>`, `[EOS]`, ...) is the special token, as in
+        Hugging Face tokenizers and vLLM. K3 adds no BOS or EOS, so vLLM's `add_special_tokens` changes nothing."""
+        return self.encode(text, allow_special=True)
 
     def _encode(self, text: str, allow_special: bool) -> list[int]:
         encode_piece = self._encode_with_specials if allow_special else self._enc.encode_ordinary

@@ -117,13 +117,14 @@ class Fleet:
             time.sleep(0.2)
         raise TimeoutError(f"{proc.name} not ready at {path} after {timeout_s} s:\n{proc.tail()}")
 
-    def static_pd(self, prefill_flags: tuple[str, ...] = (), decode_flags: tuple[str, ...] = ()) -> Fleet:
+    def static_pd(self, prefill_flags: tuple[str, ...] = (), decode_flags: tuple[str, ...] = (),
+                  router_flags: tuple[str, ...] = ()) -> Fleet:
         """One prefill worker, one decode worker and a router that always disaggregates, all ready;
         they are `self.p`, `self.d`, `self.r`."""
         p, d = self.worker("prefill", "p0", *prefill_flags), self.worker("decode", "d0", *decode_flags)
         for proc in (p, d):
             self.wait(proc)
-        r = self.router("r0", "--prefill", p.url, "--decode", d.url, "--disagg-threshold", "0")
+        r = self.router("r0", "--prefill", p.url, "--decode", d.url, "--disagg-threshold", "0", *router_flags)
         self.wait(r, "/ready")
         self.p, self.d, self.r = p, d, r
         return self

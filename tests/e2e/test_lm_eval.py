@@ -68,7 +68,9 @@ def fleet(tmp_path_factory, e2e_model):
         p, d = f.worker("prefill", "p0"), f.worker("decode", "d0")
         for proc in (p, d):
             f.wait(proc)
-        r = f.router("r0", "--prefill", p.url, "--decode", d.url, "--disagg-threshold", "0")
+        # lm-eval's server-tokenizer path probes /tokenizer_info: on, as vLLM with --enable-tokenizer-info-endpoint
+        r = f.router("r0", "--prefill", p.url, "--decode", d.url, "--disagg-threshold", "0",
+                     "--enable-tokenizer-info-endpoint")
         f.wait(r, "/ready")
         f.r = r
         yield f

@@ -21,8 +21,11 @@ PROMPTS = ["The lighthouse keeper counted the boats", "Rain fell on the quiet to
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory, e2e_model):
+    info = ("--enable-tokenizer-info-endpoint",)
+    # the router may fetch image URLs from loopback (the test's HTTP server); the workers may not, so an
+    # image URL answered through P/D proves the router forwarded the image itself
     with Fleet(tmp_path_factory.mktemp("surface"), e2e_model) as f:
-        yield f.static_pd()
+        yield f.static_pd(decode_flags=info, router_flags=(*info, "--allow-private-media-urls"))
 
 
 @pytest.fixture(scope="module")
@@ -200,6 +203,7 @@ def test_tokenizer_endpoints_and_model_cards(fleet, offline):
         assert httpx.post(url + "/detokenize", json={"tokens": ids}).json() == {"prompt": PROMPTS[0]}
         info = httpx.get(url + "/tokenizer_info").json()
         assert info["eos_token"] == offline.tokenizer.eos_token and info["model_max_length"] > 0
+        assert info["chat_template"] == offline.tokenizer.chat_template         # the checkpoint's Jinja twin
         bad = httpx.post(url + "/detokenize", json={"tokens": [10**9]})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
         cards = httpx.get(url + "/v1/models").json()["data"]
@@ -413,3 +417,77 @@ def test_cache_salt_isolates_prefix_hits_through_the_router(fleet):
     assert cached("t1") == 0
     assert cached("t2") == 0
     assert cached("t1") > 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_vllm_032_output_fields_are_honoured_through_pd(fleet, offline, stream):
+    """return_tokens_as_token_ids, return_prompt_text and repetition_detection, as vLLM 0.32 answers them."""
+    messages = [{"role": "user", "content": "Hello there"}]          # greedy: one token twice, at 26 and 27
+    detect = {"max_pattern_size": 1, "min_count": 2}
+    expected = offline.chat(messages, _greedy(max_tokens=60, ignore_eos=True, skip_special_tokens=False,
+                                              repetition_detection=(1, 0, 2)), thinking=True)[0].output
+    assert expected.finish_reason == "repetition" and len(expected.token_ids) < 60    # the rule fires here
+    body = {"model": "kimi-k3", "messages": messages, "max_tokens": 60, "temperature": 0, "ignore_eos": True,
+            "logprobs": True, "return_token_ids": True, "return_tokens_as_token_ids": True,
+            "return_prompt_text": True, "repetition_detection": detect, "stream": stream}
+    if stream:
+        with httpx.stream("POST", fleet.r.url + "/v1/chat/completions", json=body, timeout=60) as resp:
+            assert resp.status_code == 200
+            events = [httpx.Response(200, content=line[6:]).json() for line in resp.iter_lines()
+                      if line.startswith("data: {")]
+        prompt_texts = [e["prompt_text"] for e in events if e.get("prompt_text")]
+        choices = [c for e in events for c in e["choices"]]
+        ids = [t for c in choices for t in c.get("token_ids") or []]
+        tokens = [e["token"] for c in choices if c.get("logprobs") for e in c["logprobs"]["content"]]
+        finish = [c for c in choices if c.get("finish_reason")][-1]
+    else:
+        got = httpx.post(fleet.r.url + "/v1/chat/completions", json=body, timeout=60)
+        assert got.status_code == 200, got.text
+        prompt_texts, finish = [got.json()["prompt_text"]], got.json()["choices"][0]
+        ids, tokens = finish["token_ids"], [e["token"] for e in finish["logprobs"]["content"]]
+    assert prompt_texts == [offline.tokenizer.decode(offline.render(messages, thinking=True).prompt_token_ids)]
+    assert ids == expected.token_ids and tokens == [f"token_id:{i}" for i in ids]
+    assert (finish["finish_reason"], finish["stop_reason"]) == ("repetition", "repetition_detected")
+
+
+def test_an_image_url_answers_as_its_data_url_through_pd(fleet):
+    """The router fetches an http image once and forwards it inlined: the answer equals the same
+    image sent as a data: URL; the decode worker, which may not fetch from loopback, refuses the URL."""
+    import base64
+    import io
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import numpy as np
+    from PIL import Image
+    buffer = io.BytesIO()
+    Image.fromarray(np.random.default_rng(3).integers(0, 256, (48, 64, 3), dtype=np.uint8)).save(buffer, "PNG")
+    png = buffer.getvalue()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:          # noqa: N802 - http.server's name
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(png)))
+            self.end_headers()
+            self.wfile.write(png)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        def ask(url: str, target: str = fleet.r.url) -> httpx.Response:
+            parts = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "what is it?"}]
+            return httpx.post(target + "/v1/chat/completions", timeout=60, json={
+                "model": "kimi-k3", "messages": [{"role": "user", "content": parts}], "max_tokens": 8,
+                "temperature": 0, "return_token_ids": True})
+        by_url = ask(f"http://127.0.0.1:{httpd.server_port}/cat.png")
+        by_data = ask("data:image/png;base64," + base64.b64encode(png).decode())
+        assert by_url.status_code == by_data.status_code == 200, by_url.text
+        assert by_url.json()["choices"][0]["token_ids"] == by_data.json()["choices"][0]["token_ids"]
+        assert by_url.json()["usage"]["prompt_tokens"] == by_data.json()["usage"]["prompt_tokens"]
+        direct = ask(f"http://127.0.0.1:{httpd.server_port}/cat.png", fleet.d.url)
+        assert direct.status_code == 400 and "not a public address" in direct.json()["error"]["message"]
+    finally:
+        httpd.shutdown()

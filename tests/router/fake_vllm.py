@@ -46,6 +46,7 @@ class FakeVllm:
     engine_id: str | None = None              # serve a Mooncake bootstrap /query naming this engine
     calls: list[dict] = field(default_factory=list)
     port: int = 0
+    refuse: bool = False                      # answer completions with vLLM's 400 (a client's bad request)
 
     @property
     def url(self) -> str:
@@ -80,6 +81,9 @@ class FakeVllm:
 
         async def complete(request: Request, chat: bool):
             body = await request.json()
+            if self.refuse:
+                return JSONResponse({"error": {"message": "bad", "type": "BadRequestError", "param": None,
+                                               "code": 400}}, status_code=400)
             ktp = body.get("kv_transfer_params") or {}
             params = self.answer_params if ktp.get("do_remote_decode") else None
             text = f"{self.name}-says-hi"

@@ -164,3 +164,31 @@ def test_dashboard_renders_the_workers_in_headless_chromium(fleet_url, tmp_path)
 def test_dashboard_without_a_token_asks_for_one(fleet_url, tmp_path):
     dom = rendered(browse(f"{fleet_url}/dashboard", tmp_path, "--dump-dom").stdout)
     assert "admin token needed" in dom and 'data-worker="' not in dom
+
+
+def test_the_last_minute_never_spans_a_gap_between_visits():
+    """A page closed for an hour and opened again: the headline is not the hour's average."""
+    h = History(window_s=60)
+    for t in range(0, 60, 2):                               # a visit: 1 request/s
+        h.add(Sample(float(t), float(t), 0, {}, {}))
+    h.add(Sample(3600.0, 3600.0 * 0.1, 0, {}, {}))         # an hour later, at 0.1 request/s meanwhile
+    assert [s.t for s in h.samples] == [3600.0]            # nothing of the previous visit is left
+    h.add(Sample(3602.0, 360.0 + 2 * 1.5, 0, {}, {}))      # now 1.5 requests/s
+    assert traffic(h.samples[0], h.samples[-1])["request_rate"] == pytest.approx(1.5)
+    for t in range(3604, 3700, 2):
+        h.add(Sample(float(t), 363.0 + (t - 3602) * 1.5, 0, {}, {}))
+    span = h.samples[-1].t - h.samples[0].t
+    assert 60 <= span <= 62 and traffic(h.samples[0], h.samples[-1])["request_rate"] == pytest.approx(1.5)
+
+
+def test_only_the_fleets_own_failures_count_as_errors():
+    from prometheus_client import CollectorRegistry, Counter
+
+    from router.dashboard import sample
+
+    class Metrics:
+        requests = Counter("r", "", ["endpoint", "decision", "outcome"], registry=CollectorRegistry())
+    for outcome, n in (("ok", 5), ("error", 2), ("client_error", 7), ("cancelled", 3)):
+        Metrics.requests.labels(endpoint="chat", decision="d", outcome=outcome).inc(n)
+    got = sample(Metrics)
+    assert (got.requests, got.errors) == (17, 2)

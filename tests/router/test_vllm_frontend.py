@@ -12,6 +12,7 @@ from router.app import create_app
 from router.connectors import connector, engine_id_from_query, mooncake_decode_params
 from router.settings import RouterSettings
 from router.vllm_metrics import load_from_vllm_metrics
+from shared.openai.surface import SurfaceOptions
 from tests.router.fake_vllm import METRICS, FakeVllm, Servers
 
 NIXL_ANSWER = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "eng-p",
@@ -194,10 +195,14 @@ def test_tokenizer_endpoints_and_text_mode(hf_dir, tmp_path):
     p, d = FakeVllm("p", answer_params=NIXL_ANSWER), FakeVllm("d")
     with Servers(p, d):
         with router(hf_dir, [p], [d], kv_connector="nixl") as client:
+            assert client.get("/tokenizer_info").status_code == 404     # vLLM: only with its flag
+        with router(hf_dir, [p], [d], kv_connector="nixl",
+                    surface=SurfaceOptions(enable_tokenizer_info_endpoint=True)) as client:
             tokens = client.post("/tokenize", json={"prompt": "hello there"}).json()
             assert tokens["count"] == len(tokens["tokens"]) > 0
             assert client.post("/detokenize", json={"tokens": tokens["tokens"]}).json() == {"prompt": "hello there"}
-            assert client.get("/tokenizer_info").json()["chat_template"] is True
+            info = client.get("/tokenizer_info").json()       # the template itself, as vLLM shows it
+            assert info["chat_template"] == json.loads((hf_dir / "tokenizer_config.json").read_text())["chat_template"]
         with router(None, [p], [d], kv_connector="nixl") as client:         # --no-tokenizer
             assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
             refused = client.post("/tokenize", json={"prompt": "x"})
@@ -260,3 +265,16 @@ def test_cli_refuses_model_and_no_tokenizer_together():
     proc = subprocess.run([sys.executable, "-m", "kimi_pd", "router", "--model", "x", "--no-tokenizer",
                            "--decode", "http://127.0.0.1:2"], capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "not both" in proc.stderr
+
+
+def test_a_workers_400_is_the_clients_error_not_the_fleets(hf_dir):
+    """The router's requests counter (and the dashboard's error rate, which reads it) tells a request the
+    worker refused (`client_error`) from a failure of the fleet (`error`)."""
+    p, d = FakeVllm("p", answer_params=NIXL_ANSWER, refuse=True), FakeVllm("d", refuse=True)
+    with Servers(p, d), router(hf_dir, [p], [d], kv_connector="nixl") as client:
+        refused = client.post("/v1/chat/completions", json=CHAT)
+        assert refused.status_code == 400
+        lines = [line for line in client.get("/metrics").text.splitlines()
+                 if line.startswith("kimi_pd_router_requests_total{")]
+        assert any('outcome="client_error"' in line and line.endswith(" 1.0") for line in lines), lines
+        assert not any('outcome="error"' in line for line in lines), lines

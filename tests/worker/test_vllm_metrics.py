@@ -37,7 +37,7 @@ class FakeEngine:
     def __init__(self, steps: list[RequestOutput], then: BaseException | None = None) -> None:
         self.steps, self.then = steps, then
 
-    async def generate(self, request_id, prompt, params, imported=None, export_state=False):
+    async def generate(self, request_id, prompt, params, imported=None, export_state=False, group=None):
         for out in self.steps:
             await asyncio.sleep(0)
             yield out

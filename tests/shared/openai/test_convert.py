@@ -139,6 +139,12 @@ def test_reasoning_effort_none_turns_thinking_off_and_medium_is_accepted():
     assert render_options(chat(reasoning_effort="medium"))["thinking_effort"] == "medium"
 
 
+def test_vllm_032_efforts_minimal_and_xhigh_are_the_nearest_k3_efforts():
+    assert render_options(chat(reasoning_effort="minimal")) == render_options(chat(reasoning_effort="low"))
+    assert render_options(chat(reasoning_effort="xhigh")) == render_options(chat(reasoning_effort="max"))
+    assert render_options(chat(reasoning_effort="xhigh"))["thinking"] is True
+
+
 def test_the_effort_text_lists_exactly_the_accepted_values():
     import re
 
@@ -149,7 +155,7 @@ def test_the_effort_text_lists_exactly_the_accepted_values():
 @pytest.mark.parametrize("fields, param", [
     ({"chat_template_kwargs": {"thinking": "no"}}, "chat_template_kwargs.thinking"),
     ({"chat_template_kwargs": {"thinking": True, "enable_thinking": False}}, "chat_template_kwargs.enable_thinking"),
-    ({"reasoning_effort": "minimal"}, "reasoning_effort"),
+    ({"reasoning_effort": "extreme"}, "reasoning_effort"),
     ({"chat_template_kwargs": {"thinking_effort": "extreme"}}, "chat_template_kwargs.thinking_effort"),
     ({"reasoning_effort": "low", "chat_template_kwargs": {"thinking_effort": "max"}}, "reasoning_effort"),
     ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
@@ -251,3 +257,59 @@ def test_forced_tool_choice_becomes_a_tool_call_grammar():
     assert to_sampling_params(named).structured_output.kind == "xtml"
     both = chat(tools=[WEATHER_TOOL], tool_choice="required", response_format={"type": "json_object"})
     assert rejected(to_sampling_params, both)[:2] == (400, "tool_choice")
+
+
+def test_with_thinking_on_a_chat_grammar_starts_after_the_reasoning():
+    """vLLM's reasoning-aware structured output: the grammar constrains the answer, not the reasoning."""
+    fields = [{"response_format": {"type": "json_object"}}, {"structured_outputs": {"regex": "[0-9]+"}},
+              {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}}]
+    for given in fields:
+        assert to_sampling_params(chat(**given)).structured_output.after_reasoning
+        for off in ({"reasoning_effort": "none"}, {"chat_template_kwargs": {"thinking": False}}):
+            assert not to_sampling_params(chat(**given, **off)).structured_output.after_reasoning
+        assert not to_sampling_params(completion(**given)).structured_output.after_reasoning
+    forced = to_sampling_params(chat(tools=[WEATHER_TOOL], tool_choice="required")).structured_output
+    assert not forced.after_reasoning               # the tool-call grammar closes the reasoning itself
+
+
+@pytest.mark.parametrize("make, fields, param", [
+    (chat, {"watermarking": True}, "watermarking"),
+    (completion, {"length_penalty": 0.5}, "length_penalty"),
+    (chat, {"logprob_token_ids": [1, 2]}, "logprob_token_ids"),
+    (completion, {"prompt_embeds": "AAAA"}, "prompt_embeds"),
+    (chat, {"documents": [{"title": "a", "text": "b"}]}, "documents"),
+    (chat, {"media_io_kwargs": {"image": {}}}, "media_io_kwargs"),
+    (chat, {"mm_processor_kwargs": {"x": 1}}, "mm_processor_kwargs"),
+    (completion, {"ec_transfer_params": {"a": 1}}, "ec_transfer_params"),
+    (chat, {"vllm_xargs": {"a": 1}}, "vllm_xargs"),
+    (chat, {"routed_experts_prompt_start": 3}, "routed_experts_prompt_start"),
+    (completion, {"stream_interval": 4}, "stream_interval"),
+    (chat, {"echo": True}, "echo"),
+    (chat, {"truncation_side": "middle"}, "truncation_side"),
+    (chat, {"repetition_detection": {"max_pattern_size": 4, "min_count": 1}}, "repetition_detection.min_count"),
+    (chat, {"repetition_detection": {"max_pattern_size": 2, "min_pattern_size": 3, "min_count": 2}},
+     "repetition_detection"),
+    (chat, {"repetition_detection": {"window": 3}}, "repetition_detection"),
+])
+def test_vllm_032_fields_that_would_be_ignored_are_refused_by_name(make, fields, param):
+    status, got, message = rejected(to_sampling_params, make(**fields))
+    assert (status, got) == (400, param) and param.split(".")[0] in message
+
+
+def test_vllm_032_fields_at_their_defaults_or_without_effect_pass():
+    to_sampling_params(chat(watermarking=False, length_penalty=1.0, stream_interval=1, echo=False,
+                            routed_experts_prompt_start=0, truncation_side="left", documents=[], session_id="s",
+                            return_token_offsets=True, mm_payload="none", spaces_between_special_tokens=False,
+                            add_special_tokens=True, return_tokens_as_token_ids=True, return_prompt_text=True))
+    detect = {"max_pattern_size": 4, "min_pattern_size": 2, "min_count": 3}
+    assert to_sampling_params(completion(repetition_detection=detect)).repetition_detection == (4, 2, 3)
+    assert to_sampling_params(completion(repetition_detection={"max_pattern_size": 0})).repetition_detection is None
+
+
+def test_repetition_detection_matches_vllms_rule():
+    from shared.sampling_params import repetition_detected
+    assert repetition_detected([9, 1, 2, 1, 2, 1, 2], 2, 1, 3)          # "12" three times at the end
+    assert not repetition_detected([9, 1, 2, 1, 2, 1, 3], 2, 1, 3)
+    assert not repetition_detected([1, 2, 1, 2], 2, 1, 3)               # only twice
+    assert repetition_detected([5, 5, 5], 3, 1, 3)                      # a one-token pattern
+    assert not repetition_detected([1, 2, 3, 1, 2, 3], 3, 3, 3)

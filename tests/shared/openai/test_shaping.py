@@ -133,3 +133,41 @@ def test_markers_never_reach_streamed_content(text):
         delta = shaper.feed(piece) if piece is not None else shaper.finish()
         for value in (delta.content, delta.reasoning_content) if delta else ():
             assert value is None or not any(marker in value for marker in MARKERS) and "<|" not in value
+
+
+def streamed_cut(pieces: list[str], thinking: bool, tools: bool, strip: SpecialTokenStrip | None = None) -> tuple:
+    shaper = ChatDeltaShaper(thinking=thinking, tools_requested=tools, strip=strip)
+    deltas = [d for d in [*(shaper.feed(p) for p in pieces), shaper.finish(cut=True)] if d is not None]
+    flat = [(tc.id, tc.function.name, tc.function.arguments) for d in deltas for tc in d.tool_calls or []]
+    return summary("".join(d.content or "" for d in deltas), "".join(d.reasoning_content or "" for d in deltas),
+                   flat, shaper.finish_reason)
+
+
+def whole_cut(text: str, thinking: bool, tools: bool, strip: SpecialTokenStrip | None = None) -> tuple:
+    shaped = shape_chat_message(text, thinking=thinking, tools_requested=tools, strip=strip, cut=True)
+    calls = [(c.id, c.function.name, c.function.arguments) for c in shaped.tool_calls]
+    return summary(shaped.content, shaped.reasoning_content, calls, shaped.finish_reason)
+
+
+@pytest.mark.parametrize("strip", [None, STRIP])
+@pytest.mark.parametrize("text", K3_OUTPUTS + WITH_SPECIALS)
+def test_a_cut_output_streams_as_it_shapes_whole_at_every_split(text, strip):
+    expected = whole_cut(text, True, True, strip)
+    for pieces in splits(text, random.Random(len(text)))[::3]:
+        assert streamed_cut(pieces, True, True, strip) == expected, pieces
+
+
+def test_at_the_length_limit_held_back_text_and_unfinished_tool_markup_are_kept():
+    cut_marker = f"Because{THINK_END}{RESPONSE}Hel<|clo"
+    assert whole_cut(cut_marker, True, False)[:2] == ("Hel<|clo", "Because")      # not a marker after all
+    assert whole(cut_marker, True, False)[:2] == ("Hel", "Because")                # a natural end drops it
+    call = f't{THINK_END}{RESPONSE}Sure.{RESPONSE_END}<|open|>tools<|sep|><|open|>call tool="get_weather" index="1"'
+    content, reasoning, calls, finish = whole_cut(call, True, True)
+    assert (reasoning, calls, finish) == ("t", [], None)
+    assert content == 'Sure.<|open|>tools<|sep|><|open|>call tool="get_weather" index="1"'
+    assert whole_cut(call, True, True, STRIP)[0] == 'Sure.toolscall tool="get_weather" index="1"'
+    assert whole(call, True, True)[0] == "Sure."                                    # before: dropped
+    first_call = CALLS.index("<|close|>call<|sep|>") + 30
+    complete = f"t{THINK_END}{RESPONSE}{RESPONSE_END}{CALLS[:first_call]}"          # a complete call, then cut
+    assert whole_cut(complete, True, True)[2] == whole(complete, True, True)[2] != []
+    assert whole_cut("reasoning cut <|close|>thi", True, True)[1] == "reasoning cut <|close|>thi"
