@@ -84,8 +84,7 @@ def create_app(settings: RouterSettings) -> FastPathApp:
         log.info("prompt hashing: %s (%s)", prompts.kind, settings.model or "no tokenizer")
         app.state.orchestrator = Orchestrator(settings, registry, client, pipeline, metrics, settings.admin_token,
                                               session)
-        await registry.refresh()
-        await health_checker.check_once(client, registry, settings.connect_timeout_s, metrics)
+        await _first_round(settings, registry, metrics, client, session, store)
         tasks = [asyncio.create_task(registry.run(stop)),
                  asyncio.create_task(health_checker.run(client, registry, settings.health_check_s, stop,
                                                                      metrics, settings.health_timeout_s)),
@@ -121,6 +120,21 @@ def create_app(settings: RouterSettings) -> FastPathApp:
     admission_http.install(app, _check_admin)        # 429/503 with their headers, /admin/tenants
     app.fast_routes = {"/v1/chat/completions": _chat, "/v1/completions": _completions}
     return app
+
+
+async def _first_round(settings: RouterSettings, registry: WorkerRegistry, metrics: RouterMetrics,
+                       client: httpx.AsyncClient, session: Any, store: Any) -> None:
+    """The fleet before the first request: the store read and one health round. Static workers declared
+    ours that answer as stock vLLM stop the start-up: the operator must name their --kv-connector."""
+    await registry.refresh()
+    await health_checker.check_once(client, registry, settings.connect_timeout_s, metrics)
+    refused = registry.refused()
+    if refused:
+        await client.aclose()
+        await session.close()
+        if store is not None:
+            await store.close()
+        raise RuntimeError(refused)
 
 
 async def _upstream_error(request: Request, exc: Exception) -> JSONResponse:

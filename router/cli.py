@@ -40,12 +40,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-events", action="append", default=[], metavar="URL=ENDPOINT",
                    help="a static vLLM worker's ZMQ KV events (its --kv-events-config endpoint, e.g. "
                         "http://10.0.0.5:8100=tcp://10.0.0.5:5557): an exact prefix index for it (needs pyzmq)")
-    p.add_argument("--prefill", action="append", default=[], metavar="URL", help="static prefill worker")
-    p.add_argument("--decode", action="append", default=[], metavar="URL", help="static decode worker")
-    p.add_argument("--worker", action="append", default=[], metavar="URL", help="static colocated worker")
-    p.add_argument("--block-size", type=int, default=16, help="block size of static workers")
-    p.add_argument("--static-cache-tokens", type=int, default=0,
-                   help="KV cache size of each static worker in tokens (default: read from its /metrics)")
+    add_static_worker_args(p)
     p.add_argument("--prefill-tokens-per-s", type=float, default=20000.0,
                    help="starting guess of a worker's prefill speed; calibrated from its answers")
     _add_request_limits(p)
@@ -88,6 +83,20 @@ def _add_front_args(p: argparse.ArgumentParser) -> None:
     add_surface_args(p)
 
 
+def add_static_worker_args(p: argparse.ArgumentParser) -> None:
+    """Workers given by URL (no store registration): their roles, data-parallel ranks and cache shape."""
+    p.add_argument("--prefill", action="append", default=[], metavar="URL", help="static prefill worker")
+    p.add_argument("--decode", action="append", default=[], metavar="URL", help="static decode worker")
+    p.add_argument("--worker", action="append", default=[], metavar="URL", help="static colocated worker")
+    p.add_argument("--data-parallel-ranks", action="append", default=[], metavar="URL=D",
+                   help="a static worker whose API server fronts D data-parallel ranks (vLLM --data-parallel-size D "
+                        "behind one server): placed on as D workers (prefix index and load per rank), each request "
+                        "pinned to its rank with the X-data-parallel-rank header")
+    p.add_argument("--block-size", type=int, default=16, help="block size of static workers")
+    p.add_argument("--static-cache-tokens", type=int, default=0,
+                   help="KV cache size of each static worker in tokens (default: read from its /metrics)")
+
+
 def settings_from_args(args: argparse.Namespace, model_dir: str | None) -> RouterSettings:
     keys = tuple(k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip())
     return RouterSettings(model=model_dir, host=args.host, port=args.port, served_model_name=args.served_model_name[0],
@@ -95,7 +104,8 @@ def settings_from_args(args: argparse.Namespace, model_dir: str | None) -> Route
                           mooncake_bootstrap_port=args.mooncake_bootstrap_port,
                           kv_events=parse_kv_events_flag(args.kv_events),
                           static_prefill=tuple(args.prefill), static_decode=tuple(args.decode),
-                          static_both=tuple(args.worker), block_size=args.block_size, store_url=args.redis_url,
+                          static_both=tuple(args.worker), static_dp_ranks=parse_dp_ranks(args.data_parallel_ranks),
+                          block_size=args.block_size, store_url=args.redis_url,
                           static_cache_tokens=args.static_cache_tokens, max_request_bytes=args.max_request_bytes,
                           max_sequences_per_request=args.max_sequences_per_request,
                           prefill_tokens_per_s=args.prefill_tokens_per_s,
@@ -110,6 +120,17 @@ def settings_from_args(args: argparse.Namespace, model_dir: str | None) -> Route
                           queue_timeout_s=args.queue_timeout,
                           admin_token=os.environ.get(ADMIN_TOKEN_ENV) or None,
                           worker_api_key=os.environ.get(WORKER_API_KEY_ENV) or None, surface=surface_from_args(args))
+
+
+def parse_dp_ranks(values: list[str]) -> tuple[tuple[str, int], ...]:
+    """`--data-parallel-ranks URL=D` values -> ((URL, D), ...); ValueError names a malformed one."""
+    out = []
+    for value in values:
+        url, _, ranks = value.rpartition("=")
+        if not url or not ranks.isdigit():
+            raise ValueError(f"--data-parallel-ranks {value!r}: give URL=D, D a number of ranks")
+        out.append((url, int(ranks)))
+    return tuple(out)
 
 
 def run_router(args: argparse.Namespace, model_dir: str | None) -> int:

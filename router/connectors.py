@@ -39,6 +39,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 VLLM_PREFILL = {"do_remote_decode": True, "do_remote_prefill": False}
+# a stock vLLM prefill leg's one token is never an end token: a prefill that stops on its first token
+# finishes "stopped", and vLLM's connectors (NixlConnector, vLLM-Ascend's MooncakeConnectorV1) then
+# answer no parameters, so the decode would compute the whole prompt again (the reference proxy sets it too)
+VLLM_PREFILL_FIELDS = {"min_tokens": 1}
 
 
 class Handoff(Protocol):
@@ -63,6 +67,7 @@ class PrefillPlan:
 
     params: dict[str, Any]                      # the prefill leg's kv_transfer_params
     transfer_id: str | None = None              # shared by both legs where the router makes one
+    fields: tuple[tuple[str, Any], ...] = ()    # more fields of the prefill leg's body (min_tokens)
 
 
 @dataclass(frozen=True)
@@ -102,7 +107,7 @@ class AnsweringConnector(Connector):
     vllm: bool = True
 
     def prepare(self, request_id: str) -> PrefillPlan:
-        return PrefillPlan(dict(VLLM_PREFILL))
+        return PrefillPlan(dict(VLLM_PREFILL), fields=tuple(VLLM_PREFILL_FIELDS.items()))
 
     def adopt(self, trace: Handoff, worker: WorkerState, answer: Any, plan: PrefillPlan,
               lookup: BootstrapLookup) -> None:
@@ -130,7 +135,8 @@ class MooncakeConnector(AnsweringConnector):
     def prepare(self, request_id: str) -> PrefillPlan:
         # unique across router replicas and restarts (the prefill keys its held blocks by it)
         transfer_id = f"xfer-{request_id}-{uuid.uuid4().hex}"
-        return PrefillPlan({**VLLM_PREFILL, "transfer_id": transfer_id}, transfer_id)
+        return PrefillPlan({**VLLM_PREFILL, "transfer_id": transfer_id}, transfer_id,
+                           tuple(VLLM_PREFILL_FIELDS.items()))
 
     async def ready(self, worker: WorkerState, lookup: BootstrapLookup) -> None:
         # asked before the prefill is sent, so a failure strands no blocks held for a transfer

@@ -10,7 +10,7 @@ import httpx
 
 from router.capacity import capacity_tokens_from_metrics
 from router.metrics import RouterMetrics
-from router.registry import WorkerRegistry
+from router.registry import REFUSAL, WorkerRegistry
 from router.vllm_metrics import load_from_vllm_metrics, timing_deltas
 
 log = logging.getLogger(__name__)
@@ -35,11 +35,16 @@ async def check_once(client: httpx.AsyncClient, registry: WorkerRegistry, timeou
     infos = list(registry.all_infos().values())
 
     async def probe(info) -> None:
+        answered = False
         try:
             resp = await get_within(client, f"{info.url}/health", timeout_s)
-            ok = resp.status_code == 200
+            ok = answered = resp.status_code == 200
+            if ok and info.worker_id in registry.static and not registry.is_vllm(info.worker_id):
+                ok = await identify(client, registry, info, resp, timeout_s)
         except Exception:                                  # noqa: BLE001 - any failure is a failed check
             ok = False
+        if not answered:
+            registry.identities.pop(info.worker_id, None)   # whatever answers next at that URL proves itself again
         if ok and registry.is_vllm(info.worker_id):
             scrape = scrape_load(client, registry, info, metrics,                    # sizes its index too
                                  timeout_s if wait_for_load else LOAD_SCRAPE_DEADLINE_S)
@@ -55,6 +60,33 @@ async def check_once(client: httpx.AsyncClient, registry: WorkerRegistry, timeou
             log.warning("worker %s is now %s", info.worker_id, "healthy" if ok else "unhealthy")
 
     await asyncio.gather(*(probe(i) for i in infos))
+
+
+async def identify(client: httpx.AsyncClient, registry: WorkerRegistry, info, health: httpx.Response,
+                   timeout_s: float) -> bool:
+    """Whether a static worker declared ours may be used. Proven (internal credentials) when its /health
+    names its role and id, as a kimi-pd worker's does; refused when it answers GET /version as stock vLLM
+    does (a vLLM rank under the default --kv-connector); anything else is used without credentials.
+    Asked once per worker while it stays up."""
+    known = registry.identities.get(info.worker_id)
+    if known is not None:
+        return known != "vllm"
+    try:
+        body = health.json()
+    except ValueError:
+        body = None
+    if isinstance(body, dict) and isinstance(body.get("role"), str) and isinstance(body.get("worker_id"), str):
+        registry.identities[info.worker_id] = "kimi-pd"
+        return True
+    try:
+        version = await get_within(client, f"{info.url}/version", timeout_s)
+        stock = version.status_code == 200 and isinstance(version.json(), dict) and "version" in version.json()
+    except Exception:                                      # noqa: BLE001 - no answer: not stock vLLM
+        stock = False
+    registry.identities[info.worker_id] = "vllm" if stock else "unknown"
+    if stock:
+        log.error("%s", REFUSAL.format(urls=info.url))
+    return not stock
 
 
 def scrape_load(client: httpx.AsyncClient, registry: WorkerRegistry, info, metrics: RouterMetrics | None = None,
@@ -98,7 +130,9 @@ async def load_from_metrics(client: httpx.AsyncClient, registry: WorkerRegistry,
     heartbeat such a worker does not send. A page that cannot be read keeps the last report."""
     try:
         resp = await get_within(client, f"{info.url}/metrics", timeout_s)
-        report = load_from_vllm_metrics(resp.text, time.time()) if resp.status_code == 200 else None
+        rank = registry.dp_ranks.get(info.worker_id)              # a DP rank's own engine="<rank>" samples
+        report = load_from_vllm_metrics(resp.text, time.time(), None if rank is None else str(rank)) \
+            if resp.status_code == 200 else None
     except Exception as exc:                               # noqa: BLE001 - load is best effort
         log.debug("metrics of %s unreadable: %s", info.worker_id, exc)
         return

@@ -16,6 +16,7 @@
   ttft_seconds, tpot_seconds, e2e_seconds        client-visible latencies
   stream_errors_total                            streams ended with an SSE error event
   migrations_total{outcome}                      decode legs moved to another decode worker (ok | failed)
+  recomputes_total{outcome}                      vLLM-Ascend recomputed hand-backs run again (rerun | failed)
   prefill_releases_total{outcome}                prefill states released by the router (client gone)
   workers{role, healthy}                         fleet size as this replica sees it
   store_up                                       1 if the state store answered the last refresh
@@ -85,6 +86,8 @@ class RouterMetrics:
         self.migrations = counter("migrations_total", "Decode legs moved to another decode worker after theirs "
                                   "failed (streams resumed from the delivered tokens; whole answers retried)",
                                   ["outcome"])
+        self.recomputes = counter("recomputes_total", "Requests a vLLM-Ascend decode gave back (stop_reason "
+                                  "recomputed), run again from a prefill", ["outcome"])
         self.stream_errors = Counter(p + "stream_errors_total", "Streams ended with an SSE error event", registry=r)
         self.prefill_releases = counter("prefill_releases_total", "Prefill states released by the router", ["outcome"])
         self.workers = Gauge(p + "workers", "Workers known to this replica", ["role", "healthy"], registry=r)

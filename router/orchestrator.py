@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import replace
+from functools import partial
 
 import httpx
 from fastapi.responses import Response
@@ -68,6 +69,24 @@ class Orchestrator:
         await self.prefill.release(trace)
 
     async def _handle(self, trace: Trace, req: SamplingRequest, prepared: PreparedPrompt) -> Response:
+        decode, route = await self._place(trace, req, prepared)
+        async with self.leases.kept(trace):
+            return await self._call_decode(trace, req, decode, route)
+
+    async def _rerun(self, trace: Trace, req: SamplingRequest, prepared: PreparedPrompt, body: dict
+                     ) -> tuple[WorkerState, Route, dict]:
+        """A recomputed hand-back's rest (router/request/recompute.py), run as the protocol says: placed and
+        prefilled again. Placement reads the original prompt's hashes (a prefix of the new context)."""
+        again = type(req).model_validate(body)
+        trace.kv_transfer_params = trace.decode_params = trace.prefill_worker = None
+        trace.decode_connected = False
+        decode, route = await self._place(trace, again, prepared)
+        route.tried |= self.fleet.other_pools(route.states, trace.kv_connector)
+        return decode, route, decode_body(self.fleet, trace, again)
+
+    async def _place(self, trace: Trace, req: SamplingRequest, prepared: PreparedPrompt
+                     ) -> tuple[WorkerState, Route]:
+        """The decode worker and the decision; the prefill leg when the decision is prefill-decode."""
         states = self.registry.states()
         ctx = self._context(trace, prepared, states, "decode")
         decode = self.fleet.pick(ctx, states, exclude=set())
@@ -84,8 +103,7 @@ class Orchestrator:
             await self.prefill.run(trace, req, prefill_ctx, states, other_pools, passed)
         self.metrics.decisions.labels(decision=trace.decision).inc()
         self.fleet.record_sent(ctx, decode)
-        async with self.leases.kept(trace):
-            return await self._call_decode(trace, req, decode, Route(ctx, states))
+        return decode, Route(ctx, states, rerun=partial(self._rerun, trace, req, prepared))
 
     def _context(self, trace: Trace, prepared: PreparedPrompt, states: list[WorkerState], role: Role
                  ) -> RoutingContext:

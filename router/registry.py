@@ -9,13 +9,17 @@ vLLM) have no events: an approximate index of what this router sent them stands 
 each worker's cache capacity (its registration, `--static-cache-tokens`, or its /metrics).
 
 Load as placement reads it: the engine's last report corrected by this replica's sends and
-finishes since the report was sampled, and a ledger of the prefill work still open per worker.
+finishes since the report was sampled, and a ledger of the prefill work still open per worker. For
+static workers, which report to no store, the other router replicas' in-flight legs and open work
+are added, shared through the store when there is one (`_share_load`), so replicas place as one.
+A static worker given with data-parallel ranks is one worker per rank (`<URL>#dp<r>`).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 from collections import deque
 from collections.abc import Callable
@@ -32,6 +36,14 @@ from shared.store.base import StateStore, WorkerRecord
 from shared.workers import LoadReport, Role, WorkerInfo
 
 log = logging.getLogger(__name__)
+REFUSAL = ("static workers answer as stock vLLM, not as kimi-pd workers: {urls}. Start the router with the "
+           "--kv-connector of their KV connector (mooncake-ascend for vLLM-Ascend's MooncakeConnectorV1; nixl, "
+           "mooncake, lmcache or example): they then get vLLM's P/D protocol and none of kimi-pd's internal calls")
+
+
+def dp_worker_ids(url: str, ranks: int | None) -> list[str]:
+    """The worker ids of a static URL: itself, or one per data-parallel rank behind its API server."""
+    return [url] if ranks is None else [f"{url}#dp{r}" for r in range(ranks)]
 
 
 class CombinedIndex:
@@ -89,6 +101,9 @@ class WorkerRegistry:
                  clock: Callable[[], float] = time.time) -> None:
         self.settings, self.store, self._clock = settings, store, clock
         self.static: dict[str, WorkerInfo] = self._static_workers(settings)
+        # worker -> the data-parallel rank it pins (X-data-parallel-rank)
+        self.dp_ranks: dict[str, int] = {wid: r for url, d in settings.static_dp_ranks
+                                         for r, wid in enumerate(dp_worker_ids(url, d))}
         # each static worker's P/D protocol (a pool: workers given with one --kv-connector, or added by
         # the admin API with theirs); discovered workers are ours ("kimi-pd")
         self.static_connectors: dict[str, Connector] = {url: connector(settings.kv_connector) for url in self.static}
@@ -106,22 +121,30 @@ class WorkerRegistry:
         self.store_ok = store is None
         self._empty_since: float | None = None
         self._instance: str | None = None            # the store server's run id, to notice restarts
+        self.router_id = secrets.token_hex(8)         # this replica, in the load it shares (_share_load)
+        self.peers: dict[str, tuple[int, float]] = {}   # static worker -> other replicas' (in-flight, backlog s)
         self.unsized: set[str] = set()                # static workers whose /metrics are still to be asked
         self.load_scrapes: dict[str, asyncio.Task] = {}   # stock vLLM /metrics reads under way (health_checker)
+        # what a static worker declared ours proved to be (health_checker.identify): "kimi-pd" (its /health
+        # names its role and id) gets internal credentials; "vllm" (it answers as stock vLLM) is refused
+        self.identities: dict[str, str] = {}
         for info in self.static.values():
             self._size_static(info)
 
     @staticmethod
-    def static_info(s: RouterSettings, url: str, role: Role) -> WorkerInfo:
+    def static_info(s: RouterSettings, url: str, role: Role, worker_id: str | None = None) -> WorkerInfo:
         """A worker given by URL (command line or admin API): no events, the router's own hash chain."""
-        return WorkerInfo(worker_id=url, role=role, url=url.rstrip("/"), model_id=s.served_model_name,
+        return WorkerInfo(worker_id=worker_id or url, role=role, url=url.rstrip("/"), model_id=s.served_model_name,
                           block_size=s.block_size, hash_root=root_hash(s.served_model_name), started_at=time.time())
 
     @classmethod
     def _static_workers(cls, s: RouterSettings) -> dict[str, WorkerInfo]:
+        """One worker per URL, or per data-parallel rank behind it (`<URL>#dp<r>`, settings.static_dp_ranks)."""
         pools: tuple[tuple[Role, tuple[str, ...]], ...] = (
             ("prefill", s.static_prefill), ("decode", s.static_decode), ("both", s.static_both))
-        return {url: cls.static_info(s, url, role) for role, urls in pools for url in urls}
+        ranks = dict(s.static_dp_ranks)
+        return {wid: cls.static_info(s, url, role, wid) for role, urls in pools for url in urls
+                for wid in dp_worker_ids(url, ranks.get(url))}
 
     # ---- views --------------------------------------------------------------------------------
     def all_infos(self) -> dict[str, WorkerInfo]:
@@ -133,17 +156,19 @@ class WorkerRegistry:
         for wid, info in self.all_infos().items():
             load = self.loads.get(wid)
             since = self._since.get(wid)
+            peer_inflight, peer_backlog_s = self.peers.get(wid, (0, 0.0))
             out.append(WorkerState(
-                info=info, load=load, inflight=self.inflight.get(wid, 0), healthy=health.is_healthy(wid),
-                circuit=health.circuit(wid), draining=wid in self.drained,
+                info=info, load=load, inflight=self.inflight.get(wid, 0) + peer_inflight,
+                healthy=health.is_healthy(wid), circuit=health.circuit(wid), draining=wid in self.drained,
                 since_report=since.after(load.ts) if since is not None and load is not None else 0,
-                backlog_s=ledger.backlog_s(wid), tokens_per_s=ledger.tokens_per_s(wid)))
+                backlog_s=ledger.backlog_s(wid) + peer_backlog_s, tokens_per_s=ledger.tokens_per_s(wid)))
         return out
 
     def add_static(self, url: str, role: Role, kv_connector: str | None = None) -> None:
         self.static[url] = info = self.static_info(self.settings, url, role)
         self.static_connectors[url] = connector(kv_connector or self.settings.kv_connector)
         self.mooncake_engines.pop(url, None)
+        self.identities.pop(url, None)
         self._size_static(info)
 
     def connector_of(self, worker_id: str) -> Connector:
@@ -157,6 +182,17 @@ class WorkerRegistry:
 
     def is_vllm(self, worker_id: str) -> bool:
         return self.connector_of(worker_id).vllm
+
+    def is_proven(self, worker_id: str) -> bool:
+        """Whether internal credentials (admin token, /internal/ calls) may go to the worker: it registered
+        through the authenticated store, or it is a static worker of ours that passed the identity check."""
+        return worker_id in self.discovered or self.identities.get(worker_id) == "kimi-pd"
+
+    def refused(self) -> str | None:
+        """What the operator must do about static workers declared ours that answer as stock vLLM (None: none)."""
+        urls = {self.static[wid].url: None for wid, kind in self.identities.items()     # ordered, each URL once
+                if kind == "vllm" and wid in self.static}
+        return REFUSAL.format(urls=", ".join(urls)) if urls else None
 
     def _size_static(self, info: WorkerInfo) -> None:
         if self.settings.static_cache_tokens:
@@ -193,6 +229,7 @@ class WorkerRegistry:
                 self._forget(wid)
             for wid in self.discovered:
                 await self._sync_events(store, wid)
+            await self._share_load(store)
             if not self.store_ok:
                 log.info("state store reachable again; registry rebuilt (%d workers)", len(self.discovered))
             self.store_ok = True
@@ -200,6 +237,21 @@ class WorkerRegistry:
             if self.store_ok:
                 log.warning("state store unavailable, routing on the last known state: %s", exc)
             self.store_ok = False
+
+    async def _share_load(self, store: StateStore) -> None:
+        """Static workers report to no store, so router replicas share what they sent them (in-flight legs,
+        open work in seconds) through it: each adds the others' to its own, and replicas place as one."""
+        if not self.static:
+            return
+        mine = {wid: [self.inflight.get(wid, 0), round(self.ledger.backlog_s(wid), 4)] for wid in self.static}
+        others = await store.share_router_load(self.router_id, mine, max(4 * self.settings.refresh_s, 2.0))
+        peers: dict[str, tuple[int, float]] = {}
+        for loads in others.values():
+            for wid, (inflight, backlog_s) in loads.items():
+                if wid in self.static:
+                    had = peers.get(wid, (0, 0.0))
+                    peers[wid] = (had[0] + int(inflight), had[1] + float(backlog_s))
+        self.peers = peers
 
     async def _store_restarted_empty(self, store: StateStore, records: list[WorkerRecord]) -> bool:
         """A store that lists nobody right after an outage, or whose server instance changed, has
@@ -275,6 +327,7 @@ class WorkerRegistry:
                         "model": s.info.model_id, "source": "static" if s.info.worker_id in self.static else "store",
                         "healthy": s.healthy, "circuit": s.circuit.value, "draining": s.is_draining,
                         "kv_connector": self.connector_of(s.info.worker_id).name,
+                        "proven": self.is_proven(s.info.worker_id),
                         "inflight": s.inflight, "active_requests": s.active_requests,
                         "backlog_s": round(s.backlog_s, 4), "tokens_per_s": round(s.tokens_per_s, 1),
                         "load": None if s.load is None else s.load.to_dict(),

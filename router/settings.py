@@ -20,6 +20,9 @@ class RouterSettings:
     static_prefill: tuple[str, ...] = ()          # worker URLs given on the command line
     static_decode: tuple[str, ...] = ()
     static_both: tuple[str, ...] = ()
+    # (static worker URL, D): one API server in front of D data-parallel ranks (vLLM's internal DP load
+    # balancing): placed on as D workers, `<URL>#dp<r>`, each request pinned by `X-data-parallel-rank`
+    static_dp_ranks: tuple[tuple[str, int], ...] = ()
     block_size: int = 16                          # for static workers (discovered ones report theirs)
     store_url: str | None = None
     namespace: str = "default"
@@ -97,6 +100,12 @@ class RouterSettings:
                    if url not in (*self.static_prefill, *self.static_decode, *self.static_both)]
         if unknown:
             raise ValueError(f"--kv-events names workers that are not static workers: {', '.join(unknown)}")
+        static = (*self.static_prefill, *self.static_decode, *self.static_both)
+        bad = [f"{url}={d}" for url, d in self.static_dp_ranks
+               if url not in static or d < 1 or url in dict(self.kv_events)]
+        if bad:
+            raise ValueError(f"--data-parallel-ranks needs a static worker URL (without --kv-events) and D >= 1: "
+                             f"{', '.join(bad)}")
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
         if not 1 <= self.max_sequences_per_request <= 1024:

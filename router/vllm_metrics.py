@@ -51,8 +51,11 @@ def timing_deltas(before: LoadReport | None, after: LoadReport) -> dict[str, tup
     return out
 
 
-def load_from_vllm_metrics(text: str, now: float) -> LoadReport | None:
-    """A LoadReport from a vLLM /metrics page, or None when the page is not vLLM's (no running gauge)."""
+def load_from_vllm_metrics(text: str, now: float, engine: str | None = None) -> LoadReport | None:
+    """A LoadReport from a vLLM /metrics page, or None when the page is not vLLM's (no running gauge);
+    `engine`: only that data-parallel rank's samples (`engine="<rank>"`)."""
+    if engine is not None:
+        text = _only_engine(text, engine)
     sums: dict[str, float] = defaultdict(float)
     usage: list[float] = []
     found = False
@@ -83,3 +86,13 @@ def load_from_vllm_metrics(text: str, now: float) -> LoadReport | None:
     cache_usage = min(max(sum(usage) / len(usage), 0.0), 1.0) if usage else 0.0
     return LoadReport(running=int(sums["running"]), waiting=int(sums["waiting"]), cache_usage=cache_usage,
                       capacity_tokens=capacity_tokens_from_metrics(text) or 0, ts=now, extra=extra)
+
+
+def _only_engine(text: str, engine: str) -> str:
+    """The page without the samples other data-parallel engines labelled (unlabelled ones stay)."""
+    keep = []
+    for line in text.splitlines():
+        at = line.find('engine="')
+        if line.startswith("#") or at < 0 or line.startswith(f'engine="{engine}"', at):
+            keep.append(line)
+    return "\n".join(keep) + "\n"

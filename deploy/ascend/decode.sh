@@ -44,8 +44,9 @@ args=(
     --reasoning-parser kimi_k3
     --tool-call-parser kimi_k3
     --enable-auto-tool-choice
-    # Must stay off: kimi-pd's router does not re-run `stop_reason: "recomputed"` requests.
-    --additional-config '{"recompute_scheduler_enable": false}'
+    # Off as in the tutorial. RECOMPUTE_SCHEDULER=true lets a rank short of KV memory give a request
+    # back (`stop_reason: "recomputed"`); the kimi-pd router then runs the rest of it from a prefill.
+    --additional-config "{\"recompute_scheduler_enable\": ${RECOMPUTE_SCHEDULER:-false}}"
     --kv-transfer-config "$(kv_transfer_config kv_consumer "$KV_PORT")"
 )
 run "${args[@]}"

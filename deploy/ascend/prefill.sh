@@ -45,9 +45,8 @@ args=(
     --reasoning-parser kimi_k3
     --tool-call-parser kimi_k3
     --enable-auto-tool-choice
-    # The recompute scheduler answers `stop_reason: "recomputed"` and expects the proxy to run the
-    # request again; kimi-pd's router does not implement that, so it must stay off (as in the tutorial).
-    --additional-config '{"recompute_scheduler_enable": false}'
+    # Off as in the tutorial; the recompute scheduler acts on the decode side (decode.sh RECOMPUTE_SCHEDULER).
+    --additional-config "{\"recompute_scheduler_enable\": ${RECOMPUTE_SCHEDULER:-false}}"
     --kv-transfer-config "$(kv_transfer_config kv_producer "$KV_PORT")"
 )
 run "${args[@]}"

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # kimi-pd router in front of the vLLM-Ascend prefill and decode ranks started by prefill.sh and
-# decode.sh, as static workers: no state store and no kimi-pd workers involved. The router speaks
-# vLLM's P/D protocol: the prefill leg carries kv_transfer_params {do_remote_decode: true}, and the
-# decode leg carries the kv_transfer_params the prefill rank answered with (remote_host, remote_port,
-# remote_engine_id, remote_block_ids, ...), which MooncakeConnectorV1 on the decode rank uses to pull.
-# Needs no NPU: runs from deploy/docker/Dockerfile (CPU) or Dockerfile.ascend.
-# UNVERIFIED against real vLLM-Ascend ranks. See deploy/ascend/README.md.
+# decode.sh, as static workers: no kimi-pd workers involved. `--kv-connector mooncake-ascend` makes
+# the router speak vLLM-Ascend's MooncakeConnectorV1 protocol: the prefill leg carries
+# kv_transfer_params {do_remote_decode: true} and min_tokens 1 (so the one prefill token is never an
+# end token and the rank always answers the parameters), and the decode leg carries the
+# kv_transfer_params the prefill rank answered with, verbatim (remote_host, remote_port,
+# remote_engine_id, remote_block_ids, ...). The ranks get no kimi-pd internal call and never the
+# router's admin token. Needs no NPU: runs from deploy/docker/Dockerfile (CPU) or Dockerfile.ascend.
+# Checked against protocol stubs of the ranks (tests/deploy/test_ascend_router.py); not against real
+# vLLM-Ascend ranks. See deploy/ascend/README.md.
 #
 #   PREFILL_URLS="http://10.0.0.11:8100 http://10.0.0.12:8100" \
 #   DECODE_URLS="http://10.0.1.11:8200 http://10.0.1.12:8200" \
@@ -26,6 +29,9 @@ args=(
     --host "${ROUTER_HOST:-0.0.0.0}"
     --port "${ROUTER_PORT:-8000}"
     --served-model-name "${SERVED_MODEL_NAME:-kimi-k3}"   # the ranks' --served-model-name
+    # The ranks' P/D protocol. Without it the router would take them for kimi-pd workers: it refuses
+    # to start when a rank answers as stock vLLM.
+    --kv-connector mooncake-ascend
     # The engines' KV block size, for the router's prefix index of static workers. vLLM logs the block
     # size it chose at start-up (hybrid KDA models may align it to the state size): copy it here. A
     # mismatch only makes prefix-aware placement less accurate.

@@ -9,7 +9,9 @@ A stream is handed to the relay (router/request/relay.py), which migrates it if 
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi.responses import Response
 
@@ -18,6 +20,7 @@ from router.placement.ledger import Leg
 from router.placement.pipeline import NoWorkerAvailable
 from router.placement.types import RoutingContext, WorkerState
 from router.request.fleet import Fleet
+from router.request.recompute import merge_whole, recomputed, whole_continuation
 from router.request.trace import PATHS, Trace, trace_headers
 from router.transport.upstream import TRANSPORT_ERRORS, UpstreamError, classify, dumps, error_body, parse_object
 from router.transport.worker_http import WorkerResponse
@@ -31,6 +34,11 @@ def _worth_another_worker(err: UpstreamError) -> bool:
     return err.worker_fault and err.status >= 500 and err.reason != "timeout"
 
 
+# a recomputed hand-back's re-run (router/request/recompute.py): its request body -> the decode worker
+# placed for it, its route and its decode leg's body, after its prefill leg
+Rerun = Callable[[dict], Awaitable[tuple[WorkerState, "Route", dict]]]
+
+
 @dataclass
 class Route:
     """Where a request's decode leg may go: placement's context, the workers, and those already tried."""
@@ -38,6 +46,7 @@ class Route:
     ctx: RoutingContext
     states: list[WorkerState]
     tried: set[str] = field(default_factory=set)
+    rerun: Rerun | None = None                  # how the request runs again after a recomputed hand-back
 
 
 @dataclass
@@ -65,7 +74,23 @@ class DecodeLeg:
         self.fleet = fleet
 
     async def whole(self, trace: Trace, body: dict, worker: WorkerState, route: Route) -> Response:
-        """A non-streamed answer. Nothing reaches the client before the whole answer, and a worker sends its
+        """A non-streamed answer; a recomputed hand-back is run again and joined to it."""
+        answer = await self._answer(trace, body, worker, route)
+        for _ in range(self.fleet.s.max_attempts):
+            again = whole_continuation(body, answer) if recomputed(answer) else None
+            if again is None or route.rerun is None:
+                break
+            worker, route, leg = await route.rerun(again)
+            self.fleet.metrics.recomputes.labels(outcome="rerun").inc()
+            answer = merge_whole(answer, await self._answer(trace, leg, worker, route))
+        if recomputed(answer):
+            self.fleet.metrics.recomputes.labels(outcome="failed").inc()
+            raise UpstreamError("recomputed", "the decode worker gave the request back (recomputed) and it could "
+                                "not be run again", 502, worker_fault=False)
+        return self._respond(trace, answer)
+
+    async def _answer(self, trace: Trace, body: dict, worker: WorkerState, route: Route) -> dict[str, Any]:
+        """One whole answer. Nothing reaches the client before the whole answer, and a worker sends its
         headers only with it, so a worker that dies at any point (while the state is pulled, while it
         generates, while it answers) costs a retry, decode-only on another worker, never the answer. The
         transfer parameters are never replayed: the dead worker may have consumed them."""
@@ -185,15 +210,13 @@ class DecodeLeg:
         if pulled and trace.transfer_tokens > 0:
             self.fleet.registry.transfer.observe(worker.worker_id, trace.transfer_tokens, float(pulled))
 
-    async def _read_whole(self, trace: Trace, opened: Opened) -> Response:
+    async def _read_whole(self, trace: Trace, opened: Opened) -> dict[str, Any]:
         fleet, (worker, resp, leg) = self.fleet, (opened.worker, opened.resp, opened.leg)
         outcome: bool | None = None
         try:
             content = await resp.read()
             body = parse_object(content, "decode")
             outcome = True
-            usage = body.get("usage")
-            trace.completion_tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
         except TRANSPORT_ERRORS as exc:
             err = classify(exc, "decode")
             outcome = err.health_outcome
@@ -208,6 +231,12 @@ class DecodeLeg:
             else:
                 resp.close()
             fleet.registry.end(worker.worker_id, outcome)
+        return body
+
+    def _respond(self, trace: Trace, body: dict[str, Any]) -> Response:
+        fleet, usage = self.fleet, body.get("usage")
+        # what the answer generated (admission settles by it): every part of a recomputed answer
+        trace.completion_tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
         if trace.cached_tokens is not None and isinstance(body.get("usage"), dict):
             body["usage"]["prompt_tokens_details"] = {"cached_tokens": trace.cached_tokens}
         body.pop("kv_transfer_params", None)

@@ -34,8 +34,9 @@ class Fleet:
             ("prefill", settings.prefill_timeout_s), ("stream", settings.idle_timeout_s),
             ("whole", settings.decode_timeout_s))}
         token = settings.worker_api_key or (admin_token if settings.api_keys else None)
-        # with client keys on, our workers only serve authenticated callers (our admin token); a stock
-        # vLLM worker never sees that token: it gets its own --api-key (KIMI_PD_WORKER_API_KEY) or nothing
+        # with client keys on, our workers only serve authenticated callers (our admin token); a worker not
+        # proven ours (stock vLLM, or a static worker that failed the identity check) never sees that token:
+        # it gets its own --api-key (KIMI_PD_WORKER_API_KEY) or nothing
         self._auth = {"authorization": f"Bearer {token}"} if token else {}
         vllm_key = settings.worker_api_key
         self._vllm_auth = {"authorization": f"Bearer {vllm_key}"} if vllm_key else {}
@@ -62,9 +63,12 @@ class Fleet:
         return self.session.origin(worker.info.url)
 
     def headers(self, trace: Trace, worker: WorkerState) -> dict[str, str]:
-        auth = self._vllm_auth if self.registry.is_vllm(worker.worker_id) else self._auth
-        group = {GROUP_HEADER: trace.group} if trace.group else {}
-        return {"x-request-id": trace.request_id, **group, **auth}
+        auth = self._auth if self.registry.is_proven(worker.worker_id) else self._vllm_auth
+        extra = {GROUP_HEADER: trace.group} if trace.group else {}
+        rank = self.registry.dp_ranks.get(worker.worker_id)
+        if rank is not None:                 # one of the data-parallel ranks behind one vLLM API server
+            extra["x-data-parallel-rank"] = str(rank)
+        return {"x-request-id": trace.request_id, **extra, **auth}
 
     async def call(self, worker: WorkerState, send: Callable[[], Awaitable[T]]) -> T:
         """begin/end around one call; a cancelled call (client gone) records no health outcome."""

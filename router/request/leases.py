@@ -25,8 +25,8 @@ RENEW_EVERY_S = 1.0
 
 
 def renews(fleet: Fleet, worker_id: str) -> bool:
-    """Whether this router renews the leases of prefill states on this worker (ours, admin token known)."""
-    return bool(fleet.admin_token) and not fleet.registry.is_vllm(worker_id)
+    """Whether this router renews the leases of prefill states on this worker (proven ours, admin token known)."""
+    return bool(fleet.admin_token) and fleet.registry.is_proven(worker_id)
 
 
 def renew_headers(fleet: Fleet, worker_id: str) -> dict[str, str]:

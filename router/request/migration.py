@@ -33,11 +33,31 @@ class RelayedStream:
     continuation: bool = False                 # the current upstream is a migrated continuation
     untracked: bool = False                    # content was delivered without token ids (a worker that
                                                # ignores return_token_ids): such a stream cannot be resumed
+    # vLLM-Ascend's recompute hand-back (router/request/recompute.py): the upstream ended "recomputed"
+    # (that end and the rest of its stream are not relayed); what was delivered, to run the rest again
+    recomputed: bool = False
+    keep_text: bool = False                    # keep `text`/`reasoning` (stock vLLM: what a re-run is told)
+    text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    content_events: int = 0                    # choices that delivered content (tokens, where ids are missing)
+    earlier_tokens: int = 0                    # delivered before the current re-run (its usage is corrected)
+    reruns: int = 0
     _parser: SSEParser = field(default_factory=SSEParser)
 
     def restart(self) -> None:
         """A new upstream (a continuation) begins: its bytes start a fresh SSE stream."""
         self._parser, self.continuation = SSEParser(), True
+
+    @property
+    def delivered(self) -> int:
+        """Tokens the client has (counted by content events where a worker sends no token ids)."""
+        return self.content_events if self.untracked else len(self.token_ids)
+
+    def rerun(self) -> None:
+        """The request runs again after a recomputed hand-back: a fresh upstream that continues this stream."""
+        self.restart()
+        self.done = self.recomputed = False
+        self.earlier_tokens = self.delivered
 
     def feed(self, chunk: bytes) -> bytes:
         """The client's bytes for this upstream chunk (complete events only; a partial one waits).
@@ -56,7 +76,7 @@ class RelayedStream:
         """One event's data bytes: the client's bytes for it, or None to forward it unchanged."""
         if data == b"[DONE]":
             self.done = True
-            return None
+            return b"" if self.recomputed else None
         if b'"error"' in data:                         # the cheap test first: one event per token
             event = SSEEvent(data.decode("utf-8", errors="replace"))
             if event.is_error:
@@ -69,8 +89,16 @@ class RelayedStream:
         if not isinstance(body, dict):
             return None
         changed, role_only = self._track(body)
+        if self.recomputed:
+            return b""                                 # the hand-back: the re-run goes on where this ended
         if self.continuation and role_only:
             return b""                                 # the client already has the role chunk
+        usage = body.get("usage")
+        if self.earlier_tokens and isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+            usage["completion_tokens"] += self.earlier_tokens      # a re-run's prompt held the delivered tokens
+            if isinstance(usage.get("prompt_tokens"), int):
+                usage["prompt_tokens"] = max(usage["prompt_tokens"] - self.earlier_tokens, 0)
+            changed = True
         if self.response_id is None:
             self.response_id, self.created = body.get("id"), body.get("created")
         elif "id" in body and (body["id"] != self.response_id or body.get("created") != self.created):
@@ -82,7 +110,7 @@ class RelayedStream:
         """An event the line parser read (any framing): fields and errors pass as they are."""
         if event.is_done:
             self.done = True
-            return SSE_DONE
+            return b"" if self.recomputed else SSE_DONE
         if event.event is not None or event.is_error:
             self.errors += 1
             return _frame(event)
@@ -98,6 +126,9 @@ class RelayedStream:
         for choice in choices:
             if not isinstance(choice, dict):
                 continue
+            if choice.get("stop_reason") == "recomputed":
+                self.recomputed = True                 # no token: vLLM-Ascend gives the request back
+                continue
             ids = choice.get("token_ids") if self.keep_token_ids else choice.pop("token_ids", None)
             if isinstance(ids, list):
                 self.token_ids += [t for t in ids if isinstance(t, int)]
@@ -107,9 +138,21 @@ class RelayedStream:
             if choice.get("finish_reason"):
                 self.finished = True
             delta = choice.get("delta")
+            if self.keep_text:
+                self._keep_delivered(choice, delta if isinstance(delta, dict) else {})
             role_only = role_only or (isinstance(delta, dict) and "role" in delta and not delta.get("content")
                                       and len(choices) == 1 and not choice.get("finish_reason"))
         return changed, role_only
+
+    def _keep_delivered(self, choice: dict[str, Any], delta: dict[str, Any]) -> None:
+        text = choice.get("text") or delta.get("content")
+        reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+        if isinstance(text, str) and text:
+            self.text.append(text)
+        if isinstance(reasoning, str) and reasoning:
+            self.reasoning.append(reasoning)
+        if _has_content(choice):
+            self.content_events += 1
 
     @property
     def resumable(self) -> bool:

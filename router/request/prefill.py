@@ -57,7 +57,7 @@ class PrefillLeg:
         kind = connector(trace.kv_connector)
         plan = kind.prepare(trace.request_id)
         body = fleet.for_worker(prefill_body(req))
-        body["kv_transfer_params"] = plan.params
+        body.update(plan.fields, kv_transfer_params=plan.params)
         for attempt in range(fleet.s.max_attempts):
             if attempt == 0 and passed and not tried:
                 worker = fleet.pipeline.pick_among(ctx, passed).worker
@@ -105,8 +105,8 @@ class PrefillLeg:
         fleet, ktp = self.fleet, trace.kv_transfer_params
         if ktp is None or trace.decode_connected or not trace.prefill_worker:
             return
-        if fleet.registry.is_vllm(trace.prefill_worker):
-            return           # /internal/kv/release is ours; vLLM frees the blocks at its own timeout
+        if not fleet.registry.is_proven(trace.prefill_worker):
+            return           # /internal/kv/release is ours, for proven workers only; vLLM frees at its own timeout
         info = fleet.registry.all_infos().get(trace.prefill_worker)
         if info is None or not fleet.admin_token:
             return

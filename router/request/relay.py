@@ -14,10 +14,12 @@ from collections.abc import AsyncGenerator
 
 import httpx
 
+from router.connectors import connector
 from router.placement.pipeline import NoWorkerAvailable
 from router.request.decode import DecodeLeg, Opened, Route
 from router.request.fleet import Fleet
 from router.request.migration import RelayedStream, continuation_body
+from router.request.recompute import continuation
 from router.request.trace import Trace
 from router.transport.upstream import TRANSPORT_ERRORS, UpstreamError
 from router.transport.worker_http import ReadTimeout
@@ -33,20 +35,29 @@ class Relay:
     async def stream(self, trace: Trace, keep_token_ids: bool, body: dict, opened: Opened, route: Route
                      ) -> AsyncGenerator[bytes, None]:
         """Relay the stream, migrating it on a mid-stream failure while another worker can continue."""
-        stream = RelayedStream(keep_token_ids=keep_token_ids)
+        stream, origin = RelayedStream(keep_token_ids=keep_token_ids, keep_text=self._stock(trace)), body
         trace.outcome = "cancelled"
         try:
             while True:
                 try:
                     async for piece in self._pump(trace, opened, stream):
                         yield piece
+                    if stream.recomputed:                      # vLLM-Ascend gave it back: run the rest again
+                        rerun = await self._rerun(trace, origin, stream, route)
+                        if rerun is None:
+                            for piece in self._end_cut(trace, stream, UpstreamError("recomputed", "", 502)):
+                                yield piece
+                            return
+                        opened, body, route = rerun
+                        continue
                     trace.outcome = "error" if stream.errors else "ok"
                     return
                 except UpstreamError as err:
                     log.warning("decode stream %s failed mid-stream on %s (%s): %s", trace.request_id,
                                 opened.worker.worker_id, err.reason, err)
                     self.fleet.metrics.leg_failures.labels(leg="decode", reason=err.reason).inc()
-                    moved = await self._migrate(trace, body, stream, route) if stream.resumable else None
+                    moved = await self._migrate(trace, origin if self._stock(trace) else body, stream, route) \
+                        if stream.resumable else None
                     if moved is None:
                         for piece in self._end_cut(trace, stream, err):
                             yield piece
@@ -70,11 +81,48 @@ class Relay:
         return [sse_error(502, f"the decode worker failed mid-stream: {err.reason}", "upstream_error",
                           "decode_failed"), SSE_DONE]
 
-    async def _migrate(self, trace: Trace, body: dict, stream: RelayedStream, route: Route) -> Opened | None:
-        """Open the continuation on another decode worker, or None if none can."""
-        fleet, continuation = self.fleet, continuation_body(body, stream)
+    async def _rerun(self, trace: Trace, origin: dict, stream: RelayedStream, route: Route
+                     ) -> tuple[Opened, dict, Route] | None:
+        """The recomputed request's rest, placed and prefilled again, opened where the client is; None if it
+        cannot be (no way to say what was delivered, no worker, or too many hand-backs)."""
+        fleet, metrics = self.fleet, self.fleet.metrics.recomputes
+        again = continuation(origin, "".join(stream.text), "".join(stream.reasoning),
+                             None if stream.untracked else stream.token_ids, stream.delivered)
+        if again is None or route.rerun is None or stream.reruns >= fleet.s.max_attempts:
+            metrics.labels(outcome="failed").inc()
+            return None
+        stream.reruns += 1
         try:
-            opened = await self.decode.open(trace, continuation, True,
+            worker, route, leg = await route.rerun(again)
+            opened, leg = await self.decode.open_stream(trace, leg, worker, route)
+        except (UpstreamError, NoWorkerAvailable) as exc:
+            log.warning("recomputed stream %s could not be run again: %s", trace.request_id, exc)
+            metrics.labels(outcome="failed").inc()
+            return None
+        metrics.labels(outcome="rerun").inc()
+        trace.decode_worker = opened.worker.worker_id
+        stream.rerun()
+        return opened, leg, route
+
+    def _stock(self, trace: Trace) -> bool:
+        return connector(trace.kv_connector).vllm
+
+    async def _migrate(self, trace: Trace, body: dict, stream: RelayedStream, route: Route) -> Opened | None:
+        """Open the continuation on another decode worker, or None if none can. Our workers resume from the
+        delivered tokens (`kimi_pd_resume`); stock vLLM, which knows no such field, gets the request with
+        what was delivered in its context (`body` is then the first leg's, router/request/recompute.py)."""
+        fleet, stock = self.fleet, self._stock(trace)
+        if stock:
+            rest = continuation(body, "".join(stream.text), "".join(stream.reasoning), stream.token_ids,
+                                stream.delivered)
+            if rest is None:
+                fleet.metrics.migrations.labels(outcome="failed").inc()
+                return None
+            rest = {**rest, "stream": True, "return_token_ids": True}
+        else:
+            rest = continuation_body(body, stream)
+        try:
+            opened = await self.decode.open(trace, rest, True,
                                             fleet.pick(route.ctx, route.states, route.tried), route)
         except (UpstreamError, NoWorkerAvailable) as exc:
             log.warning("stream %s could not be migrated: %s", trace.request_id, exc)
@@ -83,7 +131,10 @@ class Relay:
         log.info("stream %s migrated to %s after %d tokens", trace.request_id, opened.worker.worker_id,
                  len(stream.token_ids))
         fleet.metrics.migrations.labels(outcome="ok").inc()
-        stream.restart()
+        if stock:
+            stream.rerun()                    # a fresh request: its usage counts only what it generated
+        else:
+            stream.restart()
         return opened
 
     async def _pump(self, trace: Trace, opened: Opened, stream: RelayedStream) -> AsyncGenerator[bytes, None]:

@@ -105,9 +105,18 @@ class StateStore(Protocol):
         """An id of the running store server that changes when it restarts (None: unknown)."""
         ...
 
+    async def share_router_load(self, router_id: str, loads: RouterLoads, ttl_s: float) -> dict[str, RouterLoads]:
+        """Publish one router replica's load per static worker (kept `ttl_s`) and return the other live
+        replicas' (router id -> theirs): static workers report to no store, so replicas share what they sent."""
+        ...
+
     async def close(self) -> None:
         """Release connections. The store must not be used afterwards."""
         ...
+
+
+# a router replica's view of what it sent each static worker: worker id -> [in-flight legs, open work (s)]
+RouterLoads = dict[str, list[float]]
 
 
 def check_ttl(ttl_s: float) -> None:

@@ -17,6 +17,7 @@ from shared.store.base import (
     DEFAULT_EVENTS_MAXLEN,
     DEFAULT_READ_LIMIT,
     DEFAULT_RETAIN_S,
+    RouterLoads,
     WorkerRecord,
     check_read,
     check_ttl,
@@ -54,6 +55,7 @@ class InMemoryStore:
         self._workers: dict[str, _Worker] = {}
         self._kv: dict[str, _KVState] = {}
         self._last_seq_ever: dict[str, int] = {}      # survives epochs: new epochs start above it
+        self._router_loads: dict[str, tuple[float, RouterLoads]] = {}
         self._buckets = LocalBuckets(clock)
 
     async def register(self, info: WorkerInfo, ttl_s: float) -> None:
@@ -118,6 +120,13 @@ class InMemoryStore:
 
     async def instance_id(self) -> str | None:
         return f"memory-{id(self):x}"               # one process-local store: it never restarts
+
+    async def share_router_load(self, router_id: str, loads: RouterLoads, ttl_s: float) -> dict[str, RouterLoads]:
+        check_ttl(ttl_s)
+        now = self._clock()
+        self._router_loads[router_id] = (now, dict(loads))
+        self._router_loads = {rid: e for rid, e in self._router_loads.items() if now - e[0] <= ttl_s}
+        return {rid: dict(e[1]) for rid, e in self._router_loads.items() if rid != router_id}
 
     async def take_buckets(self, specs: Sequence[BucketSpec], force: bool = False) -> BucketResult:
         return self._buckets.take(specs, force)

@@ -31,6 +31,7 @@ from shared.store.base import (
     DEFAULT_RETAIN_S,
     KEY_PREFIX,
     PRUNE_GRACE_S,
+    RouterLoads,
     StoreError,
     StoreUnavailable,
     WorkerRecord,
@@ -119,6 +120,10 @@ class _Keys:
 
     def snapshot(self, wid: str) -> str:
         return f"{self.prefix}:snapshot:{wid}"
+
+    @property
+    def router_load(self) -> str:
+        return f"{self.prefix}:router-load"
 
     def kv(self, wid: str) -> list[str]:
         return [self.events(wid), self.seq(wid), self.snapshot(wid)]
@@ -216,6 +221,30 @@ class RedisStore:
     async def instance_id(self) -> str | None:
         info = await self._run("instance_id", lambda: self._redis.info("server"))
         return str(info.get("run_id")) if isinstance(info, dict) and info.get("run_id") else None
+
+    async def share_router_load(self, router_id: str, loads: RouterLoads, ttl_s: float) -> dict[str, RouterLoads]:
+        """One round trip: this replica's entry (with its time) written, every replica's read; entries older
+        than `ttl_s` (a replica that stopped) are dropped from the answer and deleted."""
+        check_ttl(ttl_s)
+        now, key = time.time(), self._keys.router_load
+
+        async def op() -> dict[bytes, bytes]:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.hset(key, router_id, _pack({"at": now, "loads": loads}))
+                pipe.pexpire(key, _ms(10 * ttl_s))          # a namespace no replica uses any more clears itself
+                pipe.hgetall(key)
+                _, _, entries = await pipe.execute()
+            return entries
+        others, stale = {}, []
+        for field_, raw in (await self._run("share_router_load", op)).items():
+            rid, entry = _bytes(field_).decode(), _unpack(raw)
+            if now - float(entry["at"]) > ttl_s:
+                stale.append(rid)
+            elif rid != router_id:
+                others[rid] = dict(entry["loads"])
+        if stale:
+            await self._run("share_router_load", lambda: self._redis.hdel(key, *stale))
+        return others
 
     async def take_buckets(self, specs: Sequence[BucketSpec], force: bool = False) -> BucketResult:
         """Tenant rate limits shared by every router (`shared.store.buckets`): one script, atomic."""

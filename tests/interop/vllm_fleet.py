@@ -131,7 +131,7 @@ class VllmFleet:
         self.urls: dict[str, str] = {}
         self.children: dict[str, Child] = {}
         self.ports = ListenPorts()
-        self.launches: dict[str, tuple[dict, tuple[str, ...]]] = {}
+        self.launches: dict[str, tuple[dict | None, tuple[str, ...]]] = {}
 
     def __enter__(self) -> VllmFleet:
         return self
@@ -139,14 +139,15 @@ class VllmFleet:
     def __exit__(self, *exc) -> None:
         self.processes.stop(grace_s=20)
 
-    def start_vllm(self, name: str, kv_transfer_config: dict, extra: tuple[str, ...] = ()) -> str:
+    def start_vllm(self, name: str, kv_transfer_config: dict | None, extra: tuple[str, ...] = ()) -> str:
         """Start one vLLM OpenAI server (not waited for: `wait_all` does, so instances start together)."""
         self.launches[name] = (kv_transfer_config, extra)
         port, side, ucx = self.ports.block(), self.ports.block(), self.ports.block(UCX_WINDOW)
         cmd = ["nice", "-n", "10", str(self.python), "-m", "vllm.entrypoints.openai.api_server",
                "--model", str(self.model), "--served-model-name", SERVED, "--host", "127.0.0.1",
                "--port", str(port), "--block-size", "32", "--enforce-eager", "--max-model-len", "2048",
-               "--dtype", "float32", "--max-num-seqs", "32", "--kv-transfer-config", json.dumps(kv_transfer_config),
+               "--dtype", "float32", "--max-num-seqs", "32",
+               *(("--kv-transfer-config", json.dumps(kv_transfer_config)) if kv_transfer_config else ()),
                *extra]
         # UCX picks its listening ports from a small range of its own, above the free port found
         env = vllm_env(side, (ucx, ucx + UCX_WINDOW - 1))

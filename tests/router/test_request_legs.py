@@ -73,18 +73,23 @@ def test_a_prefill_state_no_decode_received_is_released():
         released.append((request.url.path, json.loads(request.content), request.headers["authorization"]))
         return httpx.Response(200, json={"released": True})
 
-    s = FakeSession({P1: [PREFILLED], D1: [Reply(fail="connect")] * 3})
-    orch, t = orchestrator(s, prefill=(P1,), decode=(D1,), handler=admin), trace()
+    for proven in (True, False):
+        s = FakeSession({P1: [PREFILLED], D1: [Reply(fail="connect")] * 3})
+        orch, t = orchestrator(s, prefill=(P1,), decode=(D1,), handler=admin), trace()
+        if proven:
+            orch.registry.identities[P1] = "kimi-pd"      # it passed the identity check (health_checker.identify)
 
-    async def go():
-        with pytest.raises(UpstreamError):
-            await orch.handle(t, chat(), prompt())
-        await asyncio.gather(*orch._background)
-        await orch.fleet.client.aclose()
-    run(go())
-    assert not t.decode_connected
-    assert released == [("/internal/kv/release", {"request_id": "held-1"}, "Bearer adm")]
-    assert count(orch, "prefill_releases_total", outcome="released") == 1
+        async def go(orch=orch, t=t):
+            with pytest.raises(UpstreamError):
+                await orch.handle(t, chat(), prompt())
+            await asyncio.gather(*orch._background)
+            await orch.fleet.client.aclose()
+        run(go())
+        assert not t.decode_connected
+        # a static worker not proven ours gets neither the internal call nor the admin token
+        assert released == ([("/internal/kv/release", {"request_id": "held-1"}, "Bearer adm")] if proven else [])
+        assert count(orch, "prefill_releases_total", outcome="released") == (1 if proven else 0)
+        released.clear()
 
 
 def test_decode_connect_failure_is_retried_on_another_decode_worker():
