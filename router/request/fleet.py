@@ -63,8 +63,9 @@ class Fleet:
         return self.session.origin(worker.info.url)
 
     def headers(self, trace: Trace, worker: WorkerState) -> dict[str, str]:
-        auth = self._auth if self.registry.is_proven(worker.worker_id) else self._vllm_auth
-        extra = {GROUP_HEADER: trace.group} if trace.group else {}
+        ours = self.registry.is_proven(worker.worker_id)
+        auth = self._auth if ours else self._vllm_auth
+        extra = {GROUP_HEADER: trace.group} if trace.group and ours else {}   # our header, to our workers only
         rank = self.registry.dp_ranks.get(worker.worker_id)
         if rank is not None:                 # one of the data-parallel ranks behind one vLLM API server
             extra["x-data-parallel-rank"] = str(rank)

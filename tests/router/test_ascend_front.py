@@ -204,3 +204,15 @@ def test_data_parallel_ranks_flag():
         bad = settings_from_args(parser.parse_args(["--decode", "http://d:8200"]), None)
         with pytest.raises(ValueError, match="data-parallel-ranks"):
             type(bad)(**{**bad.__dict__, "static_dp_ranks": (ranks,)}).validate()
+
+
+def test_a_fan_out_to_stock_ranks_carries_none_of_our_headers():
+    """The fan-out group (`x-kimi-pd-group`) is for our workers' schedulers; stock ranks never see it."""
+    p, d = AscendRank("p", "kv_producer"), AscendRank("d", "kv_consumer")
+    with Servers(p, d), router([p], [d]) as client:
+        resp = client.post("/v1/completions", json={**COMPLETION, "prompt": [PROMPT, PROMPT + " again"], "n": 2})
+        assert resp.status_code == 200, resp.text
+        calls = p.posts() + d.posts()
+        assert len(calls) >= 8
+        leaked = [name for call in calls for name in call["headers"] if name.startswith("x-kimi-pd")]
+        assert leaked == []
