@@ -171,7 +171,7 @@ class LLMEngine:
         assert self.spec is not None
         args = (self.spec, self.model, self.cache_config.num_blocks, config.block_size, torch_dtype(config.dtype),
                 torch.device(config.device))
-        if self.tp is None:
+        if self.tp is None or self.tp.group.world_size == 1:      # a DP rank at TP 1 drafts alone
             return DSparkProposer(*args)
         from engine.spec_decode.parallel import TPProposer
         return TPProposer(*args, group=self.tp.group)

@@ -60,8 +60,6 @@ class DPLayout:
         if self.size_local < self.size and not self.rpc_port:
             raise ValueError("DP ranks on several hosts meet at --data-parallel-address:--data-parallel-rpc-port: "
                              "give --data-parallel-rpc-port")
-        if self.size > 1 and config.speculative_config is not None:
-            raise ValueError("speculative decoding with --data-parallel-size > 1 is not supported")
 
     @property
     def world_size(self) -> int:

@@ -22,7 +22,10 @@ log = logging.getLogger(__name__)
 
 
 class DPRunner(ModelRunner):
-    """A DP rank's runner without tensor parallelism: counts forwards, runs the dummy step."""
+    """A DP rank's runner without tensor parallelism: counts forwards, runs the dummy step.
+
+    With DSpark a step is still one target forward: prefill chunks and verify blocks share it, and the
+    draft (dense layers, the target's embedding and LM head) exchanges nothing across DP ranks."""
 
     forwards = 0
     dummies = 0
@@ -64,12 +67,15 @@ class DPRank:
         self.runner: DPRunner | DPTPRunner | None = None
 
     def make_runner(self, cache_config, identity, proposer=None) -> DPRunner | DPTPRunner:
-        """proposer: always None (speculative decoding with DP is refused at start-up)."""
+        """proposer: this DP rank's DSpark draft (its TP followers build their share from its command)."""
         if self.group.world_size > 1:
             self.group.broadcast((cache_config, identity))
-            self.runner = DPTPRunner(self.model, cache_config, identity, self.group)
+            self.runner = DPTPRunner(self.model, cache_config, identity, self.group, proposer)
+            if proposer is not None:
+                self.group.broadcast(proposer.setup_command())
         else:
-            self.runner = DPRunner(self.model, cache_config, identity)
+            self.runner = DPRunner(self.model, cache_config, identity,
+                                   proposer.capture_layers if proposer else (), proposer)
         return self.runner
 
     def alive(self) -> bool:
@@ -99,11 +105,13 @@ def step_once(engine) -> list:
 
 
 def report(engine) -> dict[str, Any]:
-    """A DP rank's load and cache changes, sent with every step's outputs."""
+    """A DP rank's load and cache changes, sent with every step's outputs (spec: its DSpark drafts and
+    accepted tokens so far, None without speculation)."""
     s = engine.scheduler
     return {"running": len(s.running), "waiting": len(s.waiting), "held": len(engine.held),
             "usage": engine.cache.usage, "preemptions": s.num_preemptions, "unfinished": engine.has_unfinished(),
             "forwards": engine.runner.forwards, "dummies": engine.runner.dummies,
+            "spec": (engine.spec_stats.num_drafts, engine.spec_stats.num_accepted_tokens) if engine.spec_stats else None,
             "events": engine.cache.drain_events()}
 
 

@@ -90,6 +90,7 @@ def start_data_parallel(config) -> tuple[DPRank, DPChannel]:
     if layout.start_rank != 0:
         raise ValueError("only the node with --data-parallel-start-rank 0 serves; start the others with --headless")
     parallel_config(config).check(ModelConfig.from_file(Path(config.model) / "config.json").text_config)
+    check_before_ranks(config)                         # each DP rank drafts on its own ranks; a bad draft stops here
     if not layout.rpc_port:
         config = dataclasses.replace(config, data_parallel_rpc_port=free_port())
     threads = max(1, torch.get_num_threads() // len(layout.local_ranks()))

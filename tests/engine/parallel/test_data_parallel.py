@@ -84,6 +84,10 @@ def test_bad_layouts_are_refused_before_any_process_starts(tiny_dir):
         LLM(str(tiny_dir), data_parallel_size=3, enable_expert_parallel=True, **SETTINGS)
     with pytest.raises(ValueError, match="exceeds --data-parallel-size"):
         LLM(str(tiny_dir), data_parallel_size=2, data_parallel_size_local=2, data_parallel_start_rank=1, **SETTINGS)
-    with pytest.raises(ValueError, match="speculative decoding"):
-        LLM(str(tiny_dir), data_parallel_size=2, enable_expert_parallel=True,
+    with pytest.raises(ValueError, match="expected 'k3_dspark'"):          # DSpark runs with DP (test_dp_spec.py),
+        LLM(str(tiny_dir), data_parallel_size=2, enable_expert_parallel=True,    # but not a target as its draft
             speculative_config={"method": "dspark", "model": str(tiny_dir)}, **SETTINGS)
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size=2"):
+        LLM(str(tiny_dir), data_parallel_size=2, enable_expert_parallel=True,
+            speculative_config={"method": "dspark", "model": "tiny-chat-dspark", "draft_tensor_parallel_size": 2},
+            **SETTINGS)
