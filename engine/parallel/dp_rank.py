@@ -107,11 +107,11 @@ def step_once(engine) -> list:
 def report(engine) -> dict[str, Any]:
     """A DP rank's load and cache changes, sent with every step's outputs (spec: its DSpark drafts and
     accepted tokens so far, None without speculation)."""
-    s = engine.scheduler
+    s, spec = engine.scheduler, engine.spec_stats
     return {"running": len(s.running), "waiting": len(s.waiting), "held": len(engine.held),
             "usage": engine.cache.usage, "preemptions": s.num_preemptions, "unfinished": engine.has_unfinished(),
             "forwards": engine.runner.forwards, "dummies": engine.runner.dummies,
-            "spec": (engine.spec_stats.num_drafts, engine.spec_stats.num_accepted_tokens) if engine.spec_stats else None,
+            "spec": (spec.num_drafts, spec.num_accepted_tokens) if spec else None,
             "events": engine.cache.drain_events()}
 
 

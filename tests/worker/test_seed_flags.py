@@ -4,7 +4,6 @@ without an effect here log one line each, an unknown flag is still an error."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import io
 import json
 import logging
@@ -78,6 +77,7 @@ def test_node0_line_as_written_takes_effect_flag_by_flag(w4a8_dir, caplog):
     assert spec is not None and (spec.method, spec.num_speculative_tokens, spec.draft_tensor_parallel_size,
                                  spec.enforce_eager) == ("dspark", 7, 16, True)
     spec.check_draft_tp(16)                                      # the seed's draft TP = its target TP
+    assert DPLayout.of(engine).size == 4                         # DP 4 with --speculative-config: accepted
     with pytest.raises(SpecConfigError, match="cannot be other than 1 or the target's"):
         spec.check_draft_tp(8)
     lines = [r.getMessage() for r in caplog.records]
@@ -97,7 +97,7 @@ def test_headless_node_lines_parse_with_their_rank(w4a8_dir):
         engine = checked_settings(args, resolve_model(args)).engine
         assert (engine.data_parallel_size, engine.data_parallel_size_local, engine.data_parallel_start_rank) == (
             4, 1, node)
-        assert DPLayout.of(dataclasses.replace(engine, speculative_config=None)).local_ranks() == list(
+        assert DPLayout.of(engine).local_ranks() == list(
             range(16 * node, 16 * node + 16))                    # its 16 TP ranks of DP rank `node`
 
 
