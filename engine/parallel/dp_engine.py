@@ -67,6 +67,11 @@ class DataParallelEngine:
         self._ids = itertools.count()
         self._closed = False
 
+    def check_integrity(self) -> None:
+        """Every DP rank's cache and request bookkeeping checks (raises on the first broken rank)."""
+        for d in range(self.layout.size):
+            self._on(d, "check_integrity", ())
+
     def step_counts(self) -> list[tuple[int, int]]:
         """(forwards, dummy steps) of every DP rank, as of the last step."""
         runner: Any = self.local.runner

@@ -1,7 +1,8 @@
 """DSpark on a data-parallel engine: each DP rank drafts for its own batch on its own ranks, and the
 lock-step holds (one target forward or dummy step per rank per step: the draft has no MoE layer).
 Speculative greedy on DP2 x TP1 (EP2) and DP2 x TP2 (EP4) equals plain TP=1 greedy, with requests on
-both ranks at once and rank 1 idle (dummy steps) while rank 0's long request finishes."""
+both ranks at once and rank 1 idle (dummy steps) while rank 0's long request finishes; P/D between
+DP2 and TP 1 carries the draft's context rows from and into either DP rank."""
 from __future__ import annotations
 
 import pytest
@@ -36,11 +37,26 @@ def test_speculative_dp_equals_plain_tp1(prompts, plain, draft, tp):  # noqa: F8
         engine = llm.engine
         placed, steps = list(engine.placed), engine.step_counts()
         stats = [(engine.spec_stats.num_drafts, engine.spec_stats.num_accepted_tokens), engine.loads[1]["spec"]]
-        for d in (0, 1):
-            engine._on(d, "check_integrity", ())
+        engine.check_integrity()                            # every DP rank's cache and requests
     assert placed == [2, 2], placed                        # concurrent requests on both DP ranks
     (fwd0, dummy0), (fwd1, dummy1) = steps
     assert fwd0 + dummy0 == fwd1 + dummy1, steps           # lock-step with speculation: one forward per step
     assert dummy1 > 0 and dummy0 == 0, steps                # rank 1 idles while rank 0's long request finishes
     assert all(drafts > 0 and accepted > 0 for drafts, accepted in stats), stats      # both ranks speculate
     assert got == plain
+
+
+def test_pd_between_dp2_and_tp1_carries_the_draft_rows(prompts, plain):  # noqa: F811
+    """A DP2 prefill's state (with the draft's context rows, from either DP rank) imported by a TP 1 decode
+    engine, and TP 1's imported by DP2 (into either rank): the plain greedy tokens, each time."""
+    from tests.engine.spec_decode.test_pd_spec import pd_generate
+    spec = {"method": "dspark", "model": "tiny-chat-dspark"}
+    model = str(shipped_checkpoint("tiny-chat"))
+    one = LLM(model, speculative_config=spec, **SETTINGS)
+    with LLM(model, data_parallel_size=2, enable_expert_parallel=True, speculative_config=spec, **SETTINGS) as dp:
+        for i, (prefill, decode) in enumerate([(dp, one), (dp, one), (one, dp), (one, dp)]):
+            p = params(len(prompts))[i]
+            state, got = pd_generate(prefill, decode, prompts[i], p)
+            assert got == plain[i], i
+            assert state.draft and all(t.shape[0] == len(prompts[i]) for t in state.draft.values())
+        assert dp.engine.placed == [2, 2]                   # each direction used both DP ranks
