@@ -68,11 +68,21 @@ def build_dp_rank(config, rank: int) -> tuple[TPGroup, KimiK3ForConditionalGener
     return group, _load_shard(config, device, group, expert_parallel), channel
 
 
+def config_payload(config) -> str:
+    """The EngineConfig as JSON for a rank process; a parsed `--speculative-config` goes as vLLM's fields
+    (asdict would add its `extra` dict, which the rank's parser refuses as an unknown field)."""
+    d = dataclasses.asdict(config)
+    spec = getattr(config, "speculative_config", None)
+    if spec is not None and hasattr(spec, "to_dict"):
+        d["speculative_config"] = spec.to_dict()
+    return json.dumps(d)
+
+
 def spawn_dp_ranks(config, threads: int) -> list[subprocess.Popen]:
     """This host's ranks of a data-parallel engine except global rank 0 (the front's own process):
     DP leaders run `dp_leader`, the others `follower`, all meeting at the DP address and RPC port."""
     layout = DPLayout.of(config)
-    payload = json.dumps(dataclasses.asdict(config))
+    payload = config_payload(config)
     procs = []
     for g in layout.local_ranks():
         if g == 0:
@@ -131,7 +141,7 @@ def node_ranks(config, node: int) -> range:
 
 
 def spawn_followers(config, ranks: range | list[int], port: int) -> list[subprocess.Popen]:
-    payload = json.dumps(dataclasses.asdict(config))
+    payload = config_payload(config)
     threads = max(1, torch.get_num_threads() // max(1, len(node_ranks(config, config.node_rank))))
     return [subprocess.Popen([sys.executable, "-m", "engine.parallel.follower", "--rank", str(r), "--port", str(port),
                               "--config", payload, "--threads", str(threads)]) for r in ranks]

@@ -5,10 +5,15 @@ both ranks at once and rank 1 idle (dummy steps) while rank 0's long request fin
 DP2 and TP 1 carries the draft's context rows from and into either DP rank."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.core.engine import EngineConfig
+from engine.parallel.launch import config_payload
 from engine.presets import shipped_checkpoint
+from engine.spec_decode.config import SpeculativeConfig
 from tests.engine.spec_decode.test_tp_spec import prompts  # noqa: F401 - the held-out task prompts fixture
 
 pytestmark = pytest.mark.timeout(300)
@@ -30,7 +35,9 @@ def plain(prompts):  # noqa: F811 - pytest injects the imported fixture
 @pytest.mark.parametrize("draft,tp", [("tiny-chat-dspark", 1), ("tiny-chat-dspark-gqa", 1), ("tiny-chat-dspark", 2)],
                          ids=["dp2-tp1-mla", "dp2-tp1-gqa", "dp2-tp2-mla"])
 def test_speculative_dp_equals_plain_tp1(prompts, plain, draft, tp):  # noqa: F811
-    spec = {"method": "dspark", "model": draft, "draft_tensor_parallel_size": tp}
+    spec: dict | SpeculativeConfig | None = {"method": "dspark", "model": draft, "draft_tensor_parallel_size": tp}
+    if draft.endswith("gqa") or tp > 1:                    # parsed, as the worker passes it to the engine
+        spec = SpeculativeConfig.parse(spec)
     with LLM(str(shipped_checkpoint("tiny-chat")), data_parallel_size=2, tensor_parallel_size=tp,
              enable_expert_parallel=True, speculative_config=spec, **SETTINGS) as llm:
         got = [o.output.token_ids for o in llm.generate(prompts, params(len(prompts)))]
@@ -60,3 +67,13 @@ def test_pd_between_dp2_and_tp1_carries_the_draft_rows(prompts, plain):  # noqa:
             assert got == plain[i], i
             assert state.draft and all(t.shape[0] == len(prompts[i]) for t in state.draft.values())
         assert dp.engine.placed == [2, 2]                   # each direction used both DP ranks
+
+
+def test_rank_processes_get_the_parsed_speculative_config_back():
+    """The config a rank process reads back (JSON) holds the worker's parsed --speculative-config as vLLM's
+    fields, unknown ones included, and parses to the same config."""
+    spec = SpeculativeConfig.parse({"method": "dspark", "model": "tiny-chat-dspark", "num_speculative_tokens": 5,
+                                    "parallel_drafting": True})
+    config = EngineConfig(str(shipped_checkpoint("tiny-chat")), data_parallel_size=2, speculative_config=spec)
+    back = EngineConfig(**json.loads(config_payload(config)))
+    assert SpeculativeConfig.parse(back.speculative_config) == spec
