@@ -85,6 +85,7 @@ def format_scores(scores: list[FamilyScore], where: str) -> str:
 
 def offline_answerer(model_dir: str, max_num_seqs: int = 16) -> Answerer:
     from engine.llm import LLM
+    from shared.openai.shaping import SpecialTokenStrip, shape_chat_message
     from shared.prompt.parsers import parse_tool_calls, split_reasoning
     from shared.sampling_params import SamplingParams
 
@@ -97,8 +98,15 @@ def offline_answerer(model_dir: str, max_num_seqs: int = 16) -> Answerer:
                               thinking=thinking) for i in insts]
         outs = llm.generate(prompts, params)
         answers = []
-        for out in outs:
+        for inst, out in zip(insts, outs, strict=True):
             text = out.output.text
+            if out.output.finish_reason == "length":      # cut: shaped as the server shapes it (kept, not dropped)
+                shaped = shape_chat_message(text, thinking=thinking, tools_requested=bool(inst.tools),
+                                            strip=SpecialTokenStrip(llm.tokenizer.special_tokens), cut=True)
+                cut_calls = [{"function": {"name": c.function.name, "arguments": c.function.arguments}}
+                             for c in shaped.tool_calls]
+                answers.append(Answer(shaped.content or "", cut_calls, shaped.reasoning_content or ""))
+                continue
             split = split_reasoning(text, thinking=thinking)
             calls = [{"function": {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}}
                      for c in parse_tool_calls(text, thinking=thinking)]
