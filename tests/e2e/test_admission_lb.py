@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -43,7 +44,9 @@ def test_two_routers_behind_the_lb_share_one_limit_then_split_it_without_the_sto
     procs, store = Procs(tmp_path), EmbeddedValkey()
     store.start()
     try:
-        env = {**os.environ, "KIMI_PD_ADMIN_TOKEN": "lb-admin-token", "PYTHONUNBUFFERED": "1"}
+        repo = str(Path(__file__).resolve().parents[2])    # the children run in tmp_path: `tests` from this tree
+        env = {**os.environ, "KIMI_PD_ADMIN_TOKEN": "lb-admin-token", "PYTHONUNBUFFERED": "1",
+               "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
         stub_port = free_port()
         procs.spawn("stub", [sys.executable, "-m", "tests.stub_worker", "--port", str(stub_port)], env)
         ports = {n: free_port() for n in "ab"}
