@@ -141,12 +141,24 @@ def test_every_alert_expression_returns_data_and_every_rule_evaluates(prometheus
     for rule in rules:
         query, _ = split_threshold(rule["expr"])
         result = _query(prom_url, query)
+        for _ in range(15):             # a rate() over the newest scrapes may need one more sample
+            if result:
+                break
+            time.sleep(1)
+            result = _query(prom_url, query)
         assert result, f"{rule['alert']}: {query} returned nothing"
         assert any(math.isfinite(float(r["value"][1])) for r in result), rule["alert"]
-    groups = httpx.get(prom_url + "/api/v1/rules", timeout=10).json()["data"]["groups"]
-    loaded = {r["name"]: r for g in groups for r in g["rules"]}
+    # rules are evaluated every second: one that has not run yet reads "unknown", and one that saw the fleet
+    # still starting may be pending for an evaluation or two; the settled state is what must be clean
+    deadline = time.monotonic() + 30
+    while True:
+        groups = httpx.get(prom_url + "/api/v1/rules", timeout=10).json()["data"]["groups"]
+        loaded = {r["name"]: r for g in groups for r in g["rules"]}
+        bad = {name: r.get("lastError") for name, r in loaded.items() if r["health"] != "ok"}
+        firing = [name for name, r in loaded.items() if r["state"] != "inactive"]
+        if (not bad and not firing) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
     assert set(loaded) == {r["alert"] for r in rules}
-    bad = {name: r.get("lastError") for name, r in loaded.items() if r["health"] != "ok"}
     assert not bad, bad
-    firing = [name for name, r in loaded.items() if r["state"] != "inactive"]
     assert not firing, f"a healthy fleet fires {firing}"
