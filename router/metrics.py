@@ -55,6 +55,8 @@ class CachedLabels:
         return getattr(self.metric, name)
 
 
+ENDPOINTS = ("chat", "completions")
+DECISIONS = ("prefill-decode", "decode-only", "none")
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
@@ -70,6 +72,12 @@ class RouterMetrics:
             return Histogram(p + name, doc, buckets=_BUCKETS, registry=r)
 
         self.requests = counter("requests_total", "Finished requests", ["endpoint", "decision", "outcome"])
+        # every series a request can land in exists from the start at 0: a counter whose first sample is
+        # already 1 hides that increment from rate(), so the error-ratio alert would read NaN after a burst
+        for endpoint in ENDPOINTS:
+            for decision in DECISIONS:
+                for outcome in ("ok", "error"):
+                    self.requests.labels(endpoint=endpoint, decision=decision, outcome=outcome)
         self.decisions = counter("decisions_total", "Placement decisions", ["decision"])
         self.decision_reasons = counter("decision_reasons_total", "Placement decisions by why they were made",
                                         ["decision", "reason"])
