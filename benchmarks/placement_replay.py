@@ -24,9 +24,11 @@ guess, not the true one.
 Baselines in the same run: the oracle (one shared infinite cache, dispatch to the worker that frees
 first: exact and clairvoyant), `clairvoyant` (dispatch to the worker that truly finishes the request
 first, on the real per-worker caches: the oracle restricted to our caches), round robin, least loaded;
-`--baselines` adds the previous default policy and ours with a fixed 65,536-block index.
+`--baselines` adds our policy before the held-out split (`kimi-pd-before`), the previous default policy
+and ours with a fixed 65,536-block index.
 `pooled_lru_hit` is the hit ratio of one LRU of workers x cache-blocks. Goal per cell: hit >= 0.97 x
-pooled LRU and p99 TTFT <= 1.1 x the oracle's. Output: benchmarks/results/placement_replay.json.
+pooled LRU and p99 TTFT <= 1.1 x the oracle's. Output: benchmarks/results/placement_replay.json and
+its table beside it (benchmarks/results/placement_replay_latest.md); `--tune` writes placement_tune.json.
 """
 from __future__ import annotations
 
@@ -137,6 +139,9 @@ def one_cell(rows: Sequence[dict[str, Any]], trace: str, n: int, load: float,
         "round-robin": lambda: run_simple(reqs, n, args, round_robin, start=start),
         "least-loaded": lambda: run_simple(reqs, n, args, least_loaded, start=start)}
     if args.baselines:
+        before = variant_args(args, *TUNE_GRID[0])
+        runs["kimi-pd-before"] = lambda: run_router(reqs, n, args, router_settings(n, before, legacy=False),
+                                                    start=start)
         runs["kimi-pd-index-65536"] = lambda: run_router(reqs, n, args, replace(ours, static_cache_tokens=0),
                                                          start=start)
         runs["previous-default"] = lambda: run_router(reqs, n, args, router_settings(n, args, legacy=True),
@@ -171,7 +176,8 @@ def run_grid(args: argparse.Namespace) -> list[dict[str, Any]]:
 # ---- tuning, on the first part only ---------------------------------------------------------------
 
 # (own_weight, idle_own_weight or None, slack_s, with_request): the completion scorer and backlog filter
-# (a first, wider search on the 4-worker conversation cells' tuning part dropped idle weights, slack 3 s
+# the first is the policy before the held-out split (tuned on whole traces): `--baselines` runs it as
+# kimi-pd-before. (A first, wider search on the 4-worker conversation cells' tuning part dropped idle weights, slack 3 s
 # (hit < 0.97) and own_weight 32 with slack 6 s)
 TUNE_GRID = [(16.0, None, 6.0, False), (16.0, None, 4.0, True), (32.0, None, 4.0, True), (16.0, 4.0, 4.0, True)]
 
@@ -237,6 +243,28 @@ def table(results: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def markdown(out: dict[str, Any], command: str) -> str:
+    """The run as a short Markdown page: command, load average, one row per cell (ratios within the run)."""
+    cols = [name for name in ("kimi-pd", "kimi-pd-before", "clairvoyant", "clairvoyant-greedy", "oracle-pooled-lru",
+                              "least-loaded") if name in out["results"][0]["policies"]]
+    lines = [f"# placement_replay: latest run (held-out part; {out['seconds']:.0f} s)", "",
+             f"`{command}`; load average {out['loadavg_start'][0]:.1f} at start, "
+             f"{out['loadavg_end'][0]:.1f} at the end "
+             "(the figures are simulated time: the machine's load changes the run time only). Each cell: hit / pooled "
+             "LRU hit, p99 TTFT / the oracle's (one infinite shared cache). Goal: >= 0.97 and <= 1.1.", "",
+             "| trace | workers | load | uncached load | oracle p99 s | " + " | ".join(cols) + " | goal met |",
+             "|---" * (6 + len(cols)) + "|"]
+    for r in out["results"]:
+        cells = [f"{r['policies'][c]['hit_vs_pooled_lru']:.3f} / {r['policies'][c]['p99_vs_oracle']:.2f}x"
+                 for c in cols]
+        lines.append(f"| {r['trace']} | {r['workers']} | {r['load']} | {r['uncached_load']:.2f} | "
+                     f"{r['policies']['oracle']['ttft_p99_s']:.2f} | " + " | ".join(cells) + f" | {r['goal_met']} |")
+    missing = ", ".join(out["missing_traces"])
+    lines += ["", f"Not run: {missing} (the issue's tool-agent trace is over 4 MiB and absent from the Mooncake "
+              "snapshot on this machine, which has no internet; see /work/shared/data/mooncake/SOURCE.txt).", ""]
+    return "\n".join(lines)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.placement_replay", description=__doc__.splitlines()[0])
     p.add_argument("--traces", nargs="+", default=["conversation", "synthetic"])
@@ -253,7 +281,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--split", type=float, default=0.5, help="share of each trace (time order) for tuning")
     p.add_argument("--warmup", type=float, default=0.2, help="share of the tuning part not scored")
     p.add_argument("--limit", type=int, default=None, help="first N requests of each trace")
-    p.add_argument("--baselines", action="store_true", help="add the previous default and a 65,536-block index")
+    p.add_argument("--baselines", action="store_true", help="add kimi-pd-before, previous-default, index-65536")
     p.add_argument("--scorers", help='JSON scorer weights for kimi-pd instead of the router default, e.g. '
                    '\'{"completion": [1.0, {"own_weight": 1.5}]}\'')
     p.add_argument("--filters", help="JSON placement filters for kimi-pd instead of the router default")
@@ -274,7 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.tune:
         found = tune(args)
         out_path = args.output.with_name("placement_tune.json") if args.output == RESULTS else args.output
-        out_path.write_text(json.dumps({"benchmark": "placement_replay --tune", **found, "loadavg_start": load_at_start,
+        config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "output"}
+        out_path.write_text(json.dumps({"benchmark": "placement_replay --tune", "config": config, "grid": TUNE_GRID,
+                                        **found, "loadavg_start": load_at_start,
                                         "loadavg_end": os.getloadavg()}, indent=2) + "\n")
         for r in found["ranking"]:
             print(json.dumps(r))
@@ -292,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
            "seconds": time.perf_counter() - start, "loadavg_start": load_at_start, "loadavg_end": os.getloadavg()}
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(out, indent=2) + "\n")
+    command = "python -m benchmarks.placement_replay " + " ".join(argv if argv is not None else sys.argv[1:])
+    args.output.with_name(args.output.stem + "_latest").with_suffix(".md").write_text(markdown(out, command.strip()))
     print(table(results))
     print(json.dumps({"all_goals_met": out["all_goals_met"], "output": str(args.output),
                       "seconds": round(out["seconds"], 1)}))

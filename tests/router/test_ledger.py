@@ -170,8 +170,10 @@ def test_router_policy_waits_for_a_hit_but_not_without_bound():
     pipe = build_pipeline(**settings.pipeline_spec())
     context = ctx(tokens=20000, cached={"a": 4000})                 # 16k of 20k tokens cached on a
     queued = lambda s: [w("a", backlog=s, tps=20000.0), w("b", tps=20000.0)]   # noqa: E731
-    assert pipe.pick(context, queued(3.0)).worker.worker_id == "a"   # 3 s queue < 16 x 0.8 s saved
-    assert pipe.pick(context, queued(7.0)).worker.worker_id == "b"   # beyond the 6 s slack
+    assert pipe.pick(context, queued(3.0)).worker.worker_id == "a"   # 3 s queue < 32 x 0.8 s saved
+    # the 4 s slack bounds what the client waits: a finishes at 4.7 s against b's 1 s, 3.7 s behind
+    assert pipe.pick(context, queued(4.5)).worker.worker_id == "a"
+    assert pipe.pick(context, queued(5.0)).worker.worker_id == "b"   # 5.2 s: beyond the slack
 
 
 def test_backlog_filter_with_request_lets_a_prefix_holder_be_as_far_behind_as_its_hit_saves():
