@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
+from typing import Any
 
 from router.kv_events_relay import parse_kv_events_flag
 from router.settings import RouterSettings
@@ -28,6 +30,11 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="run without a tokenizer: the prefix index hashes prompt text (approximate)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="router processes serving the port, placing as one router (default: the host's cores; "
+                        "1: a single process, no parent): docs/router-processes.md")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds open streams get to finish on SIGTERM before the router stops")
     p.add_argument("--served-model-name", nargs="+", default=["kimi-k3"], metavar="NAME",
                    help="names clients may use; the first is the workers' own (sent to them), as in vLLM")
     p.add_argument("--kv-connector", default="kimi-pd",
@@ -133,15 +140,39 @@ def parse_dp_ranks(values: list[str]) -> tuple[tuple[str, int], ...]:
     return tuple(out)
 
 
+def router_processes(requested: int | None) -> int:
+    """`--workers`: N as given, or one per core this process may run on."""
+    n = requested if requested is not None else len(os.sched_getaffinity(0))
+    if not 1 <= n <= 256:
+        raise ValueError(f"--workers {n}: give 1..256 router processes")
+    return n
+
+
 def run_router(args: argparse.Namespace, model_dir: str | None) -> int:
+    n = router_processes(args.workers)
+    if args.shutdown_timeout <= 0:
+        raise ValueError("--shutdown-timeout must be > 0")
+    if n == 1:
+        serve(args, model_dir)
+        return 0
+    settings_from_args(args, model_dir).validate()        # a bad flag stops here, before any child starts
+    from router.procs.supervisor import run_processes
+    return run_processes(args, model_dir, n, args.shutdown_timeout)
+
+
+def serve(args: argparse.Namespace, model_dir: str | None, share: Any = None, sockets: list | None = None,
+          grace_s: float | None = None) -> None:
+    """One router process: on host:port, or on `sockets` inherited from the parent of `--workers N`."""
     import uvicorn
+    from uvicorn.config import LOGGING_CONFIG
 
     from router.app import create_app
     from router.transport.front import front_protocol_class
     settings = settings_from_args(args, model_dir)
-    app = create_app(settings)
+    app = create_app(settings, share=share)
+    grace = math.ceil(args.shutdown_timeout if grace_s is None else max(grace_s - 2.0, 1.0))   # parent kills at grace_s
     # the two OpenAI POST routes are served by the protocol itself (router/transport/front.py); the rest by the app
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level, access_log=False,
-                timeout_graceful_shutdown=30,
-                http=front_protocol_class(args.header_timeout, app, settings.max_request_bytes))
-    return 0
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=args.log_level, access_log=False,
+                            timeout_graceful_shutdown=grace, log_config=None if share is not None else LOGGING_CONFIG,
+                            http=front_protocol_class(args.header_timeout, app, settings.max_request_bytes))
+    uvicorn.Server(config).run(sockets=sockets)
