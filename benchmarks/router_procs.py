@@ -126,6 +126,20 @@ def wait_ready(url: str, timeout_s: float = 120.0) -> None:
     raise TimeoutError(f"{url} not ready")
 
 
+def cpu_s(pid: int) -> float:
+    """CPU seconds of a process and its children (the router's processes under --workers N)."""
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            todo += [int(c) for c in Path(f"/proc/{p}/task/{p}/children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
+
+
 async def drive(url: str, seconds: float, concurrency: int) -> float:
     body = {"model": "kimi-k3", "prompt": "hello there, how are you", "max_tokens": 4}
     done = 0
@@ -156,12 +170,18 @@ def end_to_end(seconds: float, rounds: int, concurrency: int, tmp: Path) -> dict
             wait_ready(url)
         time.sleep(3.0)                                  # the second process of --workers 2 is up too
         rates: dict[int, list[float]] = {1: [], 2: []}
+        cpu_ms: dict[int, list[float]] = {1: [], 2: []}
         for _ in range(rounds):
-            for n, (_, url) in routers.items():
-                rates[n].append(asyncio.run(drive(url, seconds, concurrency)))
+            for n, (proc, url) in routers.items():
+                before = cpu_s(proc.pid)
+                rate = asyncio.run(drive(url, seconds, concurrency))
+                rates[n].append(rate)
+                cpu_ms[n].append((cpu_s(proc.pid) - before) * 1e3 / max(rate * seconds, 1))
         one, two = statistics.median(rates[1]), statistics.median(rates[2])
         return {"rps_workers_1": [round(r, 1) for r in rates[1]], "rps_workers_2": [round(r, 1) for r in rates[2]],
-                "ratio_2_over_1": round(two / one, 3), "concurrency": concurrency, "seconds_each": seconds}
+                "ratio_2_over_1": round(two / one, 3), "concurrency": concurrency, "seconds_each": seconds,
+                "router_cpu_ms_per_request_1": [round(c, 2) for c in cpu_ms[1]],
+                "router_cpu_ms_per_request_2": [round(c, 2) for c in cpu_ms[2]]}
     finally:
         for p in procs:
             p.terminate()
@@ -209,7 +229,9 @@ def report(out: dict) -> str:
          f"{s['refresh_16_workers_ms_p50']} ms p50"),
         (f"end to end, small completions, {e['concurrency']} clients, {e['seconds_each']} s each, interleaved",
          f"--workers 1: {e['rps_workers_1']} req/s; --workers 2: {e['rps_workers_2']} req/s; "
-         f"ratio {e['ratio_2_over_1']}")]
+         f"ratio {e['ratio_2_over_1']}"),
+        ("router CPU per request (all its processes)",
+         f"--workers 1: {e['router_cpu_ms_per_request_1']} ms; --workers 2: {e['router_cpu_ms_per_request_2']} ms")]
     table = "\n".join(f"| {what} | {figure} |" for what, figure in rows)
     return f"""# router_procs: `kimi-pd router --workers N`
 

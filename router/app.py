@@ -87,23 +87,13 @@ def create_app(settings: RouterSettings, share: ProcessShare | None = None) -> F
         app.state.prompts = prompts = load_prompt_source(settings.model, settings.surface)
         app.state.tenants = tenants
         app.state.helpers = RouterHelpers(settings, prompts, tenants)     # /v1/models, /tokenize, ... (shared routes)
-        app.state.admission = admission = admission_http.build(app.state, store, _spawn)
+        app.state.admission = admission_http.build(app.state, store, _spawn)
         app.state.sampling_check = SamplingCheck()
         log.info("prompt hashing: %s (%s)", prompts.kind, settings.model or "no tokenizer")
         app.state.orchestrator = Orchestrator(settings, registry, client, pipeline, metrics, settings.admin_token,
                                               session)
         await _first_round(settings, registry, metrics, client, session, store)
-        tasks = [asyncio.create_task(registry.run(stop)), asyncio.create_task(admission.limiter.run(stop)),
-                 asyncio.create_task(admission_http.pump_loop(admission, stop, 0.25 if share is None else 0.05))]
-        if share is None or share.is_leader:     # `--workers N`: process 0 probes, the others apply its rounds
-            tasks.append(asyncio.create_task(health_checker.run(
-                client, registry, settings.health_check_s, stop, metrics, settings.health_timeout_s,
-                None if share is None else share.health_round)))
-        if share is not None:
-            app.state.merged_metrics = MergedMetrics(metrics)
-            admission.accounting.siblings = share.sibling_usage
-            tasks.append(asyncio.create_task(share.run(stop, admission.accounting.raw)))
-            share.ready()
+        tasks = _loops(app.state, client, stop)
         if settings.kv_events:                   # stock vLLM's ZMQ KV events -> the exact prefix index
             app.state.kv_events = relay = KVEventsRelay(settings.kv_events, registry.index.exact,
                                                         registry.index.exact_workers, registry.hash_chain)
@@ -134,6 +124,24 @@ def create_app(settings: RouterSettings, share: ProcessShare | None = None) -> F
     admission_http.install(app, _check_admin)        # 429/503 with their headers, /admin/tenants
     app.fast_routes = {"/v1/chat/completions": _chat, "/v1/completions": _completions}
     return app
+
+
+def _loops(st: Any, client: httpx.AsyncClient, stop: asyncio.Event) -> list[asyncio.Task]:
+    """The loops beside the requests: store refresh, rate-limit heartbeat, queue pump, health rounds and,
+    under `--workers N`, following the sibling processes (process 0 alone probes; the others apply its rounds)."""
+    settings, registry, admission, share = st.settings, st.registry, st.admission, st.share
+    tasks = [asyncio.create_task(registry.run(stop)), asyncio.create_task(admission.limiter.run(stop)),
+             asyncio.create_task(admission_http.pump_loop(admission, stop, 0.25 if share is None else 0.1))]
+    if share is None or share.is_leader:
+        tasks.append(asyncio.create_task(health_checker.run(
+            client, registry, settings.health_check_s, stop, st.metrics, settings.health_timeout_s,
+            None if share is None else share.health_round)))
+    if share is not None:
+        st.merged_metrics = MergedMetrics(st.metrics)
+        admission.accounting.siblings = share.sibling_usage
+        tasks.append(asyncio.create_task(share.run(stop, admission.accounting.raw)))
+        share.ready()
+    return tasks
 
 
 async def _first_round(settings: RouterSettings, registry: WorkerRegistry, metrics: RouterMetrics,

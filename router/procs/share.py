@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 SENT, ADD_STATIC, DRAIN, HEALTH = 1, 2, 3, 4
 PID, ADM_INFLIGHT, ADM_WAITING, SERVED, READY = 0, 1, 2, 3, 4    # process row fields (table.set_proc)
 USAGE_EVERY_S = 0.5
+IDLE_TICK_S = 0.25               # placements catch up with the log themselves; this only bounds an idle lag
 
 
 class ProcessShare:
@@ -44,6 +45,7 @@ class ProcessShare:
         self.group = group                                # this router's prefix of router ids in the store
         self.nprocs = table.nprocs
         self._slots: dict[str, int | None] = {}
+        self._bases: dict[str, list[int]] = {}
         self._pos = table.log_tail
         self.lapped = 0                                   # log records lost by falling behind
         self.registry: WorkerRegistry | None = None
@@ -77,6 +79,8 @@ class ProcessShare:
             slot = self._slots[worker_id] = self.table.find_slot(worker_id)
             if slot is None:
                 log.warning("router process table full: load on %s is not shared between processes", worker_id)
+            else:                                          # where the siblings' cells for it start
+                self._bases[worker_id] = [(slot * self.nprocs + p) * 4 for p in range(self.nprocs) if p != self.index]
         return self._slots[worker_id]
 
     def publish(self, worker_id: str) -> None:
@@ -90,20 +94,18 @@ class ProcessShare:
 
     def peers(self) -> dict[str, tuple[int, float]]:
         """The siblings' (in-flight legs, open work in seconds) per worker this process knows, now."""
-        cells, n, now, me = self.table.cells(), self.nprocs, self.clock(), self.index
+        cells, now = self.table.cells(), self.clock()
         out: dict[str, tuple[int, float]] = {}
-        for wid, slot in self._slots.items():
-            if slot is None or (slot + 1) * n * 4 > len(cells):
-                continue
-            inflight, backlog = 0, 0.0
-            for p in range(n):
-                base = (slot * n + p) * 4
-                if p == me or cells[base + 3] == 0.0:
-                    continue
-                inflight += int(cells[base])
-                backlog += max(cells[base + 2], cells[base + 1] - (now - cells[base + 3]), 0.0)
+        for wid, bases in self._bases.items():
+            inflight, backlog = 0.0, 0.0
+            for base in bases:
+                stamp = cells[base + 3]
+                if stamp:                                  # 0: never written, or being written
+                    inflight += cells[base]
+                    if cells[base + 1]:
+                        backlog += max(cells[base + 2], cells[base + 1] - (now - stamp))
             if inflight or backlog:
-                out[wid] = (inflight, backlog)
+                out[wid] = (int(inflight), backlog)
         return out
 
     def know(self, worker_ids) -> None:
@@ -187,7 +189,7 @@ class ProcessShare:
                 self.publish_usage(usage())
                 last = time.monotonic()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), 0.05)
+                await asyncio.wait_for(stop.wait(), IDLE_TICK_S)
 
 
 def _pid() -> int:

@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import logging
 import multiprocessing as mp
+import multiprocessing.connection
 import os
 import shutil
 import signal
@@ -90,10 +91,11 @@ class Supervisor:
             log.info("router on %s:%d: %d processes (parent pid %d)", self.args.host, sock.getsockname()[1],
                      self.nprocs, os.getpid())
             while not self.stopping:
-                failed = self.poll(sock)
-                if failed:
+                if self.poll(sock):
                     return 1
-                time.sleep(0.1)
+                # until a child exits (its sentinel), a restart is due, or a signal's next check
+                sentinels = [p.sentinel for p in self.children if p is not None]
+                mp.connection.wait(sentinels, timeout=0.5 if not self.due else 0.1)
             return 0
         finally:
             self.stop()
