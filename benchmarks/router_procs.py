@@ -11,7 +11,7 @@ Run: `python -m benchmarks.router_procs [--seconds 6] [--rounds 2] [--concurrenc
 3. end to end: two routers over the same two stub decode workers (separate processes), `--workers 1` and
    `--workers 2`, driven alternately (A, B, A, B) by one closed-loop client: requests/s and the ratio.
 
-Writes benchmarks/results/router_procs.json and .md with the load average at start and end.
+Writes benchmarks/results/router_procs.json and benchmarks/results/router_procs.md with the load average at start and end.
 """
 from __future__ import annotations
 
@@ -211,8 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(out["end_to_end"]), flush=True)
     out["loadavg_end"] = os.getloadavg()
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "router_procs.json").write_text(json.dumps(out, indent=1) + "\n")
-    (RESULTS / "router_procs.md").write_text(report(out))
+    result = RESULTS / "router_procs.json"
+    result.write_text(json.dumps(out, indent=1) + "\n")
+    result.with_suffix(".md").write_text(report(out))          # benchmarks/results/router_procs.md
     return 0
 
 

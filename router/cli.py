@@ -157,7 +157,7 @@ def run_router(args: argparse.Namespace, model_dir: str | None) -> int:
         return 0
     settings_from_args(args, model_dir).validate()        # a bad flag stops here, before any child starts
     from router.procs.supervisor import run_processes
-    return run_processes(args, model_dir, n, args.shutdown_timeout)
+    return run_processes(args, model_dir, n, args.shutdown_timeout, serve)
 
 
 def serve(args: argparse.Namespace, model_dir: str | None, share: Any = None, sockets: list | None = None,

@@ -13,7 +13,6 @@ from router.capacity import capacity_tokens_from_metrics
 from router.metrics import RouterMetrics
 from router.registry import REFUSAL, WorkerRegistry
 from router.vllm_metrics import load_from_vllm_metrics, timing_deltas
-from shared.workers import LoadReport
 
 log = logging.getLogger(__name__)
 
@@ -57,20 +56,11 @@ async def check_once(client: httpx.AsyncClient, registry: WorkerRegistry, timeou
         elif ok and info.worker_id in registry.unsized:
             await size_from_metrics(client, registry, info, timeout_s)
         results[info.worker_id] = ok
-        if _record_check(registry, info.worker_id, ok):
+        if registry.record_check(info.worker_id, ok):
             log.warning("worker %s is now %s", info.worker_id, "healthy" if ok else "unhealthy")
 
     await asyncio.gather(*(probe(i) for i in infos))
     return results
-
-
-def _record_check(registry: WorkerRegistry, worker_id: str, ok: bool) -> bool:
-    """Feed one check to the tracker; True when the worker's health changed."""
-    was = registry.health.is_healthy(worker_id)
-    registry.health.record_check(worker_id, ok)
-    if ok and not was:
-        registry.mooncake_engines.pop(worker_id, None)   # a restarted prefill has a new engine id
-    return was != registry.health.is_healthy(worker_id)
 
 
 def round_record(registry: WorkerRegistry, results: dict[str, bool]) -> list[list]:
@@ -81,24 +71,6 @@ def round_record(registry: WorkerRegistry, results: dict[str, bool]) -> list[lis
              registry.loads[wid].to_dict() if registry.is_vllm(wid) and wid in registry.loads else None,
              sized.capacity(wid) if wid not in registry.unsized and wid in registry.static else None]
             for wid, ok in results.items()]
-
-
-def apply_round(registry: WorkerRegistry, record: list[list]) -> None:
-    """A sibling process's health round, applied as if this process had probed (`round_record`)."""
-    infos = registry.all_infos()
-    for wid, ok, identity, load, blocks in record:
-        if wid not in infos:
-            continue
-        _record_check(registry, wid, ok)
-        if identity is None:
-            registry.identities.pop(wid, None)
-        else:
-            registry.identities[wid] = identity
-        if load is not None:
-            registry.loads[wid] = LoadReport.from_dict(load)
-        if blocks:
-            registry.index.approximate.set_capacity(wid, blocks)
-            registry.unsized.discard(wid)
 
 
 async def identify(client: httpx.AsyncClient, registry: WorkerRegistry, info, health: httpx.Response,

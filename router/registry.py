@@ -183,8 +183,7 @@ class WorkerRegistry:
     def add_static(self, url: str, role: Role, kv_connector: str | None = None, local: bool = True) -> None:
         """Add a static worker (admin API); `local`: made here, so sibling processes are told."""
         if local and self.share is not None:
-            from router.procs.share import ADD_STATIC
-            self.share.admin_change(ADD_STATIC, [url, role, kv_connector])
+            self.share.added_static(url, role, kv_connector)
         self.static[url] = info = self.static_info(self.settings, url, role)
         self.static_connectors[url] = connector(kv_connector or self.settings.kv_connector)
         self.mooncake_engines.pop(url, None)
@@ -219,6 +218,14 @@ class WorkerRegistry:
             self.index.size_for(info, self.settings.static_cache_tokens)
         else:
             self.unsized.add(info.worker_id)
+
+    def record_check(self, worker_id: str, ok: bool) -> bool:
+        """Feed one health check to the tracker; True when the worker's health changed."""
+        was = self.health.is_healthy(worker_id)
+        self.health.record_check(worker_id, ok)
+        if ok and not was:
+            self.mooncake_engines.pop(worker_id, None)    # a restarted prefill has a new engine id
+        return was != self.health.is_healthy(worker_id)
 
     def begin(self, worker_id: str) -> None:
         self.inflight[worker_id] = self.inflight.get(worker_id, 0) + 1
@@ -346,8 +353,7 @@ class WorkerRegistry:
         if worker_id not in self.all_infos():
             return False
         if local and self.share is not None:
-            from router.procs.share import DRAIN
-            self.share.admin_change(DRAIN, [worker_id])
+            self.share.drained(worker_id)
         self.drained.add(worker_id)
         return True
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 
 from router.procs.table import SharedTable
+from shared.workers import LoadReport
 
 if TYPE_CHECKING:
     from router.registry import WorkerRegistry
@@ -118,6 +119,12 @@ class ProcessShare:
     def sent(self, worker_id: str, hashes: Sequence[int]) -> None:
         self.table.append(SENT, self.index, msgpack.packb([worker_id, list(hashes)]))
 
+    def added_static(self, url: str, role: str, kv_connector: str | None) -> None:
+        self.admin_change(ADD_STATIC, [url, role, kv_connector])
+
+    def drained(self, worker_id: str) -> None:
+        self.admin_change(DRAIN, [worker_id])
+
     def admin_change(self, kind: int, fields: list) -> None:
         """An admin change made here: to the live siblings by the log, to later ones by the admin blob."""
         with self.table.lock:
@@ -154,7 +161,6 @@ class ProcessShare:
         elif kind == DRAIN:
             reg.drain(fields[0], local=False)
         elif kind == HEALTH:
-            from router.health_checker import apply_round
             apply_round(reg, fields)
 
     # ---- admission and usage --------------------------------------------------------------------
@@ -190,6 +196,24 @@ class ProcessShare:
                 last = time.monotonic()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), IDLE_TICK_S)
+
+
+def apply_round(registry: WorkerRegistry, record: list[list]) -> None:
+    """Process 0's health round (`health_checker.round_record`), applied as if this process had probed."""
+    infos = registry.all_infos()
+    for wid, ok, identity, load, blocks in record:
+        if wid not in infos:
+            continue
+        registry.record_check(wid, ok)
+        if identity is None:
+            registry.identities.pop(wid, None)
+        else:
+            registry.identities[wid] = identity
+        if load is not None:
+            registry.loads[wid] = LoadReport.from_dict(load)
+        if blocks:
+            registry.index.approximate.set_capacity(wid, blocks)
+            registry.unsized.discard(wid)
 
 
 def _pid() -> int:

@@ -20,6 +20,7 @@ import signal
 import socket
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,8 +59,9 @@ def _run_dir() -> str:
 class Supervisor:
     """Owns the children; `run` blocks until a signal (or a start-up failure) and returns the exit code."""
 
-    def __init__(self, args: argparse.Namespace, model_dir: str | None, nprocs: int, grace_s: float) -> None:
-        self.args, self.model_dir, self.nprocs, self.grace_s = args, model_dir, nprocs, grace_s
+    def __init__(self, args: argparse.Namespace, model_dir: str | None, nprocs: int, grace_s: float,
+                 serve: Callable[..., None]) -> None:
+        self.args, self.model_dir, self.nprocs, self.grace_s, self.serve = args, model_dir, nprocs, grace_s, serve
         self.ctx = mp.get_context("spawn")
         self.run_dir = _run_dir()
         self.table = SharedTable.create(os.path.join(self.run_dir, "table"), nprocs, self.ctx.Lock())
@@ -75,7 +77,7 @@ class Supervisor:
     def start(self, index: int, sock: socket.socket) -> None:
         spec = ChildSpec(index, self.nprocs, self.table.path, self.group, self.grace_s)
         proc = self.ctx.Process(target=child_main, name=f"router-{index}",
-                                args=(self.args, self.model_dir, sock, spec, self.table.lock))
+                                args=(self.args, self.model_dir, sock, spec, self.table.lock, self.serve))
         proc.start()
         self.children[index] = proc
         log.info("router process %d started (pid %d)", index, proc.pid)
@@ -149,9 +151,11 @@ class Supervisor:
         log.info("router stopped (%d processes)", len(alive))
 
 
-def run_processes(args: argparse.Namespace, model_dir: str | None, nprocs: int, grace_s: float) -> int:
+def run_processes(args: argparse.Namespace, model_dir: str | None, nprocs: int, grace_s: float,
+                  serve: Callable[..., None]) -> int:
+    """`serve(args, model_dir, share=, sockets=, grace_s=)` runs one router process (router/cli.py)."""
     sock = bind(args.host, args.port)
-    return Supervisor(args, model_dir, nprocs, grace_s).run(sock)
+    return Supervisor(args, model_dir, nprocs, grace_s, serve).run(sock)
 
 
 def _die_with_parent() -> None:
@@ -162,7 +166,7 @@ def _die_with_parent() -> None:
 
 
 def child_main(args: argparse.Namespace, model_dir: str | None, sock: socket.socket, spec: ChildSpec,
-               lock: Any) -> None:
+               lock: Any, serve: Callable[..., None]) -> None:
     """One router process: the app on the inherited socket, its placement state shared through the table."""
     _die_with_parent()
     from shared.logs import LOG_FORMAT, configure_logging
@@ -171,5 +175,4 @@ def child_main(args: argparse.Namespace, model_dir: str | None, sock: socket.soc
     from router.procs.share import ProcessShare
     table = SharedTable.attach(spec.table_path, lock)
     share = ProcessShare(table, spec.index, group=spec.group)
-    from router.cli import serve
     serve(args, model_dir, share=share, sockets=[sock], grace_s=spec.grace_s)

@@ -12,8 +12,8 @@ import pytest
 from router.admission.accounting import Accounting
 from router.admission.limits import Throttled
 from router.admission.queue import AdmissionQueue
-from router.health_checker import apply_round, round_record
-from router.procs.share import ProcessShare
+from router.health_checker import round_record
+from router.procs.share import ProcessShare, apply_round
 from router.procs.table import SharedTable
 from router.registry import WorkerRegistry
 from router.settings import RouterSettings
