@@ -11,7 +11,8 @@ Run: `python -m benchmarks.router_procs [--seconds 6] [--rounds 2] [--concurrenc
 3. end to end: two routers over the same two stub decode workers (separate processes), `--workers 1` and
    `--workers 2`, driven alternately (A, B, A, B) by one closed-loop client: requests/s and the ratio.
 
-Writes benchmarks/results/router_procs.json and benchmarks/results/router_procs.md with the load average at start and end.
+Writes benchmarks/results/router_procs.json and benchmarks/results/router_procs.md, with the load average at
+start and end.
 """
 from __future__ import annotations
 
