@@ -14,6 +14,7 @@ from shared.store.factory import REDIS_URL_ENV
 
 API_KEYS_ENV = CLIENT_KEYS_ENV            # comma-separated client keys (optional)
 WORKER_API_KEY_ENV = "KIMI_PD_WORKER_API_KEY"  # the key workers expect (their KIMI_PD_API_KEY), if any
+WORKERS_ENV = "KIMI_PD_ROUTER_WORKERS"      # default of --workers (tests set 1: their routers are one process)
 
 
 def _add_request_limits(p: argparse.ArgumentParser) -> None:
@@ -30,9 +31,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="run without a tokenizer: the prefix index hashes prompt text (approximate)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--workers", type=int, default=None, metavar="N",
-                   help="router processes serving the port, placing as one router (default: the host's cores; "
-                        "1: a single process, no parent): docs/router-processes.md")
+    p.add_argument("--workers", type=int, default=_env_workers(), metavar="N",
+                   help=f"router processes serving the port, placing as one router (default: ${WORKERS_ENV}, else "
+                        "the cores this process may use, within its cgroup's CPU quota; 1: a single process, no "
+                        "parent): docs/router-processes.md")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds open streams get to finish on SIGTERM before the router stops")
     p.add_argument("--served-model-name", nargs="+", default=["kimi-k3"], metavar="NAME",
@@ -140,9 +142,28 @@ def parse_dp_ranks(values: list[str]) -> tuple[tuple[str, int], ...]:
     return tuple(out)
 
 
+def _env_workers() -> int | None:
+    value = os.environ.get(WORKERS_ENV, "").strip()
+    return int(value) if value.isdigit() else None
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity), no more than its cgroup v2 CPU quota allows (a
+    container limited to 2 CPUs on a 64-core node sees all 64 in its affinity)."""
+    cores = len(os.sched_getaffinity(0))
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()
+        if quota != "max":
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return cores
+
+
 def router_processes(requested: int | None) -> int:
-    """`--workers`: N as given, or one per core this process may run on."""
-    n = requested if requested is not None else len(os.sched_getaffinity(0))
+    """`--workers`: N as given, or one per usable core."""
+    n = requested if requested is not None else usable_cores()
     if not 1 <= n <= 256:
         raise ValueError(f"--workers {n}: give 1..256 router processes")
     return n

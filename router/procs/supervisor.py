@@ -159,10 +159,11 @@ def run_processes(args: argparse.Namespace, model_dir: str | None, nprocs: int, 
 
 
 def _die_with_parent() -> None:
-    """Linux: SIGTERM this child when the parent dies (a killed parent must not leave orphans serving)."""
+    """Linux: SIGKILL this child when the parent dies. A killed parent must not leave orphans serving, nor
+    children draining on the port while the parent's restart (systemd, Kubernetes) tries to bind it."""
     with contextlib.suppress(Exception):
         import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
 
 
 def child_main(args: argparse.Namespace, model_dir: str | None, sock: socket.socket, spec: ChildSpec,

@@ -53,11 +53,15 @@ def test_up_runs_one_router_process_unless_asked(monkeypatch, argv: list[str], w
     assert args[args.index("--workers") + 1] == workers
 
 
-def test_router_processes_default_to_the_cores_this_process_may_use() -> None:
+def test_router_processes_default_to_the_cores_this_process_may_use(monkeypatch) -> None:
     import os
 
-    from router.cli import router_processes
-    assert router_processes(None) == len(os.sched_getaffinity(0))
+    from router.cli import WORKERS_ENV, router_processes, usable_cores
+    assert 1 <= router_processes(None) == usable_cores() <= len(os.sched_getaffinity(0))
     assert router_processes(1) == 1
+    monkeypatch.setenv(WORKERS_ENV, "3")                 # the environment's default (tests/conftest.py sets 1)
+    assert build_parser().parse_args(["router"]).workers == 3
+    monkeypatch.delenv(WORKERS_ENV)
+    assert build_parser().parse_args(["router"]).workers is None
     with pytest.raises(ValueError, match="--workers 0"):
         router_processes(0)
