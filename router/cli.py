@@ -138,8 +138,10 @@ def run_router(args: argparse.Namespace, model_dir: str | None) -> int:
 
     from router.app import create_app
     from router.transport.front import front_protocol_class
+    from router.transport.heap import settle_after_startup
     settings = settings_from_args(args, model_dir)
     app = create_app(settings)
+    settle_after_startup(app)                     # this process serves it: GC settings after start-up
     # the two OpenAI POST routes are served by the protocol itself (router/transport/front.py); the rest by the app
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level, access_log=False,
                 timeout_graceful_shutdown=30,
