@@ -2,7 +2,9 @@
 side by side with nginx, vllm-router and sglang-router.
 
 Run: `python -m benchmarks.router_overhead [--seconds 2] [--rounds 3] [--concurrency 1 32]
-[--kinds chat chat_stream] [--modes decode-only prefill-decode] [--router-workers N] [--no-peers]`.
+[--kinds chat chat_stream] [--modes decode-only prefill-decode] [--router-workers N] [--no-peers]
+[--baseline-tree DIR]` (DIR: another checkout, e.g. a worktree of main, whose router runs beside ours
+as `router_baseline`: a same-run A/B of two trees).
 
 Starts a prefill and a decode stub worker (tests.stub_worker on its bare fast server), our router
 (`python -m kimi_pd router`, with `--workers N` when N > 1) and the peers (benchmarks/peers.py) on
@@ -162,6 +164,11 @@ def run_mode(mode: str, model: Path, stubs: dict[str, str], args: argparse.Names
         ours = stack.enter_context(router(port, MODES[mode], stubs["prefill"], stubs["decode"], model, args, tmp))
         targets = [Target("direct", stubs["decode"] + CHAT), Target("router", f"http://127.0.0.1:{port}{CHAT}",
                                                                     ours.pid)]
+        if args.baseline_tree:
+            base_port = free_port()
+            base = stack.enter_context(router(base_port, MODES[mode], stubs["prefill"], stubs["decode"], model, args,
+                                              tmp, tree=args.baseline_tree, name="router-baseline"))
+            targets.append(Target("router_baseline", f"http://127.0.0.1:{base_port}{CHAT}", base.pid))
         if mode == "prefill-decode":
             decode_extra, prefill_extra = pd_extras(stubs["prefill"])
             targets[0] = Target("direct", stubs["decode"] + CHAT, extra=decode_extra)
@@ -199,12 +206,12 @@ def _cell(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return cell
 
 
-def _added_us(per_target: dict[str, list[dict[str, Any]]], name: str, mode: str) -> float:
-    """Median over rounds of (target's mean latency - the baseline's of the same round)."""
-    base = [r["mean_us"] for r in per_target["direct"]]
+def _added_us(per_target: dict[str, list[dict[str, Any]]], name: str, mode: str, stat: str = "mean_us") -> float:
+    """Median over rounds of (target's latency `stat` - the baseline's of the same round)."""
+    base = [r[stat] for r in per_target["direct"]]
     if mode == "prefill-decode" and "direct_prefill" in per_target:
-        base = [d + p["mean_us"] for d, p in zip(base, per_target["direct_prefill"], strict=False)]
-    return round(statistics.median(r["mean_us"] - b for r, b in zip(per_target[name], base, strict=False)), 1)
+        base = [d + p[stat] for d, p in zip(base, per_target["direct_prefill"], strict=False)]
+    return round(statistics.median(r[stat] - b for r, b in zip(per_target[name], base, strict=False)), 1)
 
 
 def summarize_mode(mode: str, runs: dict[str, Any]) -> dict[str, Any]:
@@ -215,18 +222,19 @@ def summarize_mode(mode: str, runs: dict[str, Any]) -> dict[str, Any]:
                 cell = _cell(rows)
                 if c == "1" and not name.startswith("direct"):
                     cell["added_latency_us"] = _added_us(per_target, name, mode)
+                    cell["added_p50_us"] = _added_us(per_target, name, mode, "p50_us")
                 cells.setdefault(name, {})[f"{kind}_c{c}"] = cell
     ours, ratios = cells.get("router", {}), {}
     for peer, row in cells.items():
         if peer.startswith("direct") or peer == "router":
-            continue
+            continue                              # router_baseline: the --baseline-tree router, a peer like the others
         ratio: dict[str, float] = {}
         for key, cell in row.items():
             mine = ours.get(key, {})
             for stat in ("requests_per_s", "cpu_us_per_request", "added_latency_us"):
                 if cell.get(stat) and stat in mine:
                     ratio[f"{key}_{stat}"] = round(mine[stat] / cell[stat], 2)
-        ratios[f"router_vs_{peer}"] = ratio
+        ratios[f"router_vs_{peer.removeprefix('router_')}"] = ratio
     return {"targets": cells, "ratios": ratios}
 
 
@@ -241,7 +249,8 @@ def goals(summary: dict[str, Any], kind: str = "chat") -> dict[str, Any]:
         out[mode] = {"requests_per_s_c32": [ours[f"{kind}_c32"]["requests_per_s"],
                                             peer[f"{kind}_c32"]["requests_per_s"]],
                      "added_latency_us_c1": [ours[f"{kind}_c1"]["added_latency_us"],
-                                             peer[f"{kind}_c1"]["added_latency_us"]]}
+                                             peer[f"{kind}_c1"]["added_latency_us"]],
+                     "added_p50_us_c1": [ours[f"{kind}_c1"]["added_p50_us"], peer[f"{kind}_c1"]["added_p50_us"]]}
         out[mode]["met"] = (out[mode]["requests_per_s_c32"][0] >= out[mode]["requests_per_s_c32"][1]
                             and out[mode]["added_latency_us_c1"][0] <= out[mode]["added_latency_us_c1"][1])
     return out
@@ -287,13 +296,14 @@ def markdown(result: dict[str, Any]) -> str:
     for mode, s in result["summary"].items():
         keys = sorted({k for row in s["targets"].values() for k in row})
         for key in keys:
-            lines += [f"## {mode}, {key}", "", "| target | requests/s | mean latency µs | added µs | "
+            lines += [f"## {mode}, {key}", "", "| target | requests/s | mean latency µs | added mean / p50 µs | "
                       "CPU µs/request | wrk CPU µs/request | RSS MB |", "|---|---|---|---|---|---|---|"]
             for name, row in s["targets"].items():
                 if key in row:
                     c = row[key]
                     lines.append(f"| {name} | {c['requests_per_s']:,.0f} | {c['mean_us']:,.0f} | "
-                                 f"{c.get('added_latency_us', '-')} | {c.get('cpu_us_per_request', '-')} | "
+                                 f"{c.get('added_latency_us', '-')} / {c.get('added_p50_us', '-')} | "
+                                 f"{c.get('cpu_us_per_request', '-')} | "
                                  f"{c['generator_cpu_us_per_request']} | {c.get('rss_mb', '-')} |")
             lines.append("")
     lines += ["Goals (ours, sglang-router): " + json.dumps(result["goals"]),
@@ -303,7 +313,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.router_overhead", description=__doc__.splitlines()[0])
-    p.add_argument("--seconds", type=int, default=2, help="length of each timed wrk run (whole seconds)")
+    p.add_argument("--seconds", type=int, default=1, help="length of each timed wrk run (whole seconds)")
     p.add_argument("--warmup-seconds", type=int, default=1, help="untimed run per target and kind")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 32], help="wrk connections (clients)")
@@ -314,6 +324,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-words", type=int, default=200, help="words in each prompt")
     p.add_argument("--modes", nargs="+", choices=tuple(MODES), default=list(MODES))
     p.add_argument("--router-workers", type=int, default=1, help="our router's processes (--workers N if N > 1)")
+    p.add_argument("--baseline-tree", type=Path,
+                   help="another checkout (e.g. a worktree of main): its router runs beside ours as router_baseline")
     p.add_argument("--no-peers", dest="peers", action="store_false",
                    help="skip nginx, vllm-router and sglang-router (else: started side by side with ours)")
     p.add_argument("--model", type=Path, help="checkpoint dir for the router's tokenizer (default: a tiny one)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import os
 import signal
 import subprocess
 import sys
@@ -58,13 +59,14 @@ def _stop(proc: subprocess.Popen) -> None:
 
 @contextlib.contextmanager
 def service(name: str, args: list[str], ready_url: str, log_dir: Path, timeout_s: float,
-            program: list[str] | None = None) -> Iterator[subprocess.Popen]:
+            program: list[str] | None = None, cwd: Path = ROOT) -> Iterator[subprocess.Popen]:
     """Run `python <args>` (or `program + args`) from the repository root until the block ends; ready
     when ready_url is 200. Yields the process (its pid is what CPU and RSS are read from)."""
     log = log_dir / f"{name}.log"
     with open(log, "wb") as out:
         # no threads run here (asyncio.run joins its executor before returning), so preexec_fn is safe
-        proc = subprocess.Popen([*(program or [sys.executable]), *args], cwd=ROOT, stdout=out,
+        env = {**os.environ, "PYTHONPATH": str(cwd)} if cwd != ROOT else None
+        proc = subprocess.Popen([*(program or [sys.executable]), *args], cwd=cwd, env=env, stdout=out,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 preexec_fn=_die_with_parent)  # noqa: PLW1509
     try:
@@ -82,12 +84,13 @@ def stub_worker(role: str, port: int, args: argparse.Namespace, log_dir: Path):
 
 
 def router(port: int, threshold: int, prefill: str, decode: str, model: Path, args: argparse.Namespace,
-           log_dir: Path):
-    """`kimi-pd router` over the two stubs; `--workers N` when args.router_workers > 1."""
+           log_dir: Path, tree: Path = ROOT, name: str = "router"):
+    """`kimi-pd router` of checkout `tree` over the two stubs; `--workers N` when args.router_workers > 1."""
     cmd = ["-m", "kimi_pd", "router", "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
            "--prefill", prefill, "--decode", decode, "--disagg-threshold", str(threshold), "--log-level", "warning"]
     if args.router_workers > 1:
         cmd += ["--workers", str(args.router_workers)]
-    return service(f"router-t{threshold}", cmd, f"http://127.0.0.1:{port}/ready", log_dir, args.startup_timeout)
+    return service(f"{name}-t{threshold}", cmd, f"http://127.0.0.1:{port}/ready", log_dir, args.startup_timeout,
+                   cwd=tree)
 
 
