@@ -46,7 +46,7 @@ from typing import Any
 import httpx
 
 from benchmarks.loadgen import LoadGenError, Run, run_wrk, write_script, wrk_binary
-from benchmarks.peers import ensure_venv, peers_for, proc_usage
+from benchmarks.peers import PEER_PACKAGES, ensure_venv, peers_for, proc_usage
 from benchmarks.services import BenchError, router, service, stub_worker
 from shared.net import free_port
 
@@ -359,7 +359,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     summary = {mode: summarize_mode(mode, res["runs"]) for mode, res in modes.items()}
     config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "output"}
     return {"benchmark": "router_overhead", "argv": argv, "machine": machine, "config": config,
-            "peers_skipped": {m: r["peers_skipped"] for m, r in modes.items()}, "goals": goals(summary),
+            "peers_skipped": {m: r["peers_skipped"] for m, r in modes.items()},
+            "peers_not_installed": [] if bin_dir or not args.peers else [p.split("==")[0] for p in PEER_PACKAGES],
+            "goals": goals(summary),
             "headroom": headroom(summary), "summary": summary, "modes": modes,
             "seconds": round(time.perf_counter() - start, 1)}
 
