@@ -5,10 +5,9 @@ prefix index) and each request leaves a few dozen net allocations, so with CPyth
 young collection ran every ~12 requests and a full one, walking every live object, every ~1,600,
 each taking ~70 ms of CPU on the loaded 2-core bench machine: 75 µs of GC CPU per request at 32
 clients (benchmarks/router_overhead.py, gc.callbacks timing; ~2 µs after) and a 70 ms stall in the
-tail. Freezing the
-start-up heap takes it out of every later collection (`gc.freeze`, CPython's advice for servers),
-and a larger young generation makes collections rarer; garbage cycles are still collected, each
-~170 requests instead of ~12.
+tail. Freezing the start-up heap takes it out of every later collection (`gc.freeze`, CPython's
+advice for servers), and a larger young generation makes collections rarer; garbage cycles are still
+collected, each ~170 requests instead of ~12.
 """
 from __future__ import annotations
 
