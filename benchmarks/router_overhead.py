@@ -23,7 +23,7 @@ CPU seconds the target's process tree used (/proc, children included) per reques
 own CPU per request, and the stubs' leg counters, which must show the legs the target implies (else
 the figures measure something else). "direct" at 32 connections is the generator's headroom: wrk
 and a stub alone, no router between. Writes benchmarks/results/router_overhead.json and a table
-beside it (router_overhead_latest.md); the load average at start and end is in `machine`.
+beside it (benchmarks/results/router_overhead_latest.md); the load average at start and end is in `machine`.
 """
 from __future__ import annotations
 
@@ -330,7 +330,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="skip nginx, vllm-router and sglang-router (else: started side by side with ours)")
     p.add_argument("--model", type=Path, help="checkpoint dir for the router's tokenizer (default: a tiny one)")
     p.add_argument("--startup-timeout", type=float, default=60.0)
-    p.add_argument("--output", type=Path, default=RESULTS, help="JSON; the table goes beside it (*_latest.md)")
+    p.add_argument("--output", type=Path, default=RESULTS, help="JSON; the table goes beside it (NAME_latest, Markdown)")
     args = p.parse_args(argv)
     if min(args.rounds, args.router_workers, *args.concurrency) < 1 or min(args.seconds, args.warmup_seconds) <= 0:
         p.error("--rounds, --router-workers and --concurrency must be >= 1, --seconds and --warmup-seconds > 0")
@@ -377,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2) + "\n")
-    args.output.with_name(args.output.stem + "_latest.md").write_text(markdown(result))
+    args.output.with_name(f"{args.output.stem}_latest").with_suffix(".md").write_text(markdown(result))
     print(json.dumps({k: result[k] for k in ("goals", "headroom", "summary")}, indent=2))
     return 0
 
