@@ -330,7 +330,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="skip nginx, vllm-router and sglang-router (else: started side by side with ours)")
     p.add_argument("--model", type=Path, help="checkpoint dir for the router's tokenizer (default: a tiny one)")
     p.add_argument("--startup-timeout", type=float, default=60.0)
-    p.add_argument("--output", type=Path, default=RESULTS, help="JSON; the table goes beside it (NAME_latest, Markdown)")
+    p.add_argument("--output", type=Path, default=RESULTS, help="JSON; the table goes beside it (NAME_latest)")
     args = p.parse_args(argv)
     if min(args.rounds, args.router_workers, *args.concurrency) < 1 or min(args.seconds, args.warmup_seconds) <= 0:
         p.error("--rounds, --router-workers and --concurrency must be >= 1, --seconds and --warmup-seconds > 0")
