@@ -189,8 +189,10 @@ def serve(args: argparse.Namespace, model_dir: str | None, share: Any = None, so
 
     from router.app import create_app
     from router.transport.front import front_protocol_class
+    from router.transport.heap import settle_after_startup
     settings = settings_from_args(args, model_dir)
     app = create_app(settings, share=share)
+    settle_after_startup(app)                     # this process serves it: GC settings after start-up
     grace = math.ceil(args.shutdown_timeout if grace_s is None else max(grace_s - 2.0, 1.0))   # parent kills at grace_s
     # the two OpenAI POST routes are served by the protocol itself (router/transport/front.py); the rest by the app
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=args.log_level, access_log=False,
