@@ -6,6 +6,10 @@ from collections.abc import Iterator
 
 import pytest
 
+# routers the tests start are one process unless a test asks for more (`--workers`): the default, one per
+# core, would change what the fleet tests measure and cost them start-up time (docs/router-processes.md)
+os.environ.setdefault("KIMI_PD_ROUTER_WORKERS", "1")
+
 
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
