@@ -27,7 +27,7 @@ class DraftRequest:
     blocks: list[int]
     num_verified: int                 # tokens 0..num_verified-1 have context rows
     anchor: int                       # the last sampled token, at position num_verified
-    num_drafts: int                   # <= num_speculative_tokens
+    num_drafts: int                   # <= num_speculative_tokens; the block is the batch's largest
     temperature: float                # 0: greedy
     seed: int
 
@@ -105,8 +105,9 @@ class DSparkProposer:
     @torch.inference_mode()
     def block_logits(self, reqs: list[DraftRequest]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The draft forward over every request's `[anchor, MASK x (N-1)]`: ids [R, n], final hidden
-        [R*n, D], base logits [R, n, V]. Every tensor-parallel rank runs this part (its collectives)."""
-        n, cfg = self.num_spec, self.cfg
+        [R*n, D], base logits [R, n, V], n = the largest num_drafts (an adaptive K drafts a shorter block).
+        Every tensor-parallel rank runs this part (its collectives)."""
+        n, cfg = max(r.num_drafts for r in reqs), self.cfg
         ids = torch.full((len(reqs), n), cfg.mask_token_id, dtype=torch.long, device=self.device)
         ids[:, 0] = torch.tensor([r.anchor for r in reqs], device=self.device)
         positions = torch.cat([torch.arange(r.num_verified, r.num_verified + n, device=self.device) for r in reqs])
@@ -122,8 +123,9 @@ class DSparkProposer:
         """One parallel forward over every request's `[anchor, MASK x (N-1)]`, then the Markov loop."""
         if not reqs:
             return []
-        n, cfg = self.num_spec, self.cfg
+        cfg = self.cfg
         ids, hidden, base = self.block_logits(reqs)
+        n = ids.shape[1]
         top = self.spec.dspark_draft_topk or cfg.dspark_draft_topk
         prev = ids[:, 0]
         tokens = torch.empty(len(reqs), n, dtype=torch.long)
