@@ -33,7 +33,13 @@ def projection(measured_rates: list[float], k: int, batches: tuple[int, ...] = (
     return out
 
 
+HISTORY = "<!-- earlier runs: kept by each new run -->"
+
+
 def write_markdown(result: dict, path: Path) -> None:
+    """The latest run, then whatever followed HISTORY in the file before (earlier runs' notes)."""
+    old = path.read_text() if path.exists() else ""
+    history = old[old.index(HISTORY):] if HISTORY in old else HISTORY + "\n"
     lines = ["# spec_decode (latest run)", "",
              f"`python -m benchmarks.spec_decode` ({result['target']} + {result['draft']}, K={result['k']}, "
              f"max {result['max_tokens']} tokens, greedy, outputs identical to plain), {result['seconds']} s, "
@@ -51,4 +57,4 @@ def write_markdown(result: dict, path: Path) -> None:
     for name in ("measured_tiny_chat_acceptance", "published_k3_acceptance_3.85"):
         for b, p in result["k3_projection"][name].items():
             lines.append(f"| {name} | {b} | {p['best_k']} | {p['best_speedup']}x | {p['speedup_at_k']}x |")
-    path.write_text("\n".join(lines) + "\n")
+    path.write_text("\n".join(lines) + "\n\n" + history)

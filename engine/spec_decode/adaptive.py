@@ -91,30 +91,59 @@ class Plan:
     num_drafts: tuple[int, ...]          # per request, 0 = no speculation this step
     tokens_per_s: float                  # expected, under the cost model
     plain_tokens_per_s: float
+    seconds: float = 0.0                 # the table's (uncorrected) seconds of the chosen step, draft included
 
 
-def choose_drafts(costs: StepCosts, alphas: list[float], caps: list[int], min_gain: float = 0.1) -> Plan:
+def choose_drafts(costs: StepCosts, alphas: list[float], caps: list[int], min_gain: float = 0.1,
+                  spec_scale: float = 1.0, plain_scale: float = 1.0) -> Plan:
     """K_r per request maximising expected tokens per second; all zeros unless it beats plain by min_gain.
 
     alphas[r]: request r's per-draft acceptance probability; caps[r]: the most it may draft (0: none).
+    spec_scale / plain_scale: observed over tabled seconds of speculating / plain steps (CostCorrection).
     The i-th draft of request r adds alpha_r^i expected tokens; for each total number of drafts m the
     best ones are the m largest gains (they decrease along a request), so scanning m covers the optimum
     of this model."""
     b = len(alphas)
-    plain = b / costs.target_s(b, 1.0) if b else 0.0
+    plain_s = costs.target_s(b, 1.0) if b else 1.0
+    plain = b / (plain_s * plain_scale)
     gains = sorted(((alphas[r] ** i, r) for r in range(b) for i in range(1, caps[r] + 1)), reverse=True)
-    best_rate, best_m = plain * (1.0 + min_gain), 0
+    best_rate, best_m, best_s = plain * (1.0 + min_gain), 0, plain_s
     ks, tokens = [0] * b, float(b)
     for m, (gain, r) in enumerate(gains, start=1):
         ks[r] += 1
         tokens += gain
-        rate = tokens / (costs.target_s(b, 1.0 + m / b) + costs.draft_s(sum(1 for k in ks if k), max(ks)))
-        if rate > best_rate:
-            best_rate, best_m = rate, m
+        seconds = costs.target_s(b, 1.0 + m / b) + costs.draft_s(sum(1 for k in ks if k), max(ks))
+        if tokens / (seconds * spec_scale) > best_rate:
+            best_rate, best_m, best_s = tokens / (seconds * spec_scale), m, seconds
     chosen = [0] * b
     for _, r in gains[:best_m]:
         chosen[r] += 1
-    return Plan(tuple(chosen), best_rate if best_m else plain, plain)
+    return Plan(tuple(chosen), best_rate if best_m else plain, plain, best_s)
+
+
+@dataclass
+class CostCorrection:
+    """How far the running engine's steps are from the table: per batch size of the table and per kind
+    (speculating or plain), an exponential average of observed / tabled seconds (clamped to [0.5, 2]).
+
+    Start-up costs are measured on stand-ins with a short context and whatever else ran on the host
+    then; the steps actually run say how they compare now. A kind never chosen keeps its last ratio, so
+    the policy moves only toward what it has seen to be faster."""
+
+    weight: float = 0.1
+    ratios: dict[tuple[int, bool], float] = field(default_factory=dict)
+
+    @staticmethod
+    def _bucket(costs: StepCosts, batch: int) -> int:
+        return min(range(len(costs.batch_sizes)), key=lambda i: abs(costs.batch_sizes[i] - batch))
+
+    def scale(self, costs: StepCosts, batch: int, speculating: bool) -> float:
+        return self.ratios.get((self._bucket(costs, batch), speculating), 1.0)
+
+    def observe(self, costs: StepCosts, batch: int, speculating: bool, tabled_s: float, observed_s: float) -> None:
+        key = (self._bucket(costs, batch), speculating)
+        ratio = min(2.0, max(0.5, observed_s / tabled_s))
+        self.ratios[key] = self.ratios.get(key, 1.0) * (1 - self.weight) + ratio * self.weight
 
 
 @dataclass

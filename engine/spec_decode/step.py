@@ -16,7 +16,7 @@ import torch
 
 from engine.core.request import Request, RequestStatus
 from engine.sampler import SamplingState
-from engine.spec_decode.adaptive import AcceptanceTracker, StepCosts, choose_drafts
+from engine.spec_decode.adaptive import AcceptanceTracker, CostCorrection, StepCosts, choose_drafts
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.proposer import DraftRequest, DSparkProposer
 from engine.spec_decode.stats import SpecDecodeStats
@@ -32,7 +32,9 @@ class SpecDecodeStep:
                  cache: HybridCacheManager, eos_token_ids: set[int], max_model_len: int) -> None:
         self.spec, self.proposer, self.stats, self.runner, self.cache = spec, proposer, stats, runner, cache
         self.eos_token_ids, self.max_model_len = eos_token_ids, max_model_len
-        self.tracker = AcceptanceTracker()
+        self.tracker, self.correction = AcceptanceTracker(), CostCorrection()
+        # the adaptive plan the next step runs: (request ids, batch, speculating, tabled seconds, draft seconds)
+        self._planned: tuple[frozenset[str], int, bool, float, float] | None = None
         self._costs = StepCosts.from_dict(spec.adaptive_costs) if spec.adaptive_costs else None
 
     def verify(self, s: ScheduledSeq, logits: torch.Tensor) -> VerifyResult:
@@ -56,17 +58,34 @@ class SpecDecodeStep:
         """Draft context rows of the tokens verified this step (before commit publishes or frees blocks)."""
         self.proposer.write_context(context)
 
-    def propose(self, candidates: list[Request], verify_s: float | None) -> None:
-        """Draft the next block of every request that speculates now; record draft and verify times."""
+    def propose(self, candidates: list[Request], verify_s: float | None, step_started: float | None = None) -> None:
+        """Draft the next block of every request that speculates now; record draft and verify times.
+
+        step_started: when this step's forward began (perf_counter), to compare the step with its plan."""
         started = time.perf_counter()
         capped = [(r, k) for r in candidates if (k := self.num_drafts_for(r)) > 0]
+        if step_started is not None:
+            self._observe(capped, started - step_started)
         reqs = [(r, k) for (r, _), k in zip(capped, self.choose(capped), strict=True) if k > 0]
         blocks = self.proposer.propose([DraftRequest(r.blocks, r.num_computed_tokens, r.output_token_ids[-1], k,
                                                      0.0 if r.params.is_greedy else r.params.temperature,
                                                      r.sampling_seed) for r, k in reqs])
         for (req, _), block in zip(reqs, blocks, strict=False):
             req.spec_token_ids, req.spec_draft_logits = block.token_ids, block.logits
-        self.stats.record_times(time.perf_counter() - started if reqs else None, verify_s)
+        draft_s = time.perf_counter() - started
+        if self._planned is not None:
+            self._planned = (*self._planned[:4], draft_s)
+        self.stats.record_times(draft_s if reqs else None, verify_s)
+
+    def _observe(self, capped: list[tuple[Request, int]], step_s: float) -> None:
+        """Fold the step just run into the cost correction, when it ran the batch that was planned (no
+        request joined or left: a prefill in it would not be the planned work)."""
+        planned, self._planned = self._planned, None
+        costs = self._costs
+        if planned is None or costs is None or planned[0] != frozenset(r.request_id for r, _ in capped):
+            return
+        _, batch, speculating, tabled_s, draft_s = planned
+        self.correction.observe(costs, batch, speculating, tabled_s, step_s + draft_s)
 
     def choose(self, capped: list[tuple[Request, int]]) -> list[int]:
         """K for each (request, most it may draft) that could speculate this step; records the choice."""
@@ -80,8 +99,12 @@ class SpecDecodeStep:
             ks = caps
         else:
             self.tracker.forget({r.request_id for r, _ in capped})
-            plan = choose_drafts(costs, [self.tracker.alpha(r.request_id) for r, _ in capped], caps)
+            b = len(capped)
+            plan = choose_drafts(costs, [self.tracker.alpha(r.request_id) for r, _ in capped], caps,
+                                 spec_scale=self.correction.scale(costs, b, True),
+                                 plain_scale=self.correction.scale(costs, b, False))
             ks = list(plan.num_drafts)
+            self._planned = (frozenset(r.request_id for r, _ in capped), b, any(ks), plan.seconds, 0.0)
             for (r, _), k in zip(capped, ks, strict=True):
                 if k == 0:
                     self.tracker.idle(r.request_id)

@@ -69,7 +69,7 @@ def oracle_drafts(llm: LLM, references: dict[tuple[int, ...], list[int]], wrong_
     speculation = llm.engine.speculation          # the engine's speculative step (engine/spec_decode/step.py)
     counter = iter(range(10**9))
 
-    def propose(candidates, verify_s=None, step_s=None):
+    def propose(candidates, verify_s=None, step_started=None):
         capped = [(r, k) for r in candidates if (k := speculation.num_drafts_for(r)) > 0]
         for (req, _), k in zip(capped, speculation.choose(capped), strict=True):     # the configured policy
             if k == 0:

@@ -10,6 +10,7 @@ from engine import SamplingParams
 from engine.core.engine import EngineConfig, LLMEngine
 from engine.spec_decode.adaptive import (
     AcceptanceTracker,
+    CostCorrection,
     StepCosts,
     choose_drafts,
     expected_accepted,
@@ -189,3 +190,17 @@ def test_calibration_measures_and_leaves_nothing_behind(tiny_dir, draft7):
     assert engine.cache.pool.num_free == engine.cache.pool.usable_blocks
     assert engine.cache.slots.num_free_working == engine.cache_config.num_working_slots
     engine.check_integrity()
+
+
+def test_cost_correction_moves_the_choice_to_what_the_steps_showed():
+    """Tabled costs say speculate; observed speculating steps twice as slow as tabled: off."""
+    table, alphas, caps = costs(0.0005, 0.002), [0.6] * 4, [7] * 4
+    assert max(choose_drafts(table, alphas, caps).num_drafts) > 0
+    fix = CostCorrection(weight=0.5)
+    for _ in range(6):
+        fix.observe(table, 4, True, 0.02, 0.04)
+        fix.observe(table, 3, False, 0.01, 0.009)
+    assert fix.scale(table, 4, True) == pytest.approx(2.0, rel=0.05) and fix.scale(table, 16, True) == 1.0
+    plan = choose_drafts(table, alphas, caps, spec_scale=fix.scale(table, 4, True),
+                         plain_scale=fix.scale(table, 4, False))
+    assert plan.num_drafts == (0, 0, 0, 0)
