@@ -74,7 +74,8 @@ def engines(args) -> dict[str, LLM]:
     spec = {"method": "dspark", "model": args.draft, "num_speculative_tokens": args.k}
     return {"plain": LLM(args.target, **common),
             "fixed": LLM(args.target, **common, speculative_config={**spec, "adaptive_num_speculative_tokens": False}),
-            "adaptive": LLM(args.target, **common, speculative_config=spec)}
+            "adaptive": LLM(args.target, **common,
+                            speculative_config={**spec, "adaptive_num_speculative_tokens": True})}
 
 
 def run(args, llms: dict[str, LLM], prompts: list[list[int]]) -> dict:

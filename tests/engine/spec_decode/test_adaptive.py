@@ -204,3 +204,26 @@ def test_cost_correction_moves_the_choice_to_what_the_steps_showed():
     plan = choose_drafts(table, alphas, caps, spec_scale=fix.scale(table, 4, True),
                          plain_scale=fix.scale(table, 4, False))
     assert plan.num_drafts == (0, 0, 0, 0)
+
+
+def test_queued_context_rows_land_as_immediate_writes_would(tiny_dir, draft7):
+    """Context writes are queued while nobody drafts; flushed in order, a block written for one request
+    and then reused by another holds the second one's rows, as with immediate writes."""
+    import torch
+    proposer = make_llm(tiny_dir, speculative_config=spec(draft7)).engine.proposer
+    width = proposer.cfg.target_hidden_size * proposer.cfg.num_target_layers
+    first, second = torch.randn(3, width), torch.randn(3, width)
+    proposer.write_context([([5], 0, first)])
+    proposer.write_context([([5], 0, second)])                   # block 5 reused: same slots, later rows
+    queued = proposer.export_rows([5], 3)                        # export flushes first
+    proposer.write_context([([5], 0, second)])
+    proposer.flush()
+    again = proposer.export_rows([5], 3)
+    fresh = make_llm(tiny_dir, speculative_config=spec(draft7)).engine.proposer
+    fresh._write_context([([5], 0, first)])                      # immediate writes, one after the other
+    fresh._write_context([([5], 0, second)])
+    immediate = fresh.export_rows([5], 3)
+    for j in queued:                                             # (batched GEMMs round differently: close)
+        torch.testing.assert_close(queued[j], again[j], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(queued[j], immediate[j], rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(queued[0], proposer.model.context_kv(first, torch.arange(3))[0].to(queued[0].dtype))
