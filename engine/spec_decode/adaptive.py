@@ -3,15 +3,20 @@
 A verify step at batch b with K_r drafts for request r emits `sum_r (1 + E_r(K_r))` tokens, where
 `E_r(K)` is the expected number of accepted drafts, and costs one target step over `1 + mean K`
 query tokens per request plus one draft step over a block of `max K_r`. Plain decoding emits b
-tokens per target step at q = 1. `choose_drafts` picks the K_r maximising tokens per second and
-returns all zeros (speculation off) unless that beats plain decoding by `min_gain`.
+tokens per target step at q = 1. A batch where only some requests verify runs their rows apart from
+the one-token rows (the KDA path differs), so its step is costed as the plain step plus what verifying
+adds for those requests alone: `target(b, 1) + target(d, 1 + m/d) - target(d, 1)` for d requests
+drafting m tokens in all (with d = b, exactly the table's `target(b, 1 + m/b)`). `choose_drafts`
+picks the K_r maximising tokens per second and returns all zeros (speculation off) unless that beats
+plain decoding by `min_gain`.
 
-Everything here but `AcceptanceTracker` is a pure function of its arguments; the costs come from
-`engine/spec_decode/calibrate.py` (measured at start-up) or from the config's override.
+Everything here but `AcceptanceTracker` and `CostCorrection` is a pure function of its arguments; the
+costs come from `engine/spec_decode/calibrate.py` (measured at first use) or from the config's override.
 """
 from __future__ import annotations
 
 import bisect
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +28,15 @@ def _interp(xs: tuple[float, ...], ys: tuple[float, ...], x: float) -> float:
     i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
     x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
     return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+def _interp2(xs: tuple[float, ...], ys: tuple[float, ...], table: tuple[tuple[float, ...], ...],
+             x: float, y: float) -> float:
+    """Bilinear: along y within the two rows around x, then along x."""
+    if len(xs) == 1:
+        return _interp(xs, (_interp(ys, table[0], y),), x)
+    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    return _interp(xs[i - 1: i + 1], (_interp(ys, table[i - 1], y), _interp(ys, table[i], y)), x)
 
 
 @dataclass(frozen=True)
@@ -38,12 +52,15 @@ class StepCosts:
     draft: tuple[tuple[float, ...], ...]
 
     def target_s(self, batch: int, query_len: float) -> float:
-        rows = [_interp(tuple(map(float, self.query_lens)), row, query_len) for row in self.target]
-        return _interp(tuple(map(float, self.batch_sizes)), tuple(rows), batch)
+        return _interp2(self._axes[0], self._axes[1], self.target, batch, query_len)
 
     def draft_s(self, batch: int, block: int) -> float:
-        rows = [_interp(tuple(map(float, self.draft_lens)), row, block) for row in self.draft]
-        return _interp(tuple(map(float, self.batch_sizes)), tuple(rows), batch)
+        return _interp2(self._axes[0], self._axes[2], self.draft, batch, block)
+
+    @functools.cached_property
+    def _axes(self) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
+        return (tuple(map(float, self.batch_sizes)), tuple(map(float, self.query_lens)),
+                tuple(map(float, self.draft_lens)))
 
     def to_dict(self) -> dict[str, Any]:
         return {"batch_sizes": list(self.batch_sizes), "query_lens": list(self.query_lens),
@@ -110,9 +127,13 @@ def choose_drafts(costs: StepCosts, alphas: list[float], caps: list[int], min_ga
     best_rate, best_m, best_s = plain * (1.0 + min_gain), 0, plain_s
     ks, tokens = [0] * b, float(b)
     for m, (gain, r) in enumerate(gains, start=1):
+        if m > best_m + b:                  # a whole round of drafts without a better rate: past the peak
+            break
         ks[r] += 1
         tokens += gain
-        seconds = costs.target_s(b, 1.0 + m / b) + costs.draft_s(sum(1 for k in ks if k), max(ks))
+        drafting = sum(1 for k in ks if k)
+        seconds = (plain_s + costs.target_s(drafting, 1.0 + m / drafting) - costs.target_s(drafting, 1.0)
+                   + costs.draft_s(drafting, max(ks)))
         if tokens / (seconds * spec_scale) > best_rate:
             best_rate, best_m, best_s = tokens / (seconds * spec_scale), m, seconds
     chosen = [0] * b
