@@ -148,10 +148,11 @@ class CostCorrection:
     (speculating or plain), an exponential average of observed / tabled seconds (clamped to [0.5, 2]).
 
     Start-up costs are measured on stand-ins with a short context and whatever else ran on the host
-    then; the steps actually run say how they compare now. A kind never chosen keeps its last ratio, so
-    the policy moves only toward what it has seen to be faster."""
+    then; the steps actually run say how they compare now. The kind not run relaxes back toward the
+    table (`relax` per step), so one noisy stretch cannot lock the policy out of the other kind."""
 
     weight: float = 0.1
+    relax: float = 0.05
     ratios: dict[tuple[int, bool], float] = field(default_factory=dict)
 
     @staticmethod
@@ -162,9 +163,10 @@ class CostCorrection:
         return self.ratios.get((self._bucket(costs, batch), speculating), 1.0)
 
     def observe(self, costs: StepCosts, batch: int, speculating: bool, tabled_s: float, observed_s: float) -> None:
-        key = (self._bucket(costs, batch), speculating)
+        key, other = (self._bucket(costs, batch), speculating), (self._bucket(costs, batch), not speculating)
         ratio = min(2.0, max(0.5, observed_s / tabled_s))
         self.ratios[key] = self.ratios.get(key, 1.0) * (1 - self.weight) + ratio * self.weight
+        self.ratios[other] = self.ratios.get(other, 1.0) * (1 - self.relax) + self.relax
 
 
 @dataclass
