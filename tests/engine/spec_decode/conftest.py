@@ -69,9 +69,9 @@ def oracle_drafts(llm: LLM, references: dict[tuple[int, ...], list[int]], wrong_
     speculation = llm.engine.speculation          # the engine's speculative step (engine/spec_decode/step.py)
     counter = iter(range(10**9))
 
-    def propose(candidates, verify_s=None):
-        for req in candidates:
-            k = speculation.num_drafts_for(req)
+    def propose(candidates, verify_s=None, step_started=None):
+        capped = [(r, k) for r in candidates if (k := speculation.num_drafts_for(r)) > 0]
+        for (req, _), k in zip(capped, speculation.choose(capped), strict=True):     # the configured policy
             if k == 0:
                 continue
             full = references[tuple(req.prompt_token_ids)]
