@@ -59,13 +59,7 @@ def state_bytes_per_step(engine: LLMEngine, batch: int, context: int) -> int:
 def decode(engine: LLMEngine, req: dict[str, Any]) -> float:
     """Median decode step seconds with `batch` sequences of `prompt_tokens` running."""
     prompts = [[(7 * i + j) % 1000 for j in range(req["prompt_tokens"])] for i in range(req["batch"])]
-    if not req.get("unfused"):
-        return measured_decode_step(engine, prompts, req["steps"])
-    engine.model.unfuse_linears()          # one GEMM per linear, as before engine/model/fused.py
-    try:
-        return measured_decode_step(engine, prompts, req["steps"])
-    finally:
-        engine.model.fuse_linears()
+    return measured_decode_step(engine, prompts, req["steps"])
 
 
 def ttft(engine: LLMEngine, prompt_tokens: int) -> dict[str, Any]:

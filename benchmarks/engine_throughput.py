@@ -45,15 +45,21 @@ def loadavg() -> list[float]:
 @contextmanager
 def competitors(n: int) -> Iterator[None]:
     """`n` busy processes (`yes > /dev/null`, each bounded by `timeout`), stopped on exit."""
-    procs = [subprocess.Popen(["timeout", str(COMPETITOR_TIMEOUT_S), "yes"], stdout=subprocess.DEVNULL)
+    # `timeout` passes our SIGTERM on to `yes` (a SIGKILL would orphan it, still busy)
+    procs = [subprocess.Popen(["timeout", "-s", "KILL", str(COMPETITOR_TIMEOUT_S), "yes"], stdout=subprocess.DEVNULL)
              for _ in range(n)]
     try:
         time.sleep(0.2 if n else 0.0)      # let the scheduler place them
         yield
     finally:
         for p in procs:
-            p.kill()
-            p.wait()
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
 
 
 class Child:
