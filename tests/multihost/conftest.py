@@ -13,26 +13,18 @@ from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
+from tests.opt_in import OptInSuite
+
+SUITE = OptInSuite("multi-host suite", "multihost", "KIMI_PD_MULTIHOST", "across namespace hosts",
+                   Path(__file__).resolve().parent)
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers",
-                            "multihost: across namespace hosts (run with -m multihost or KIMI_PD_MULTIHOST=1)")
-
-
-def _enabled(config: pytest.Config) -> bool:
-    return os.environ.get("KIMI_PD_MULTIHOST") == "1" or "multihost" in (config.getoption("-m") or "").replace(
-        "not multihost", "")
+    SUITE.register(config)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    skip = pytest.mark.skip(reason="multi-host suite: run with -m multihost (or KIMI_PD_MULTIHOST=1)")
-    for item in items:
-        if HERE in Path(item.path).resolve().parents:
-            item.add_marker(pytest.mark.multihost)
-            if not _enabled(config):
-                item.add_marker(skip)
+    SUITE.mark(config, items)
 
 
 @pytest.fixture(scope="session")
