@@ -56,11 +56,16 @@ def open_fleet(tmp: Path, model: Path, **spec: object) -> Iterator:
     assert all(c.popen.poll() is not None for c in fleet.procs.children), "processes left behind"
 
 
+def shared_tmp(tmp_path_factory, name: str) -> Path:
+    """A fresh temporary folder that the namespaces' processes (other users' views of it) can read."""
+    tmp = tmp_path_factory.mktemp(name)
+    tmp.chmod(0o755)
+    return tmp
+
+
 @pytest.fixture(scope="module")
 def fleet(namespaces, mh_model, tmp_path_factory) -> Iterator:
-    tmp = tmp_path_factory.mktemp("mh")
-    tmp.chmod(0o755)
-    yield from open_fleet(tmp, mh_model)
+    yield from open_fleet(shared_tmp(tmp_path_factory, "mh"), mh_model)
 
 
 @pytest.fixture(scope="session")
