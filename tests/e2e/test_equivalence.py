@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from engine import SamplingParams
-from tests.e2e.fleet import Fleet, metric, offline_llm
+from tests.e2e.fleet import Fleet, metric
 
 pytestmark = pytest.mark.timeout(300)
 MAX_TOKENS = 12
@@ -33,20 +33,13 @@ CHATS = [
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory, e2e_model):
-    with Fleet(tmp_path_factory.mktemp("eq"), e2e_model) as f:
-        p, d, w = f.worker("prefill", "p0"), f.worker("decode", "d0"), f.worker("worker", "w0")
-        for proc in (p, d, w):
-            f.wait(proc)
-        r = f.router("r0", "--prefill", p.url, "--decode", d.url, "--disagg-threshold", "0")
-        f.wait(r, "/ready")
-        f.p, f.d, f.w, f.r = p, d, w, r
-        yield f
-
-
-@pytest.fixture(scope="module")
-def offline(e2e_model):
-    return offline_llm(e2e_model)
+def fleet(pd_fleet, tmp_path_factory, e2e_model):
+    """The package's P/D fleet (`p`, `d`, `r`) and a colocated worker `w` of this module's own."""
+    with Fleet(tmp_path_factory.mktemp("eq"), e2e_model) as own:
+        own.w = own.worker("worker", "w0")
+        own.wait(own.w)
+        own.p, own.d, own.r = pd_fleet.p, pd_fleet.d, pd_fleet.r
+        yield own
 
 
 def chat_body(messages, **extra):

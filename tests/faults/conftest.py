@@ -22,7 +22,3 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     SUITE.mark(config, items)
 
 
-@pytest.fixture(scope="session")
-def e2e_model(tmp_path_factory) -> Path:
-    from engine.checkpoint.create import create_checkpoint
-    return create_checkpoint("tiny", tmp_path_factory.mktemp("faults-model") / "tiny", seed=0, progress=False)

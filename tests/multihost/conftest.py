@@ -39,9 +39,8 @@ def namespaces() -> None:
 
 
 @pytest.fixture(scope="session")
-def mh_model(tmp_path_factory) -> Path:
-    from engine.checkpoint.create import create_checkpoint
-    return create_checkpoint("tiny", tmp_path_factory.mktemp("mh-model") / "tiny", seed=0, progress=False)
+def mh_model(tiny_dir) -> Path:
+    return tiny_dir
 
 
 def open_fleet(tmp: Path, model: Path, **spec: object) -> Iterator:
