@@ -6,17 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from tests.opt_in import OptInSuite
 
 SUITE = OptInSuite("monitoring suite", "monitoring", "KIMI_PD_MONITORING", "a real Prometheus scraping a fleet",
                    Path(__file__).resolve().parent)
 
-
-def pytest_configure(config: pytest.Config) -> None:
-    SUITE.register(config)
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    SUITE.mark(config, items)
+pytest_configure = SUITE.register                    # the marker's help line
+pytest_collection_modifyitems = SUITE.mark           # marked, and skipped unless asked for

@@ -18,13 +18,8 @@ from tests.opt_in import OptInSuite
 SUITE = OptInSuite("multi-host suite", "multihost", "KIMI_PD_MULTIHOST", "across namespace hosts",
                    Path(__file__).resolve().parent)
 
-
-def pytest_configure(config: pytest.Config) -> None:
-    SUITE.register(config)
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    SUITE.mark(config, items)
+pytest_configure = SUITE.register                    # the marker's help line
+pytest_collection_modifyitems = SUITE.mark           # marked, and skipped unless asked for
 
 
 @pytest.fixture(scope="session")
