@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--base", default=BASE, help="the revision to compare with (default: before the trim)")
     p.add_argument("--tests", nargs="+", default=list(TESTS))
     p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds one pytest run may take")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds one pytest run may take")
     p.add_argument("--out", default=str(RESULTS / "house.json"))
     args = p.parse_args(argv)
     load_start = os.getloadavg()

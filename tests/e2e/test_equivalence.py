@@ -34,11 +34,9 @@ CHATS = [
 
 @pytest.fixture(scope="module")
 def fleet(pd_fleet, tmp_path_factory, e2e_model):
-    """The package's P/D fleet (`p`, `d`, `r`) and a colocated worker `w` of this module's own."""
+    """The package's fleet (`p`, `d`, `r`, the colocated `w`); a router this module adds is its own."""
     with Fleet(tmp_path_factory.mktemp("eq"), e2e_model) as own:
-        own.w = own.worker("worker", "w0")
-        own.wait(own.w)
-        own.p, own.d, own.r = pd_fleet.p, pd_fleet.d, pd_fleet.r
+        own.p, own.d, own.r, own.w = pd_fleet.p, pd_fleet.d, pd_fleet.r, pd_fleet.w
         yield own
 
 
