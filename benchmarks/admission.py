@@ -105,8 +105,8 @@ async def phase(url: str, seconds: float, flood_clients: int, interval: float, b
 
 
 def router_argv(port: int, stub: str, extra: list[str]) -> list[str]:
-    return [sys.executable, "-m", "kimi_pd", "router", "--no-tokenizer", "--port", str(port), "--worker", stub,
-            "--log-level", "warning", *extra]
+    return [sys.executable, "-m", "kimi_pd", "router", "--workers", "1", "--no-tokenizer", "--port", str(port),
+            "--worker", stub, "--log-level", "warning", *extra]
 
 
 def store_cost_ms(metrics_text: str) -> float | None:

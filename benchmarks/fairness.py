@@ -55,7 +55,7 @@ def one_share(share: float, config: argparse.Namespace, workdir: Path) -> dict[s
     wport, rport = free_port(), free_port()
     worker = _start(["worker", "--model", str(MODEL), "--port", str(wport), "--max-num-seqs", "8",
                      "--request-share", str(share)], workdir / f"worker-{share}.log")
-    router = _start(["router", "--port", str(rport), "--worker", f"http://127.0.0.1:{wport}"],
+    router = _start(["router", "--workers", "1", "--port", str(rport), "--worker", f"http://127.0.0.1:{wport}"],
                     workdir / f"router-{share}.log")
     url = f"http://127.0.0.1:{rport}"
     try:

@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for role in ("prefill", "decode"):
             wait_ok(f"http://127.0.0.1:{ports[role]}/health", 120, 0.2)
-        router = _start([sys.executable, "-m", "kimi_pd", "router", "--port", str(ports["router"]),
+        router = _start([sys.executable, "-m", "kimi_pd", "router", "--workers", "1", "--port", str(ports["router"]),
                          "--prefill", f"http://127.0.0.1:{ports['prefill']}",
                          "--decode", f"http://127.0.0.1:{ports['decode']}", "--disagg-threshold", "40",
                          "--log-level", "error"])

@@ -7,6 +7,10 @@ from pathlib import Path
 
 import pytest
 
+# routers the tests start are one process unless a test asks for more (`--workers`): the default, one per
+# core, would change what the fleet tests measure and cost them start-up time (docs/router-processes.md)
+os.environ.setdefault("KIMI_PD_ROUTER_WORKERS", "1")
+
 
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
