@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.checkpoint.create import create_checkpoint
 from engine.spec_decode.checkpoint import create_draft_checkpoint
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -25,9 +24,6 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory) -> Path:
-    return create_checkpoint("tiny", tmp_path_factory.mktemp("spec") / "tiny", seed=0, progress=False)
 
 
 @pytest.fixture(scope="session")
