@@ -85,10 +85,11 @@ def stub_worker(role: str, port: int, args: argparse.Namespace, log_dir: Path):
 
 def router(port: int, threshold: int, prefill: str, decode: str, model: Path, args: argparse.Namespace,
            log_dir: Path, tree: Path = ROOT, name: str = "router"):
-    """`kimi-pd router` of checkout `tree` over the two stubs; `--workers N` when args.router_workers > 1."""
+    """`kimi-pd router` of checkout `tree` over the two stubs with `--workers N` (this tree's router defaults to
+    one process per core; an older `--baseline-tree` may not know the flag, so it gets it only when N > 1)."""
     cmd = ["-m", "kimi_pd", "router", "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
            "--prefill", prefill, "--decode", decode, "--disagg-threshold", str(threshold), "--log-level", "warning"]
-    if args.router_workers > 1:
+    if args.router_workers > 1 or tree == ROOT:
         cmd += ["--workers", str(args.router_workers)]
     return service(f"{name}-t{threshold}", cmd, f"http://127.0.0.1:{port}/ready", log_dir, args.startup_timeout,
                    cwd=tree)
