@@ -10,7 +10,7 @@ thread) is its own engine process (benchmarks/engine_step_child.py), since libgo
 when torch loads. The benchmark starts 0, 1 and 2 busy competitors (`yes > /dev/null`; 2 takes both
 cores' worth on a 2-core host) around each measurement and stops them after it, interleaving variants
 and conditions round by round. Writes benchmarks/results/engine_throughput.json and a summary
-table beside it (`.run.md`), with the load average at start and end.
+table beside it (`benchmarks/results/engine_throughput_latest.md`), with the load average at start and end.
 """
 from __future__ import annotations
 
@@ -208,7 +208,7 @@ def main() -> None:
     text = json.dumps(result, indent=2)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)
-    Path(args.out).with_suffix(".run.md").write_text(summary(result))
+    Path(args.out).with_name(Path(args.out).stem + "_latest.md").write_text(summary(result))
     print(summary(result))
 
 
