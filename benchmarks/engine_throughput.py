@@ -208,7 +208,8 @@ def main() -> None:
     text = json.dumps(result, indent=2)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)
-    Path(args.out).with_name(Path(args.out).stem + "_latest.md").write_text(summary(result))
+    out = Path(args.out)
+    out.with_name(f"{out.stem}_latest{out.with_suffix('.md').suffix}").write_text(summary(result))
     print(summary(result))
 
 
