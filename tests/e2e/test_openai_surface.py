@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from engine import SamplingParams
-from tests.e2e.fleet import metric
+from tests.e2e.fleet import Fleet, metric, offline_llm
 from tests.engine.core.helpers import bannable_word
 
 pytestmark = pytest.mark.timeout(300)
@@ -20,10 +20,17 @@ PROMPTS = ["The lighthouse keeper counted the boats", "Rain fell on the quiet to
 
 
 @pytest.fixture(scope="module")
-def fleet(pd_fleet):
+def fleet(tmp_path_factory, e2e_model):
+    info = ("--enable-tokenizer-info-endpoint",)
     # the router may fetch image URLs from loopback (the test's HTTP server); the workers may not, so an
     # image URL answered through P/D proves the router forwarded the image itself
-    return pd_fleet
+    with Fleet(tmp_path_factory.mktemp("surface"), e2e_model) as f:
+        yield f.static_pd(decode_flags=info, router_flags=(*info, "--allow-private-media-urls"))
+
+
+@pytest.fixture(scope="module")
+def offline(e2e_model):
+    return offline_llm(e2e_model)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,18 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.checkpoint.create import create_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    return create_checkpoint("tiny", tmp_path_factory.mktemp("parallel") / "tiny", seed=0, progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_w4a8_dir(tmp_path_factory) -> Path:
+    return create_checkpoint("tiny", tmp_path_factory.mktemp("parallel") / "tiny-w4a8", seed=0, quant="w4a8",
+                             progress=False)
