@@ -30,6 +30,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.procs import spawn, wait_ok
 from shared.net import free_port
 from shared.store import RedisStore
 from shared.store.buckets import BucketSpec
@@ -103,26 +104,9 @@ async def phase(url: str, seconds: float, flood_clients: int, interval: float, b
             "flood_served_per_s": round(flood["ok"] / seconds, 2)}
 
 
-def spawn(argv: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
-    with open(log, "ab") as out:
-        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-
-def wait_ready(url: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError(f"{url} not ready")
-
-
 def router_argv(port: int, stub: str, extra: list[str]) -> list[str]:
-    return [sys.executable, "-m", "kimi_pd", "router", "--no-tokenizer", "--port", str(port), "--worker", stub,
-            "--log-level", "warning", *extra]
+    return [sys.executable, "-m", "kimi_pd", "router", "--workers", "1", "--no-tokenizer", "--port", str(port),
+            "--worker", stub, "--log-level", "warning", *extra]
 
 
 def store_cost_ms(metrics_text: str) -> float | None:
@@ -158,7 +142,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
         stub_port = free_port()
         procs.append(spawn([sys.executable, "-m", "tests.stub_worker", "--port", str(stub_port), "--role", "both",
                             "--tokens", "8", "--token-delay-ms", str(args.token_delay_ms), "--first-token-delay-ms",
-                            str(args.first_token_delay_ms), "--max-running", str(args.slots)], tmp / "stub.log", env))
+                            str(args.first_token_delay_ms), "--max-running", str(args.slots)], env, tmp / "stub.log"))
         stub = f"http://127.0.0.1:{stub_port}"
         (tmp / "tenants.toml").write_text(TENANTS.format(rpm=args.flood_rpm))
         ports = {"off": free_port(), "on": free_port()}
@@ -166,11 +150,11 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
                     "--max-inflight-per-worker", str(args.slots), "--queue-timeout", "30"]
         # "off" still needs to accept both keys: the same key list, without limits, classes or a queue
         env_off = {**env, "KIMI_PD_API_KEYS": "sk-victim-bench-01,sk-flood-bench-001"}
-        procs.append(spawn(router_argv(ports["off"], stub, []), tmp / "router-off.log", env_off))
-        procs.append(spawn(router_argv(ports["on"], stub, on_flags), tmp / "router-on.log", env))
+        procs.append(spawn(router_argv(ports["off"], stub, []), env_off, tmp / "router-off.log"))
+        procs.append(spawn(router_argv(ports["on"], stub, on_flags), env, tmp / "router-on.log"))
         urls = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
         for url in urls.values():
-            wait_ready(url)
+            wait_ok(url + "/ready", 60)
         result: dict = {}
         result["alone"] = asyncio.run(phase(urls["off"], args.seconds, 0, args.victim_interval, args.backoff))
         for mode in ("off", "on"):

@@ -40,6 +40,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -296,25 +297,39 @@ def _client_loop(traffic: Traffic, rng: random.Random, until: float, outcomes: l
         outcomes.append(traffic.one(name, stream=roll < 0.6, cancel=roll < 0.1))
 
 
-def _drive(fleet: Fleet, traffic: Traffic, config: ChaosConfig, report: Report) -> None:
-    rng = random.Random(config.seed)
-    until = time.monotonic() + config.minutes * 60
+ClientLoop = Callable[[random.Random, float, list[Outcome]], None]   # (its rng, until, outcomes to append to)
+Injector = Callable[[str, random.Random], dict[str, Any]]            # (fault kind, the schedule's rng) -> record
+
+
+def drive_schedule(report: Report, seed: int, minutes: float, clients: int, fault_every_s: tuple[float, float],
+                   faults: Sequence[str], client_loop: ClientLoop, inject_one: Injector) -> None:
+    """The seeded schedule both chaos runs share: `clients` threads of traffic until the end while a fault
+    of the next kind (every kind once in each round, in a seeded order) is injected every `fault_every_s`;
+    then the outcomes and violations into `report`."""
+    rng = random.Random(seed)
+    until = time.monotonic() + minutes * 60
     outcomes: list[Outcome] = []
-    clients = [threading.Thread(target=_client_loop, args=(traffic, random.Random(config.seed * 100 + i), until,
-                                                           outcomes), daemon=True) for i in range(config.clients)]
-    for client in clients:
-        client.start()
-    kinds = itertools.cycle(rng.sample(FAULTS, len(FAULTS)))    # every kind once in each run of five
-    next_fault = time.monotonic() + rng.uniform(*config.fault_every_s)
+    threads = [threading.Thread(target=client_loop, args=(random.Random(seed * 100 + i), until, outcomes),
+                                daemon=True) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    kinds = itertools.cycle(rng.sample(list(faults), len(faults)))
+    next_fault = time.monotonic() + rng.uniform(*fault_every_s)
     while time.monotonic() < until:
         if time.monotonic() >= next_fault:
-            report.faults.append(inject(fleet, next(kinds), rng, config.stop_s))
-            next_fault = time.monotonic() + rng.uniform(*config.fault_every_s)
+            report.faults.append(inject_one(next(kinds), rng))
+            next_fault = time.monotonic() + rng.uniform(*fault_every_s)
         time.sleep(0.2)
-    for client in clients:
-        client.join(IDLE_TIMEOUT_S + 30)
+    for thread in threads:
+        thread.join(IDLE_TIMEOUT_S + 30)
     report.outcomes.update(o.kind for o in outcomes)
     report.violations += [asdict(o) for o in outcomes if o.kind == "violation"]
+
+
+def _drive(fleet: Fleet, traffic: Traffic, config: ChaosConfig, report: Report) -> None:
+    drive_schedule(report, config.seed, config.minutes, config.clients, config.fault_every_s, FAULTS,
+                   lambda rng, until, outcomes: _client_loop(traffic, rng, until, outcomes),
+                   lambda kind, rng: inject(fleet, kind, rng, config.stop_s))
 
 
 def _metric(url: str, name: str) -> float:
@@ -333,20 +348,29 @@ def _quiet(fleet: Fleet) -> dict[str, Any]:
     return {"healthy": sorted(wid for wid, w in workers.items() if w["healthy"]), "held": held}
 
 
-def recover(fleet: Fleet, timeout_s: float) -> dict[str, Any]:
-    """Wait until the fleet is whole again and holds nothing; returns its last state either way."""
+def poll_recovery(read_state: Callable[[], dict[str, Any]], recovered: Callable[[dict[str, Any]], bool],
+                  timeout_s: float) -> dict[str, Any]:
+    """Read the end state every second until `recovered` holds or `timeout_s` passed; the last state either
+    way, with `recovered` set (a read that fails is a state too: `error`)."""
     deadline, state = time.monotonic() + timeout_s, {}
     while time.monotonic() < deadline:
         try:
-            state = _quiet(fleet)
+            state = read_state()
         except (httpx.HTTPError, ValueError, KeyError) as exc:
             state = {"error": repr(exc)}
         else:
-            whole = state["healthy"] == ["decode-0", "decode-1", "prefill-0"]
-            if whole and all(not any(v.values()) for v in state["held"].values()):
+            if recovered(state):
                 return {**state, "recovered": True}
         time.sleep(1.0)
     return {**state, "recovered": False}
+
+
+def recover(fleet: Fleet, timeout_s: float) -> dict[str, Any]:
+    """Wait until the fleet is whole again and holds nothing; returns its last state either way."""
+    def whole_and_quiet(state: dict[str, Any]) -> bool:
+        return (state["healthy"] == ["decode-0", "decode-1", "prefill-0"]
+                and all(not any(v.values()) for v in state["held"].values()))
+    return poll_recovery(lambda: _quiet(fleet), whole_and_quiet, timeout_s)
 
 
 def run(config: ChaosConfig, model_dir: Path, workdir: Path, port: int) -> Report:
@@ -364,13 +388,27 @@ def run(config: ChaosConfig, model_dir: Path, workdir: Path, port: int) -> Repor
     return report
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def chaos_parser(description: str, default_out: Path) -> argparse.ArgumentParser:
+    """The command line both chaos runs take."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fault-every", type=float, nargs=2, default=(20.0, 40.0), metavar=("MIN_S", "MAX_S"))
-    p.add_argument("--out", default=str(RESULTS / "chaos.json"))
-    args = p.parse_args(argv)
+    p.add_argument("--out", default=str(default_out))
+    return p
+
+
+def write_report(report: Report, out: str) -> int:
+    """The report as JSON at `out`, its summary (all but the fault list) on stdout; the exit status: 0 when
+    nothing was violated and the fleet recovered."""
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    print(json.dumps({k: v for k, v in report.to_json().items() if k != "faults"}, indent=2))
+    return 0 if not report.violations and report.end_state.get("recovered") else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = chaos_parser(__doc__.split("\n\n")[0], RESULTS / "chaos.json").parse_args(argv)
     from engine.checkpoint.create import create_checkpoint
     from shared.net import free_port
     workdir = Path(tempfile.mkdtemp(prefix="kimi-pd-chaos-"))
@@ -380,10 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         report = run(config, model, workdir, free_port())
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report.to_json(), indent=2) + "\n")
-    print(json.dumps({k: v for k, v in report.to_json().items() if k != "faults"}, indent=2))
-    return 0 if not report.violations and report.end_state.get("recovered") else 1
+    return write_report(report, args.out)
 
 
 if __name__ == "__main__":

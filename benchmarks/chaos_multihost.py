@@ -15,15 +15,11 @@ Needs root (`ip netns`).
 """
 from __future__ import annotations
 
-import argparse
-import itertools
-import json
 import os
 import random
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,7 +27,16 @@ from typing import Any
 
 import httpx
 
-from benchmarks.chaos import IDLE_TIMEOUT_S, Outcome, Report, Traffic, request_specs
+from benchmarks.chaos import (
+    Outcome,
+    Report,
+    Traffic,
+    chaos_parser,
+    drive_schedule,
+    poll_recovery,
+    request_specs,
+    write_report,
+)
 from kimi_pd.multihost.netns import inside
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -69,25 +74,9 @@ def _client_loop(fleet, traffic: Traffic, rng: random.Random, until: float, outc
 
 
 def drive(fleet, traffic: Traffic, config: MultiHostChaosConfig, report: Report) -> None:
-    rng = random.Random(config.seed)
-    until = time.monotonic() + config.minutes * 60
-    outcomes: list[Outcome] = []
-    clients = [threading.Thread(target=_client_loop, args=(fleet, traffic, random.Random(config.seed * 100 + i),
-                                                           until, outcomes), daemon=True)
-               for i in range(config.clients)]
-    for client in clients:
-        client.start()
-    kinds = itertools.cycle(rng.sample(FAULTS, len(FAULTS)))
-    next_fault = time.monotonic() + rng.uniform(*config.fault_every_s)
-    while time.monotonic() < until:
-        if time.monotonic() >= next_fault:
-            report.faults.append(inject(fleet, next(kinds), rng, rng.uniform(*config.link_down_s)))
-            next_fault = time.monotonic() + rng.uniform(*config.fault_every_s)
-        time.sleep(0.2)
-    for client in clients:
-        client.join(IDLE_TIMEOUT_S + 30)
-    report.outcomes.update(o.kind for o in outcomes)
-    report.violations += [asdict(o) for o in outcomes if o.kind == "violation"]
+    drive_schedule(report, config.seed, config.minutes, config.clients, config.fault_every_s, FAULTS,
+                   lambda rng, until, outcomes: _client_loop(fleet, traffic, rng, until, outcomes),
+                   lambda kind, rng: inject(fleet, kind, rng, rng.uniform(*config.link_down_s)))
 
 
 def _metric(http: httpx.Client, url: str, name: str) -> float:
@@ -109,19 +98,12 @@ def end_state(fleet) -> dict[str, Any]:
 def recover(fleet, timeout_s: float) -> dict[str, Any]:
     """Wait until every router sees every worker again and nothing is held; the last state either way."""
     full = {"prefill": fleet.spec.prefill, "decode": fleet.spec.decode}
-    deadline, state = time.monotonic() + timeout_s, {}
-    while time.monotonic() < deadline:
-        try:
-            state = end_state(fleet)
-        except (httpx.HTTPError, ValueError, KeyError) as exc:
-            state = {"error": repr(exc)}
-        else:
-            whole = all({k: v.get(k) for k in full} == full for v in state["router_views"].values())
-            quiet = all(not any(v.values()) for v in state["held"].values()) and not any(state["held_leases"].values())
-            if whole and quiet:
-                return {**state, "recovered": True}
-        time.sleep(1.0)
-    return {**state, "recovered": False}
+
+    def whole_and_quiet(state: dict[str, Any]) -> bool:
+        whole = all({k: v.get(k) for k in full} == full for v in state["router_views"].values())
+        return whole and all(not any(v.values()) for v in state["held"].values()) \
+            and not any(state["held_leases"].values())
+    return poll_recovery(lambda: end_state(fleet), whole_and_quiet, timeout_s)
 
 
 def run(fleet, config: MultiHostChaosConfig) -> Report:
@@ -141,12 +123,7 @@ def run(fleet, config: MultiHostChaosConfig) -> Report:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--minutes", type=float, default=10.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--fault-every", type=float, nargs=2, default=(20.0, 40.0), metavar=("MIN_S", "MAX_S"))
-    p.add_argument("--out", default=str(RESULTS / "chaos_multihost.json"))
-    args = p.parse_args(argv)
+    args = chaos_parser(__doc__.split("\n\n")[0], RESULTS / "chaos_multihost.json").parse_args(argv)
     from engine.checkpoint.create import create_checkpoint
     from kimi_pd.multihost.fleet import FleetSpec, MultiHostFleet
     workdir = Path(tempfile.mkdtemp(prefix="kimi-pd-mh-chaos-"))
@@ -158,10 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             report = run(fleet, config)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report.to_json(), indent=2) + "\n")
-    print(json.dumps({k: v for k, v in report.to_json().items() if k != "faults"}, indent=2))
-    return 0 if not report.violations and report.end_state.get("recovered") else 1
+    return write_report(report, args.out)
 
 
 if __name__ == "__main__":

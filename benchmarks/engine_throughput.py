@@ -1,132 +1,216 @@
-"""Engine throughput vs batch size and prefix-hit TTFT, read against this machine's memory roofline.
+"""Engine decode steps against this machine's memory roofline, on a quiet host and with competitors.
 
-Run: `python -m benchmarks.engine_throughput [--preset small] [--batch-sizes 1 2 4 8]`.
-Writes benchmarks/results/engine_throughput.json. For each batch size B it times decode steps with
-B running sequences; bytes moved per step = weights read (dense + the experts the batch can touch)
-+ MLA latents read + KDA state read and written. Dividing by the measured copy bandwidth gives the
-fraction of the memory roofline a step reaches (decode is memory-bound on real accelerators).
+Run: `python -m benchmarks.engine_throughput [--preset small] [--batch-sizes 1 8]` (about 2 minutes on a
+quiet 2-core host). For each batch size B it times decode steps with B running sequences; bytes moved
+per step = weights read (dense + the experts the batch can touch) + MLA latents read + KDA state read
+and written; over the copy bandwidth that is the fraction of the memory roofline a step reaches.
+
+Each OpenMP variant (`--variants`: the engine's default, libgomp's spinning default as before, one
+thread) is its own engine process (benchmarks/engine_step_child.py), since libgomp reads its settings
+when torch loads. The benchmark starts 0, 1 and 2 busy competitors (`yes > /dev/null`; 2 takes both
+cores' worth on a 2-core host) around each measurement and stops them after it, interleaving variants
+and conditions round by round. Writes benchmarks/results/engine_throughput.json and a summary
+table beside it (`benchmarks/results/engine_throughput_latest.md`), with the load average at start and end.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
-
-import torch
+from typing import Any
 
 from engine.checkpoint.create import create_checkpoint
-from engine.core.cache_manager import bytes_per_slot
-from engine.core.engine import EngineConfig, LLMEngine
-from kimi_pd.planner.measure import decode_step_seconds as measured_decode_step
-from shared.sampling_params import SamplingParams
+
+# name -> environment changes; the engine applies its own OpenMP defaults (engine/host_threads.py)
+VARIANTS: dict[str, dict[str, str | None]] = {
+    "default": {},                                                      # what `import engine` sets up
+    "spin": {"KIMI_PD_OPENMP_DEFAULTS": "0", "OMP_WAIT_POLICY": None},   # libgomp's own: spin, then sleep
+    "one-thread": {"OMP_NUM_THREADS": "1"},
+}
+COMPETITOR_TIMEOUT_S = 120.0     # a competitor kills itself after this, even if we die first
 
 
-def measure_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
-    """Bytes/s of a large tensor copy (read + write counted)."""
-    src = torch.ones(nbytes // 4)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - start)
-    return 2 * nbytes / min(times)
+def loadavg() -> list[float]:
+    return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
 
 
-def weight_bytes_per_step(engine: LLMEngine, batch: int) -> int:
-    """Dense weights + routed experts the batch can touch (at most batch * top_k per MoE layer)."""
-    cfg, model = engine.model.config.text_config, engine.model.language_model
-    expert_bytes, dense = 0, 0
-    for name, p in model.named_parameters():
-        n = p.numel() * p.element_size()
-        if ".experts." in name:
-            expert_bytes += n
-        elif "embed_tokens" not in name:
-            dense += n
-    per_expert = expert_bytes / max(1, cfg.num_experts * sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)))
-    touched = min(cfg.num_experts, batch * cfg.num_experts_per_token)
-    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
-    return int(dense + per_expert * touched * moe_layers)
+@contextmanager
+def competitors(n: int) -> Iterator[None]:
+    """`n` busy processes (`yes > /dev/null`, each bounded by `timeout`), stopped on exit."""
+    # `timeout` passes our SIGTERM on to `yes` (a SIGKILL would orphan it, still busy)
+    procs = [subprocess.Popen(["timeout", "-s", "KILL", str(COMPETITOR_TIMEOUT_S), "yes"], stdout=subprocess.DEVNULL)
+             for _ in range(n)]
+    try:
+        time.sleep(0.2 if n else 0.0)      # let the scheduler place them
+        yield
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
 
 
-def state_bytes_per_step(engine: LLMEngine, batch: int, context: int) -> int:
-    cfg = engine.model.config.text_config
-    elt = engine.runner.dtype.itemsize
-    mla = len(cfg.mla_layer_ids) * context * cfg.mla_cache_dim * elt
-    return batch * (mla + 2 * bytes_per_slot(cfg, elt))
+class Child:
+    """One engine process under a variant's environment."""
+
+    def __init__(self, name: str, engine_cfg: dict[str, Any]) -> None:
+        env = dict(os.environ)
+        for key, value in VARIANTS[name].items():
+            if value is None:
+                env.pop(key, None)
+            else:
+                env[key] = value
+        env.setdefault("PYTHONPATH", str(Path(__file__).resolve().parents[1]))
+        self.name = name
+        self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.engine_step_child", json.dumps(engine_cfg)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.hello = self._read()
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"variant {self.name}: engine process exited ({self.proc.wait()})")
+        return json.loads(line)
+
+    def ask(self, **req: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        with suppress(BrokenPipeError, RuntimeError, ValueError):
+            if self.proc.poll() is None:
+                self.ask(op="quit")
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
-def decode_step_seconds(engine: LLMEngine, batch: int, prompt_len: int, steps: int) -> float:
-    prompts = [[(7 * i + j) % 1000 for j in range(prompt_len)] for i in range(batch)]
-    return measured_decode_step(engine, prompts, steps)
+def measure(children: list[Child], args: argparse.Namespace, raw: dict[str, Any], deadline: float) -> int:
+    """Rounds of (condition x variant x batch) into `raw`, the variant order rotated each round; no new
+    round starts past `deadline` (one always runs). Returns the rounds done."""
+    for rnd in range(args.rounds):
+        if rnd and time.monotonic() > deadline:
+            return rnd
+        for n in args.competitors:
+            with competitors(n):
+                order = children[rnd % len(children):] + children[:rnd % len(children)]
+                for child in order:
+                    raw["bandwidth"].setdefault((child.name, n), []).append(child.ask(op="bandwidth")["bytes_per_s"])
+                    for b in args.batch_sizes:
+                        r = child.ask(op="decode", batch=b, steps=args.steps, prompt_tokens=args.prompt_tokens)
+                        raw["steps"].setdefault((child.name, n, b), []).append(r["step_s"])
+    return args.rounds
 
 
-def ttft(engine: LLMEngine, rid: str, prompt: list[int]) -> tuple[float, int]:
-    start = time.perf_counter()
-    engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=1))
-    while True:
-        outs = engine.step()
-        if outs:
-            return time.perf_counter() - start, outs[0].num_cached_tokens
+def rows(children: list[Child], raw: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Per variant, competitors and batch: median step over rounds and its roofline fractions."""
+    out = []
+    for child in children:
+        quiet_bw = max(raw["bandwidth"][(child.name, 0)]) if 0 in args.competitors else None
+        for b in args.batch_sizes:
+            moved = child.ask(op="bytes", batch=b, prompt_tokens=args.prompt_tokens)["bytes"]
+            quiet_step = statistics.median(raw["steps"][(child.name, 0, b)]) if quiet_bw else None
+            for n in args.competitors:
+                step = statistics.median(raw["steps"][(child.name, n, b)])
+                bw = max(raw["bandwidth"][(child.name, n)])
+                row = {"variant": child.name, "competitors": n, "batch": b, "decode_step_ms": step * 1e3,
+                       "step_ms_rounds": [s * 1e3 for s in raw["steps"][(child.name, n, b)]],
+                       "output_tokens_per_s": b / step, "bytes_per_step": moved,
+                       "bandwidth_bytes_per_s": bw, "roofline_fraction": moved / step / bw}
+                if quiet_bw and quiet_step:   # against the host's quiet roofline: a competitor moves no bytes
+                    row["roofline_fraction_of_quiet_bandwidth"] = moved / step / quiet_bw
+                    row["kept_of_quiet"] = quiet_step / step
+                out.append(row)
+    return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+def summary(result: dict[str, Any]) -> str:
+    lines = [f"load average {result['loadavg_start']} -> {result['loadavg_end']}", "",
+             "| variant | competitors | batch | ms/step | roofline (same condition) | of quiet roofline "
+             "| kept of quiet |",
+             "|---|---|---|---|---|---|---|"]
+    for r in result["decode"]:
+        of_quiet = r.get("roofline_fraction_of_quiet_bandwidth", float("nan"))
+        lines.append(f"| {r['variant']} | {r['competitors']} | {r['batch']} | {r['decode_step_ms']:.1f} | "
+                     f"{r['roofline_fraction']:.3f} | {of_quiet:.3f} | {r.get('kept_of_quiet', float('nan')):.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="small")
     parser.add_argument("--checkpoint", default=None, help="default: checkpoints/<preset> (created if absent)")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--variants", nargs="+", default=["default", "spin"], choices=sorted(VARIANTS))
+    parser.add_argument("--competitors", type=int, nargs="+", default=[0, 1, 2],
+                        help="busy processes (`yes`) running during a measurement; 0 = none")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-seconds", type=float, default=150.0,
+                        help="no new round starts after this (a busy host still ends; one round always runs)")
     parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--ttft-prompt-tokens", type=int, default=1024)
+    parser.add_argument("--ttft-prompt-tokens", type=int, default=1024, help="0: skip the prefix-hit TTFT")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="ranks sharing the model (they share this machine's memory bandwidth)")
     parser.add_argument("--enable-expert-parallel", action="store_true")
-    parser.add_argument("--unfused-baseline", action="store_true",
-                        help="also time each batch with the fused linears undone (TP=1), in the same run")
     parser.add_argument("--out", default="benchmarks/results/engine_throughput.json")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def _stop(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)         # run the `finally`s: competitors and engine processes stop
+
+
+def main() -> None:
+    signal.signal(signal.SIGTERM, _stop)
+    args = parse_args()
     ckpt = Path(args.checkpoint or f"checkpoints/{args.preset}")
     if not (ckpt / "config.json").exists():
         create_checkpoint(args.preset, ckpt)
-    engine = LLMEngine(EngineConfig(model=str(ckpt), dtype=args.dtype, max_num_seqs=max(args.batch_sizes),
-                                    max_num_batched_tokens=4096, cache_memory_bytes=1 << 30, block_size=16,
-                                    tensor_parallel_size=args.tensor_parallel_size,
-                                    enable_expert_parallel=args.enable_expert_parallel))
-    bandwidth = measure_bandwidth()
-    rows = []
-    for b in args.batch_sizes:
-        step = decode_step_seconds(engine, b, args.prompt_tokens, args.steps)
-        # TP: rank 0 holds 1/N of the sharded weights and every rank reads its own, so N x rank 0's bytes
-        # (an estimate under EP, where a rank's routed experts are not a 1/N sample of the touched ones).
-        moved = (weight_bytes_per_step(engine, b) * args.tensor_parallel_size
-                 + state_bytes_per_step(engine, b, args.prompt_tokens))
-        row = {"batch": b, "decode_step_ms": step * 1e3, "output_tokens_per_s": b / step,
-               "bytes_per_step": moved, "achieved_bytes_per_s": moved / step,
-               "roofline_fraction": moved / step / bandwidth}
-        if args.unfused_baseline and args.tensor_parallel_size == 1:
-            engine.model.unfuse_linears()          # one GEMM per linear, as before engine/model/fused.py
-            unfused = decode_step_seconds(engine, b, args.prompt_tokens, args.steps)
-            engine.model.fuse_linears()
-            row.update(unfused_decode_step_ms=unfused * 1e3, unfused_roofline_fraction=moved / unfused / bandwidth,
-                       fused_over_unfused=step / unfused)
-        rows.append(row)
-    prompt = [(13 * j) % 1000 for j in range(args.ttft_prompt_tokens)]
-    cold, _ = ttft(engine, "cold", prompt)
-    warm, cached = ttft(engine, "warm", prompt)
-    result = {"preset": args.preset, "dtype": args.dtype, "threads": torch.get_num_threads(),
-              "memory_bandwidth_bytes_per_s": bandwidth, "decode": rows,
-              "ttft": {"prompt_tokens": len(prompt), "cold_s": cold, "prefix_hit_s": warm,
-                       "cached_tokens": cached, "hit_over_cold": warm / cold}}
-    result["tensor_parallel_size"] = args.tensor_parallel_size
-    result["enable_expert_parallel"] = args.enable_expert_parallel
-    engine.close()
+    engine_cfg = {"model": str(ckpt), "dtype": args.dtype, "max_num_seqs": max(args.batch_sizes),
+                  "max_num_batched_tokens": 4096, "cache_memory_bytes": 1 << 30, "block_size": 16,
+                  "tensor_parallel_size": args.tensor_parallel_size,
+                  "enable_expert_parallel": args.enable_expert_parallel}
+    result: dict[str, Any] = {"preset": args.preset, "dtype": args.dtype, "cpus": os.cpu_count(),
+                              "loadavg_start": loadavg(), "tensor_parallel_size": args.tensor_parallel_size,
+                              "enable_expert_parallel": args.enable_expert_parallel}
+    children: list[Child] = []
+    try:
+        children = [Child(name, engine_cfg) for name in args.variants]
+        result["variants"] = {c.name: c.hello for c in children}
+        raw: dict[str, Any] = {"steps": {}, "bandwidth": {}}
+        result["rounds"] = measure(children, args, raw, time.monotonic() + args.max_seconds)
+        result["decode"] = rows(children, raw, args)
+        if args.ttft_prompt_tokens:
+            result["ttft"] = children[0].ask(op="ttft", prompt_tokens=args.ttft_prompt_tokens)
+    finally:
+        for child in children:
+            child.close()
+    result["loadavg_end"] = loadavg()
     text = json.dumps(result, indent=2)
-    print(text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)
+    out = Path(args.out)
+    out.with_name(f"{out.stem}_latest{out.with_suffix('.md').suffix}").write_text(summary(result))
+    print(summary(result))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 
+from benchmarks.procs import spawn, wait_ok
 from shared.net import free_port
 
 RESULTS = Path(__file__).parent / "results"
@@ -34,22 +35,7 @@ OTHER = {"model": "kimi-k3", "messages": [{"role": "user", "content": "What is 1
 
 
 def _start(args: list[str], log: Path) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with log.open("wb") as out:
-        return subprocess.Popen([sys.executable, "-m", "kimi_pd", *args], stdout=out, stderr=subprocess.STDOUT,
-                                env=env, start_new_session=True)
-
-
-def _wait_ready(url: str, path: str, timeout_s: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + path, timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} not ready in {timeout_s} s")
+    return spawn([sys.executable, "-m", "kimi_pd", *args], {**os.environ, "OMP_NUM_THREADS": "1"}, log)
 
 
 def _other_latency(url: str) -> float:
@@ -69,12 +55,12 @@ def one_share(share: float, config: argparse.Namespace, workdir: Path) -> dict[s
     wport, rport = free_port(), free_port()
     worker = _start(["worker", "--model", str(MODEL), "--port", str(wport), "--max-num-seqs", "8",
                      "--request-share", str(share)], workdir / f"worker-{share}.log")
-    router = _start(["router", "--port", str(rport), "--worker", f"http://127.0.0.1:{wport}"],
+    router = _start(["router", "--workers", "1", "--port", str(rport), "--worker", f"http://127.0.0.1:{wport}"],
                     workdir / f"router-{share}.log")
     url = f"http://127.0.0.1:{rport}"
     try:
-        _wait_ready(f"http://127.0.0.1:{wport}", "/health")
-        _wait_ready(url, "/ready")
+        wait_ok(f"http://127.0.0.1:{wport}/health", 180)
+        wait_ok(url + "/ready", 180)
         alone = [_other_latency(url) for _ in range(config.rounds)]
         big: dict[str, Any] = {}
 

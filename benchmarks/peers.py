@@ -75,8 +75,7 @@ http {{
 
 def peers_for(mode: str, prefill_url: str, decode_url: str, ports: dict[str, int], tmp: Path,
               bin_dir: Path | None) -> list[Peer]:
-    """The peers that can serve `mode` against the stubs (sglang-router's P/D speaks its own
-    bootstrap protocol, not kv_transfer_params, so it runs decode-only only)."""
+    """The peers that can serve `mode` against the stubs (nginx: decode-only only)."""
     peers: list[Peer] = []
     nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
     if mode == "decode-only" and nginx:
@@ -98,6 +97,14 @@ def peers_for(mode: str, prefill_url: str, decode_url: str, ports: dict[str, int
                           [*common, "--port", str(ports["vllm-router"]), "--vllm-pd-disaggregation",
                            "--prefill", prefill_url, "--decode", decode_url,
                            "--prometheus-port", str(ports["vllm-router-prom"])], "/health"))
+        # SGLang's P/D sends the request to both workers at once (its bootstrap fields, no
+        # kv_transfer_params): the stubs serve both as ordinary requests, so it runs, but its two
+        # legs overlap where ours and vllm-router's run one after the other
+        peers.append(Peer("sglang-router", [str(bin_dir / "sglang-router")],
+                          ["launch", "--host", "127.0.0.1", "--port", str(ports["sglang-router"]), "--log-level",
+                           "warn", "--pd-disaggregation", "--prefill", prefill_url, "--decode", decode_url,
+                           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(ports["sglang-router-prom"])],
+                          "/health"))
     return peers
 
 

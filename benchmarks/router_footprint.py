@@ -58,7 +58,7 @@ def vm_rss_mib(pid: int) -> float:
 
 def measure_process(tree: Path, model_dir: Path, timeout_s: float = 300.0) -> dict:
     port = free_port()
-    cmd = [sys.executable, "-m", "kimi_pd", "router", "--model", str(model_dir), "--port", str(port),
+    cmd = [sys.executable, "-m", "kimi_pd", "router", "--workers", "1", "--model", str(model_dir), "--port", str(port),
            "--worker", "http://127.0.0.1:1", "--log-level", "warning"]
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=tree, env=env_for(tree), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,

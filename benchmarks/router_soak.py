@@ -23,26 +23,14 @@ from pathlib import Path
 import httpx
 
 from benchmarks.peers import proc_usage
+from benchmarks.procs import spawn, wait_ok
 from shared.net import free_port
 
 RESULTS = Path(__file__).parent / "results"
 
 
 def _start(cmd: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                            env={**os.environ, "KIMI_PD_ADMIN_TOKEN": "soak-admin-token"})
-
-
-def _wait(url: str, path: str) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + path, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{url}{path} not ready")
+    return spawn(cmd, {**os.environ, "KIMI_PD_ADMIN_TOKEN": "soak-admin-token"})
 
 
 def _body(i: int) -> tuple[str, dict]:
@@ -87,13 +75,13 @@ def main(argv: list[str] | None = None) -> int:
     url = f"http://127.0.0.1:{ports['router']}"
     try:
         for role in ("prefill", "decode"):
-            _wait(f"http://127.0.0.1:{ports[role]}", "/health")
-        router = _start([sys.executable, "-m", "kimi_pd", "router", "--port", str(ports["router"]),
+            wait_ok(f"http://127.0.0.1:{ports[role]}/health", 120, 0.2)
+        router = _start([sys.executable, "-m", "kimi_pd", "router", "--workers", "1", "--port", str(ports["router"]),
                          "--prefill", f"http://127.0.0.1:{ports['prefill']}",
                          "--decode", f"http://127.0.0.1:{ports['decode']}", "--disagg-threshold", "40",
                          "--log-level", "error"])
         procs.append(router)
-        _wait(url, "/ready")
+        wait_ok(url + "/ready", 120, 0.2)
         samples: list[dict] = []
         statuses = asyncio.run(_drive(url, config.minutes * 60, config.concurrency, router.pid, samples))
     finally:

@@ -1,71 +1,51 @@
-"""DSpark speculative decoding: acceptance and wall-clock decode speedup, against plain decoding in the same run.
+"""DSpark speculative decoding: plain vs fixed K vs adaptive K, decode tokens/s at several batch sizes, one run.
 
-Run: `python -m benchmarks.spec_decode --target DIR --draft DIR [--k 7] [--batch-sizes 1 8]`.
-Writes benchmarks/results/spec_decode.json:
-- acceptance on the target's task-family prompts (its training families when `engine.training` is
-  present; held-out instances): mean acceptance length = tokens emitted per target verification step
-  (1 + accepted drafts, vLLM's "mean acceptance length"), mean accepted drafts per step, acceptance
-  rate, per-position rates, per family;
-- decode speedup at each batch size: the same greedy requests (task prompts, answers ending at eos)
-  through a plain engine and a speculating one, timed per engine step after the prefill step (output
-  tokens / decode seconds); the outputs are checked identical, so the speedup never buys a different answer.
-Threads default to 1: on this 2-core shared machine intra-op threads cost more than they give at
-these sizes, and both engines run with the same setting.
+Run: `python -m benchmarks.spec_decode [--target DIR] [--draft DIR] [--k 7] [--batch-sizes 1 4 8 16]`
+(defaults: the shipped tiny-chat and tiny-chat-dspark; about 2-3 minutes on 2 cores).
+Writes benchmarks/results/spec_decode.json and .md:
+- per batch size, decode tokens/s of three engines over the same greedy requests (task-family prompts,
+  answers ending at eos), timed per engine step after the prefill step: plain, DSpark with a fixed K,
+  and DSpark with the adaptive K (engine/spec_decode/adaptive.py). Rounds interleave the engines and
+  batch sizes (plain, fixed, adaptive, plain, ...) so load drift on a shared host hits all alike; the
+  outputs are checked identical to plain, so a speedup never buys a different answer;
+- acceptance of the fixed-K engine (mean acceptance length, per-position rates) and the adaptive
+  engine's choices (steps by K, measured step costs);
+- a projection of the speedup for Kimi-K3 itself from the measured acceptance (engine/spec_decode/projection.py);
+- the load average at start and end.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import time
 from pathlib import Path
 
 import torch
 
+from benchmarks.spec_decode_report import projection, write_markdown
 from engine import LLM, SamplingParams
 
+TARGET, DRAFT = "engine/presets_data/tiny-chat", "engine/presets_data/tiny-chat-dspark"
 
-def family_prompts(llm: LLM, per_family: int, seed: int) -> dict[str, list[list[int]]]:
+
+def family_prompts(llm: LLM, per_family: int, seed: int) -> list[list[int]]:
     """Held-out task-family prompts when the training package is there, else corpus-line prompts."""
     try:
         from engine.training.corpus import render_example
         from engine.training.tasks import FAMILIES, eval_instances
     except ImportError:
         from engine.spec_decode.train import training_prompts
-        return {"corpus": training_prompts(llm.tokenizer, per_family, seed + 1)}
+        return training_prompts(llm.tokenizer, per_family * 7, seed + 1)
     rng = random.Random(seed)
-    out = {}
+    out = []
     for family in FAMILIES:
-        prompts = []
         for inst in eval_instances(family, per_family, seed=seed):
             ex = render_example(llm.tokenizer, inst, thinking=rng.random() < 0.5)
-            prompts.append(ex.token_ids[: ex.num_prompt_tokens])
-        out[family] = prompts
+            out.append(ex.token_ids[: ex.num_prompt_tokens])
+    rng.shuffle(out)
     return out
-
-
-def acceptance(target: str, draft: str, k: int, prompts: dict[str, list[list[int]]], max_tokens: int) -> dict:
-    result = {}
-    total = {"drafts": 0, "draft_tokens": 0, "accepted": 0}
-    per_pos = [0] * k
-    for family, ps in prompts.items():
-        llm = LLM(target, max_num_seqs=16, enable_prefix_caching=False, cache_memory_bytes=256 << 20,
-                  speculative_config={"method": "dspark", "model": draft, "num_speculative_tokens": k})
-        llm.generate(ps, SamplingParams(temperature=0.0, max_tokens=max_tokens))
-        s = llm.engine.spec_stats
-        result[family] = {"mean_acceptance_length": round(s.mean_acceptance_length, 3),
-                          "acceptance_rate": round(s.num_accepted_tokens / max(1, s.num_draft_tokens), 3),
-                          "drafts": s.num_drafts}
-        total["drafts"] += s.num_drafts
-        total["draft_tokens"] += s.num_draft_tokens
-        total["accepted"] += s.num_accepted_tokens
-        per_pos = [a + b for a, b in zip(per_pos, s.accepted_per_pos, strict=False)]
-    d = max(1, total["drafts"])
-    return {"mean_acceptance_length": round(1 + total["accepted"] / d, 3),
-            "mean_accepted_drafts_per_step": round(total["accepted"] / d, 3),
-            "acceptance_rate": round(total["accepted"] / max(1, total["draft_tokens"]), 3),
-            "per_position_rate": [round(p / d, 3) for p in per_pos], "num_drafts": total["drafts"],
-            "per_family": result}
 
 
 def timed_decode(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float, int]:
@@ -74,16 +54,14 @@ def timed_decode(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[l
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)      # real answers: they end at eos
     ids = [engine.add_request(f"b{i}-{time.monotonic_ns()}", p, params) for i, p in enumerate(prompts)]
     outputs: dict[str, list[int]] = {}
-    first = True
-    decode_s, decode_tokens = 0.0, 0
+    first, decode_s, decode_tokens = True, 0.0, 0
     while engine.has_unfinished():
         start = time.perf_counter()
         outs = engine.step()
         elapsed = time.perf_counter() - start
-        new = sum(len(o.new_token_ids) for o in outs)
         if not first:
             decode_s += elapsed
-            decode_tokens += new
+            decode_tokens += sum(len(o.new_token_ids) for o in outs)
         first = False
         for o in outs:
             if o.finished:
@@ -91,58 +69,83 @@ def timed_decode(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[l
     return [outputs[i] for i in ids], decode_s, decode_tokens
 
 
-def speedup(target: str, draft: str, k: int, prompts: list[list[int]], batch: int, max_tokens: int,
-            num_prompts: int) -> dict:
-    """Groups of `batch` prompts, each group through the plain then the speculating engine (interleaved,
-    so machine-load drift hits both alike); tokens and decode seconds summed over the groups."""
-    common = dict(max_num_seqs=max(batch, 1), enable_prefix_caching=False, cache_memory_bytes=256 << 20)
-    plain = LLM(target, **common)
-    spec = LLM(target, **common, speculative_config={"method": "dspark", "model": draft, "num_speculative_tokens": k})
-    chosen = [prompts[i % len(prompts)] for i in range(max(num_prompts, batch))]
-    timed_decode(plain, chosen[:batch], 8)                      # warm-up both
-    timed_decode(spec, chosen[:batch], 8)
-    totals = {"plain_s": 0.0, "plain_tok": 0, "spec_s": 0.0, "spec_tok": 0}
-    for start in range(0, len(chosen) - batch + 1, batch):
-        group = chosen[start: start + batch]
-        base_out, base_s, base_tok = timed_decode(plain, group, max_tokens)
-        spec_out, spec_s, spec_tok = timed_decode(spec, group, max_tokens)
-        assert base_out == spec_out, "speculative greedy output differs from plain greedy output"
-        totals["plain_s"] += base_s
-        totals["plain_tok"] += base_tok
-        totals["spec_s"] += spec_s
-        totals["spec_tok"] += spec_tok
-    s = spec.engine.spec_stats
-    plain_rate, spec_rate = totals["plain_tok"] / totals["plain_s"], totals["spec_tok"] / totals["spec_s"]
-    return {"batch": batch, "requests": len(chosen) // batch * batch, "plain_tok_s": round(plain_rate, 1),
-            "spec_tok_s": round(spec_rate, 1), "speedup": round(spec_rate / plain_rate, 3),
-            "mean_acceptance_length": round(s.mean_acceptance_length, 3), "output_tokens": totals["spec_tok"]}
+def engines(args) -> dict[str, LLM]:
+    common = dict(max_num_seqs=max(args.batch_sizes), enable_prefix_caching=False, cache_memory_bytes=256 << 20)
+    spec = {"method": "dspark", "model": args.draft, "num_speculative_tokens": args.k}
+    return {"plain": LLM(args.target, **common),
+            "fixed": LLM(args.target, **common, speculative_config={**spec, "adaptive_num_speculative_tokens": False}),
+            "adaptive": LLM(args.target, **common,
+                            speculative_config={**spec, "adaptive_num_speculative_tokens": True})}
+
+
+def run(args, llms: dict[str, LLM], prompts: list[list[int]]) -> dict:
+    totals = {(b, name): [0.0, 0] for b in args.batch_sizes for name in llms}
+    steps_by_k: dict[int, list[int]] = {}
+    for llm in llms.values():                                   # warm-up, and the adaptive costs get measured
+        timed_decode(llm, prompts[:2], 8)
+    for rnd in range(args.rounds):
+        for b in args.batch_sizes:
+            group = [prompts[(rnd * 97 + b * 13 + i) % len(prompts)] for i in range(b)]
+            reference = None
+            for name, llm in llms.items():
+                stats = llm.engine.spec_stats
+                before = list(stats.steps_by_k) if stats else None
+                out, secs, toks = timed_decode(llm, group, args.max_tokens)
+                reference = reference or out
+                if out != reference:
+                    raise AssertionError(f"{name} greedy output differs from plain at batch {b}")
+                totals[(b, name)][0] += secs
+                totals[(b, name)][1] += toks
+                if name == "adaptive" and stats and before is not None:
+                    acc = steps_by_k.setdefault(b, [0] * len(before))
+                    steps_by_k[b] = [a + x - y for a, x, y in zip(acc, stats.steps_by_k, before, strict=True)]
+    rows = []
+    for b in args.batch_sizes:
+        rate = {name: totals[(b, name)][1] / totals[(b, name)][0] for name in llms}
+        rows.append({"batch": b, "requests": b * args.rounds, **{f"{n}_tok_s": round(r, 1) for n, r in rate.items()},
+                     "fixed_speedup": round(rate["fixed"] / rate["plain"], 3),
+                     "adaptive_speedup": round(rate["adaptive"] / rate["plain"], 3),
+                     "adaptive_steps_by_k": steps_by_k.get(b)})
+    return {"speedup": rows}
+
+
+def acceptance(llm: LLM) -> dict:
+    s = llm.engine.spec_stats
+    d = max(1, s.num_drafts)
+    return {"mean_acceptance_length": round(s.mean_acceptance_length, 3),
+            "acceptance_rate": round(s.num_accepted_tokens / max(1, s.num_draft_tokens), 3),
+            "per_position_rate": [round(p / d, 3) for p in s.accepted_per_pos], "num_drafts": s.num_drafts}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--target", required=True)
-    parser.add_argument("--draft", required=True)
-    parser.add_argument("--k", type=int, default=7, help="num_speculative_tokens")
-    parser.add_argument("--per-family", type=int, default=12)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--speed-prompts", type=int, default=16, help="requests per batch size for the speedup")
+    parser.add_argument("--target", default=TARGET)
+    parser.add_argument("--draft", default=DRAFT)
+    parser.add_argument("--k", type=int, default=7, help="num_speculative_tokens (fixed K; the adaptive bound)")
+    parser.add_argument("--per-family", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16])
+    parser.add_argument("--rounds", type=int, default=2, help="groups of `batch` requests per batch size")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="benchmarks/results/spec_decode.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    probe = LLM(args.target, max_num_seqs=1)
-    prompts = family_prompts(probe, args.per_family, args.seed)
-    flat = [p for ps in prompts.values() for p in ps]
+    load_start, started = os.getloadavg(), time.perf_counter()
+    llms = engines(args)
+    prompts = family_prompts(llms["plain"], args.per_family, args.seed)
     result = {"target": args.target, "draft": args.draft, "k": args.k, "threads": args.threads,
-              "acceptance": acceptance(args.target, args.draft, args.k, prompts, args.max_tokens),
-              "speedup": [speedup(args.target, args.draft, args.k, random.Random(args.seed).sample(flat, len(flat)), b,
-                                  args.max_tokens, args.speed_prompts) for b in args.batch_sizes]}
+              "max_tokens": args.max_tokens, **run(args, llms, prompts)}
+    result["acceptance"] = acceptance(llms["fixed"])
+    result["adaptive_costs"] = llms["adaptive"].engine.speculation.costs().to_dict()
+    result["k3_projection"] = projection(result["acceptance"]["per_position_rate"], args.k)
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    result["loadavg_start"], result["loadavg_end"] = list(load_start), list(os.getloadavg())
     text = json.dumps(result, indent=2)
     print(text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)
+    write_markdown(result, Path(args.out).with_suffix(".md"))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,10 @@
 """The Kimi-K3 model in PyTorch and its serving runtime."""
 from __future__ import annotations
 
+from engine.host_threads import apply_openmp_defaults
+
+apply_openmp_defaults()          # before any engine module imports torch (engine/host_threads.py)
+
 __all__ = ["LLM", "SamplingParams"]
 
 

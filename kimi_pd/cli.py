@@ -152,7 +152,7 @@ def _up(args: argparse.Namespace) -> int:
     surface = surface_argv(args)                              # the router and every worker take the same
     return up(model, args.port, args.prefill_workers, args.decode_workers, args.redis_url, Path(args.log_dir),
               [*passed_argv(args, ENGINE_FLAGS), *surface], extra, _autoscale(args),
-              [*passed_argv(args, ROUTER_FLAGS), *surface])
+              [*passed_argv(args, ROUTER_FLAGS), *surface, "--workers", str(args.router_workers)])
 
 
 def _autoscale(args: argparse.Namespace):
@@ -289,6 +289,9 @@ def _add_up(sub: _Subparsers) -> None:
     upp.add_argument("--port", type=int, default=8000)
     upp.add_argument("--prefill-workers", type=int, default=1)
     upp.add_argument("--decode-workers", type=int, default=1)
+    upp.add_argument("--router-workers", type=int, default=1, metavar="N",
+                     help="router processes (the router's --workers); 1 by default: on one host the engine "
+                          "workers need the cores more than the router does")
     upp.add_argument("--redis-url", default=None, help="use this store instead of starting an embedded one")
     upp.add_argument("--log-dir", default="logs")
     upp.add_argument("--speculative-config", default=None,

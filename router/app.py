@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import secrets
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -31,6 +32,8 @@ from router.kv_events_relay import KVEventsRelay
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
 from router.placement.pipeline import build_pipeline
+from router.procs.metrics import MergedMetrics, scrape_registry
+from router.procs.share import ProcessShare
 from router.prompt_source import load_prompt_source
 from router.registry import WorkerRegistry
 from router.request.trace import Trace
@@ -61,7 +64,9 @@ _ids = itertools.count()
 _INSTANCE = secrets.token_hex(4)               # router replicas never mint the same internal id
 
 
-def create_app(settings: RouterSettings) -> FastPathApp:
+def create_app(settings: RouterSettings, share: ProcessShare | None = None) -> FastPathApp:
+    """`share`: this is one of `--workers N` router processes (router/procs/), placing as one router with
+    its siblings through the shared table."""
     settings.validate()
     tenants = Tenants(settings.tenants_file, settings.api_keys)      # a bad tenants file stops start-up here
     settings = _with_tenant_keys(settings, tenants)
@@ -76,20 +81,19 @@ def create_app(settings: RouterSettings) -> FastPathApp:
         metrics = RouterMetrics()
         pipeline = build_pipeline(**settings.pipeline_spec())
         app.state.settings, app.state.registry, app.state.metrics = settings, registry, metrics
+        app.state.share, app.state.workers_shown = share, set()
+        if share is not None:
+            share.attach(registry)
         app.state.prompts = prompts = load_prompt_source(settings.model, settings.surface)
         app.state.tenants = tenants
         app.state.helpers = RouterHelpers(settings, prompts, tenants)     # /v1/models, /tokenize, ... (shared routes)
-        app.state.admission = admission = admission_http.build(app.state, store, _spawn)
+        app.state.admission = admission_http.build(app.state, store, _spawn)
         app.state.sampling_check = SamplingCheck()
         log.info("prompt hashing: %s (%s)", prompts.kind, settings.model or "no tokenizer")
         app.state.orchestrator = Orchestrator(settings, registry, client, pipeline, metrics, settings.admin_token,
                                               session)
         await _first_round(settings, registry, metrics, client, session, store)
-        tasks = [asyncio.create_task(registry.run(stop)),
-                 asyncio.create_task(health_checker.run(client, registry, settings.health_check_s, stop,
-                                                                     metrics, settings.health_timeout_s)),
-                 asyncio.create_task(admission.limiter.run(stop)),
-                 asyncio.create_task(admission_http.pump_loop(admission, stop))]
+        tasks = _loops(app.state, client, stop)
         if settings.kv_events:                   # stock vLLM's ZMQ KV events -> the exact prefix index
             app.state.kv_events = relay = KVEventsRelay(settings.kv_events, registry.index.exact,
                                                         registry.index.exact_workers, registry.hash_chain)
@@ -120,6 +124,24 @@ def create_app(settings: RouterSettings) -> FastPathApp:
     admission_http.install(app, _check_admin)        # 429/503 with their headers, /admin/tenants
     app.fast_routes = {"/v1/chat/completions": _chat, "/v1/completions": _completions}
     return app
+
+
+def _loops(st: Any, client: httpx.AsyncClient, stop: asyncio.Event) -> list[asyncio.Task]:
+    """The loops beside the requests: store refresh, rate-limit heartbeat, queue pump, health rounds and,
+    under `--workers N`, following the sibling processes (process 0 alone probes; the others apply its rounds)."""
+    settings, registry, admission, share = st.settings, st.registry, st.admission, st.share
+    tasks = [asyncio.create_task(registry.run(stop)), asyncio.create_task(admission.limiter.run(stop)),
+             asyncio.create_task(admission_http.pump_loop(admission, stop, 0.25 if share is None else 0.1))]
+    if share is None or share.is_leader:
+        tasks.append(asyncio.create_task(health_checker.run(
+            client, registry, settings.health_check_s, stop, st.metrics, settings.health_timeout_s,
+            None if share is None else share.health_round)))
+    if share is not None:
+        st.merged_metrics = MergedMetrics(st.metrics)
+        admission.accounting.siblings = share.sibling_usage
+        tasks.append(asyncio.create_task(share.run(stop, admission.accounting.raw)))
+        share.ready()
+    return tasks
 
 
 async def _first_round(settings: RouterSettings, registry: WorkerRegistry, metrics: RouterMetrics,
@@ -190,6 +212,8 @@ async def _serve(request: Request, endpoint: str, req, prepare, body_bytes: int,
     if client_id:
         log.debug("request %s is the client's %s", trace.request_id, client_id)
     outcome, ticket, streamed = "error", None, False
+    if st.share is not None:
+        st.share.served()
 
     async def admitted() -> Response:
         nonlocal ticket
@@ -200,6 +224,8 @@ async def _serve(request: Request, endpoint: str, req, prepare, body_bytes: int,
         # cancels both legs (or its place in the admission queue); once streaming, closing the relay does the same
         response = await until_disconnect(request, admitted())
         outcome = "ok"
+        if st.share is not None and st.settings.shows_placement:   # which of the router's processes served it
+            response.headers["x-kimi-pd-router-process"] = f"{st.share.index}:{os.getpid()}"
         if ticket is not None:
             streamed = admission_http.attach(ticket, response, trace, EventStreamResponse)
         return response
@@ -285,10 +311,15 @@ async def _ready(request: Request) -> JSONResponse:
 async def _metrics(request: Request) -> Response:
     st = request.app.state
     st.metrics.store_up.set(1 if st.registry.store_ok else 0)
-    st.metrics.workers.clear()
+    counts: dict[tuple[str, str], int] = {}
     for s in st.registry.states():
-        st.metrics.workers.labels(role=s.info.role, healthy=str(s.healthy).lower()).inc()
-    return Response(generate_latest(st.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        key = (s.info.role, str(s.healthy).lower())
+        counts[key] = counts.get(key, 0) + 1
+    for role, healthy in [*counts, *st.workers_shown]:       # set, never cleared: files outlive clear()
+        st.metrics.workers.labels(role=role, healthy=healthy).set(counts.get((role, healthy), 0))
+    st.workers_shown = set(counts)
+    registry = st.metrics.registry if st.share is None else scrape_registry(st.share)
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 
 async def _list_workers(request: Request) -> JSONResponse:

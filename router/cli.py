@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
+from typing import Any
 
 from router.kv_events_relay import parse_kv_events_flag
 from router.settings import RouterSettings
@@ -12,6 +14,7 @@ from shared.store.factory import REDIS_URL_ENV
 
 API_KEYS_ENV = CLIENT_KEYS_ENV            # comma-separated client keys (optional)
 WORKER_API_KEY_ENV = "KIMI_PD_WORKER_API_KEY"  # the key workers expect (their KIMI_PD_API_KEY), if any
+WORKERS_ENV = "KIMI_PD_ROUTER_WORKERS"      # default of --workers (tests set 1: their routers are one process)
 
 
 def _add_request_limits(p: argparse.ArgumentParser) -> None:
@@ -28,6 +31,12 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="run without a tokenizer: the prefix index hashes prompt text (approximate)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--workers", type=int, default=_env_workers(), metavar="N",
+                   help=f"router processes serving the port, placing as one router (default: ${WORKERS_ENV}, else "
+                        "the cores this process may use, within its cgroup's CPU quota; 1: a single process, no "
+                        "parent): docs/router-processes.md")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds open streams get to finish on SIGTERM before the router stops")
     p.add_argument("--served-model-name", nargs="+", default=["kimi-k3"], metavar="NAME",
                    help="names clients may use; the first is the workers' own (sent to them), as in vLLM")
     p.add_argument("--kv-connector", default="kimi-pd",
@@ -133,15 +142,60 @@ def parse_dp_ranks(values: list[str]) -> tuple[tuple[str, int], ...]:
     return tuple(out)
 
 
+def _env_workers() -> int | None:
+    value = os.environ.get(WORKERS_ENV, "").strip()
+    return int(value) if value.isdigit() else None
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity), no more than its cgroup v2 CPU quota allows (a
+    container limited to 2 CPUs on a 64-core node sees all 64 in its affinity)."""
+    cores = len(os.sched_getaffinity(0))
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()
+        if quota != "max":
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return cores
+
+
+def router_processes(requested: int | None) -> int:
+    """`--workers`: N as given, or one per usable core."""
+    n = requested if requested is not None else usable_cores()
+    if not 1 <= n <= 256:
+        raise ValueError(f"--workers {n}: give 1..256 router processes")
+    return n
+
+
 def run_router(args: argparse.Namespace, model_dir: str | None) -> int:
+    n = router_processes(args.workers)
+    if args.shutdown_timeout <= 0:
+        raise ValueError("--shutdown-timeout must be > 0")
+    if n == 1:
+        serve(args, model_dir)
+        return 0
+    settings_from_args(args, model_dir).validate()        # a bad flag stops here, before any child starts
+    from router.procs.supervisor import run_processes
+    return run_processes(args, model_dir, n, args.shutdown_timeout, serve)
+
+
+def serve(args: argparse.Namespace, model_dir: str | None, share: Any = None, sockets: list | None = None,
+          grace_s: float | None = None) -> None:
+    """One router process: on host:port, or on `sockets` inherited from the parent of `--workers N`."""
     import uvicorn
+    from uvicorn.config import LOGGING_CONFIG
 
     from router.app import create_app
     from router.transport.front import front_protocol_class
+    from router.transport.heap import settle_after_startup
     settings = settings_from_args(args, model_dir)
-    app = create_app(settings)
+    app = create_app(settings, share=share)
+    settle_after_startup(app)                     # this process serves it: GC settings after start-up
+    grace = math.ceil(args.shutdown_timeout if grace_s is None else max(grace_s - 2.0, 1.0))   # parent kills at grace_s
     # the two OpenAI POST routes are served by the protocol itself (router/transport/front.py); the rest by the app
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level, access_log=False,
-                timeout_graceful_shutdown=30,
-                http=front_protocol_class(args.header_timeout, app, settings.max_request_bytes))
-    return 0
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=args.log_level, access_log=False,
+                            timeout_graceful_shutdown=grace, log_config=None if share is not None else LOGGING_CONFIG,
+                            http=front_protocol_class(args.header_timeout, app, settings.max_request_bytes))
+    uvicorn.Server(config).run(sockets=sockets)

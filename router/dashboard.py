@@ -144,7 +144,7 @@ def fleet_state(app_state, history: History, ready_state: Callable[[WorkerRegist
                 clock: Callable[[], float] = time.time) -> dict:
     registry = app_state.registry
     now = clock()
-    history.add(sample(app_state.metrics, clock))
+    history.add(sample(getattr(app_state, "merged_metrics", None) or app_state.metrics, clock))   # all processes
     workers = []
     for w in registry.snapshot():
         load = w.get("load")

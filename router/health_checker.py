@@ -5,6 +5,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 import httpx
 
@@ -29,10 +30,12 @@ async def get_within(client: httpx.AsyncClient, url: str, timeout_s: float) -> h
 
 
 async def check_once(client: httpx.AsyncClient, registry: WorkerRegistry, timeout_s: float,
-                     metrics: RouterMetrics | None = None, wait_for_load: bool = True) -> None:
-    """One health round. `wait_for_load`: read stock vLLM workers' load inline (at startup, so the
-    router is ready with it); otherwise in the background (`scrape_load`), never holding the round."""
+                     metrics: RouterMetrics | None = None, wait_for_load: bool = True) -> dict[str, bool]:
+    """One health round; returns each worker's check. `wait_for_load`: read stock vLLM workers' load inline
+    (at startup, so the router is ready with it); otherwise in the background (`scrape_load`), never
+    holding the round."""
     infos = list(registry.all_infos().values())
+    results: dict[str, bool] = {}
 
     async def probe(info) -> None:
         answered = False
@@ -52,14 +55,22 @@ async def check_once(client: httpx.AsyncClient, registry: WorkerRegistry, timeou
                 await scrape
         elif ok and info.worker_id in registry.unsized:
             await size_from_metrics(client, registry, info, timeout_s)
-        was = registry.health.is_healthy(info.worker_id)
-        registry.health.record_check(info.worker_id, ok)
-        if ok and not was:
-            registry.mooncake_engines.pop(info.worker_id, None)   # a restarted prefill has a new engine id
-        if was != registry.health.is_healthy(info.worker_id):
+        results[info.worker_id] = ok
+        if registry.record_check(info.worker_id, ok):
             log.warning("worker %s is now %s", info.worker_id, "healthy" if ok else "unhealthy")
 
     await asyncio.gather(*(probe(i) for i in infos))
+    return results
+
+
+def round_record(registry: WorkerRegistry, results: dict[str, bool]) -> list[list]:
+    """What sibling router processes need of a round (`--workers N`: only process 0 probes): per worker its
+    check, its identity, a stock vLLM worker's scraped load and its approximate index's size."""
+    sized = registry.index.approximate
+    return [[wid, ok, registry.identities.get(wid),
+             registry.loads[wid].to_dict() if registry.is_vllm(wid) and wid in registry.loads else None,
+             sized.capacity(wid) if wid not in registry.unsized and wid in registry.static else None]
+            for wid, ok in results.items()]
 
 
 async def identify(client: httpx.AsyncClient, registry: WorkerRegistry, info, health: httpx.Response,
@@ -152,14 +163,18 @@ async def load_from_metrics(client: httpx.AsyncClient, registry: WorkerRegistry,
 
 
 async def run(client: httpx.AsyncClient, registry: WorkerRegistry, interval_s: float, stop: asyncio.Event,
-              metrics: RouterMetrics | None = None, timeout_s: float = 2.0) -> None:
+              metrics: RouterMetrics | None = None, timeout_s: float = 2.0,
+              publish: Callable[[list[list]], None] | None = None) -> None:
     """A round every `interval_s` after the last one ended (rounds never overlap), each probe given
     `timeout_s`: a short interval (fast failure detection) does not shorten the time a busy worker
-    has to answer, which on a starved host made healthy workers look dead."""
+    has to answer, which on a starved host made healthy workers look dead. `publish`: hand each round
+    to the sibling router processes (`round_record`)."""
     try:
         while not stop.is_set():
             try:
-                await check_once(client, registry, timeout_s, metrics, wait_for_load=False)
+                results = await check_once(client, registry, timeout_s, metrics, wait_for_load=False)
+                if publish is not None:
+                    publish(round_record(registry, results))
             except Exception:                              # noqa: BLE001 - the checker must outlive any bug
                 log.exception("health check round failed")
             with contextlib.suppress(TimeoutError):

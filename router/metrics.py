@@ -98,8 +98,11 @@ class RouterMetrics:
                                   "recomputed), run again from a prefill", ["outcome"])
         self.stream_errors = Counter(p + "stream_errors_total", "Streams ended with an SSE error event", registry=r)
         self.prefill_releases = counter("prefill_releases_total", "Prefill states released by the router", ["outcome"])
-        self.workers = Gauge(p + "workers", "Workers known to this replica", ["role", "healthy"], registry=r)
-        self.store_up = Gauge(p + "store_up", "State store reachable", registry=r)
+        # gauge modes matter only under `--workers N` (prometheus_client's multiprocess mode): what every
+        # process sees alike is the latest of the live processes; what each holds of its own is summed
+        self.workers = Gauge(p + "workers", "Workers known to this replica", ["role", "healthy"], registry=r,
+                             multiprocess_mode="livemostrecent")
+        self.store_up = Gauge(p + "store_up", "State store reachable", registry=r, multiprocess_mode="livemostrecent")
         self._admission(counter, r)
 
     def _admission(self, counter, r: CollectorRegistry) -> None:
@@ -110,13 +113,15 @@ class RouterMetrics:
                                          ["tenant", "reason"])
         self.tenant_seconds = Histogram(p + "tenant_request_seconds", "Admitted request time per tenant",
                                         ["tenant"], buckets=_BUCKETS, registry=r)
-        self.queue_depth = Gauge(p + "admission_queue_depth", "Requests waiting for a slot", registry=r)
-        self.inflight = Gauge(p + "admission_inflight", "Requests holding a slot", registry=r)
+        self.queue_depth = Gauge(p + "admission_queue_depth", "Requests waiting for a slot", registry=r,
+                                 multiprocess_mode="livesum")
+        self.inflight = Gauge(p + "admission_inflight", "Requests holding a slot", registry=r,
+                              multiprocess_mode="livesum")
         self.queue_wait = Histogram(p + "admission_queue_wait_seconds", "Wait for a slot", buckets=_BUCKETS,
                                     registry=r)
         self.queue_rejections = counter("admission_queue_rejections_total", "Requests the queue refused", ["reason"])
         self.ratelimit_local = Gauge(p + "ratelimit_local", "1: the store is unreachable, limits are local (1/N)",
-                                     registry=r)
+                                     registry=r, multiprocess_mode="livemax")
         self.ratelimit_store_seconds = Histogram(p + "ratelimit_store_seconds", "Rate-limit round trip to the store",
                                                  buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.25),
                                                  registry=r)

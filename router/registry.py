@@ -22,7 +22,8 @@ import logging
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from router.connectors import CONNECTORS, Connector, connector
 from router.placement.health import HealthTracker
@@ -34,6 +35,9 @@ from router.settings import RouterSettings
 from shared.hashing import root_hash
 from shared.store.base import StateStore, WorkerRecord
 from shared.workers import LoadReport, Role, WorkerInfo
+
+if TYPE_CHECKING:
+    from router.procs.share import ProcessShare
 
 log = logging.getLogger(__name__)
 REFUSAL = ("static workers answer as stock vLLM, not as kimi-pd workers: {urls}. Start the router with the "
@@ -53,6 +57,7 @@ class CombinedIndex:
         self.exact = PrefixIndex()
         self.approximate = ApproximatePrefixIndex(approximate_blocks)
         self.exact_workers: set[str] = set()
+        self.on_sent: Callable[[str, Sequence[int]], None] | None = None   # router processes: tell the siblings
 
     def matched_blocks(self, worker_id: str, hashes) -> int:
         index = self.exact if worker_id in self.exact_workers else self.approximate
@@ -61,6 +66,8 @@ class CombinedIndex:
     def record_sent(self, worker_id: str, hashes) -> None:
         if worker_id not in self.exact_workers:
             self.approximate.record(worker_id, hashes)
+            if self.on_sent is not None:
+                self.on_sent(worker_id, hashes)
 
     def size_for(self, info: WorkerInfo, capacity_tokens: int) -> None:
         """Bound the approximate entry of a worker to its cache (no-op when the size is unknown)."""
@@ -122,12 +129,15 @@ class WorkerRegistry:
         self._empty_since: float | None = None
         self._instance: str | None = None            # the store server's run id, to notice restarts
         self.router_id = secrets.token_hex(8)         # this replica, in the load it shares (_share_load)
+        self.sibling_prefix = ""                      # `--workers N`: the router ids of this router's processes
         self.peers: dict[str, tuple[int, float]] = {}   # static worker -> other replicas' (in-flight, backlog s)
         self.unsized: set[str] = set()                # static workers whose /metrics are still to be asked
         self.load_scrapes: dict[str, asyncio.Task] = {}   # stock vLLM /metrics reads under way (health_checker)
         # what a static worker declared ours proved to be (health_checker.identify): "kimi-pd" (its /health
         # names its role and id) gets internal credentials; "vllm" (it answers as stock vLLM) is refused
         self.identities: dict[str, str] = {}
+        # `--workers N`: the sibling router processes' load, sends and admin changes (router/procs/share.py)
+        self.share: ProcessShare | None = None
         for info in self.static.values():
             self._size_static(info)
 
@@ -153,10 +163,16 @@ class WorkerRegistry:
     def states(self) -> list[WorkerState]:
         out = []
         ledger, health = self.ledger, self.health
+        siblings: dict[str, tuple[int, float]] = {}
+        if self.share is not None:                   # sibling processes: their sends and load, now
+            self.share.catch_up()
+            siblings = self.share.peers()
         for wid, info in self.all_infos().items():
             load = self.loads.get(wid)
             since = self._since.get(wid)
             peer_inflight, peer_backlog_s = self.peers.get(wid, (0, 0.0))
+            if wid in siblings:
+                peer_inflight, peer_backlog_s = (peer_inflight + siblings[wid][0], peer_backlog_s + siblings[wid][1])
             out.append(WorkerState(
                 info=info, load=load, inflight=self.inflight.get(wid, 0) + peer_inflight,
                 healthy=health.is_healthy(wid), circuit=health.circuit(wid), draining=wid in self.drained,
@@ -164,7 +180,10 @@ class WorkerRegistry:
                 backlog_s=ledger.backlog_s(wid) + peer_backlog_s, tokens_per_s=ledger.tokens_per_s(wid)))
         return out
 
-    def add_static(self, url: str, role: Role, kv_connector: str | None = None) -> None:
+    def add_static(self, url: str, role: Role, kv_connector: str | None = None, local: bool = True) -> None:
+        """Add a static worker (admin API); `local`: made here, so sibling processes are told."""
+        if local and self.share is not None:
+            self.share.added_static(url, role, kv_connector)
         self.static[url] = info = self.static_info(self.settings, url, role)
         self.static_connectors[url] = connector(kv_connector or self.settings.kv_connector)
         self.mooncake_engines.pop(url, None)
@@ -200,14 +219,26 @@ class WorkerRegistry:
         else:
             self.unsized.add(info.worker_id)
 
+    def record_check(self, worker_id: str, ok: bool) -> bool:
+        """Feed one health check to the tracker; True when the worker's health changed."""
+        was = self.health.is_healthy(worker_id)
+        self.health.record_check(worker_id, ok)
+        if ok and not was:
+            self.mooncake_engines.pop(worker_id, None)    # a restarted prefill has a new engine id
+        return was != self.health.is_healthy(worker_id)
+
     def begin(self, worker_id: str) -> None:
         self.inflight[worker_id] = self.inflight.get(worker_id, 0) + 1
         self._since.setdefault(worker_id, _SinceReport()).add(self._clock(), 1)
+        if self.share is not None:
+            self.share.publish(worker_id)
 
     def end(self, worker_id: str, ok: bool | None) -> None:
         """Close a `begin`. ok=None (the client left, we cancelled) records no health outcome."""
         self.inflight[worker_id] = max(0, self.inflight.get(worker_id, 0) - 1)
         self._since.setdefault(worker_id, _SinceReport()).add(self._clock(), -1)
+        if self.share is not None:
+            self.share.publish(worker_id)
         if ok is not None:
             self.health.record_outcome(worker_id, ok)
 
@@ -246,7 +277,10 @@ class WorkerRegistry:
         mine = {wid: [self.inflight.get(wid, 0), round(self.ledger.backlog_s(wid), 4)] for wid in self.static}
         others = await store.share_router_load(self.router_id, mine, max(4 * self.settings.refresh_s, 2.0))
         peers: dict[str, tuple[int, float]] = {}
-        for loads in others.values():
+        for router_id, loads in others.items():
+            if self.sibling_prefix and router_id.startswith(self.sibling_prefix):
+                continue                             # a process of this router: read live from the table
+
             for wid, (inflight, backlog_s) in loads.items():
                 if wid in self.static:
                     had = peers.get(wid, (0, 0.0))
@@ -314,9 +348,12 @@ class WorkerRegistry:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), self.settings.refresh_s)
 
-    def drain(self, worker_id: str) -> bool:
+    def drain(self, worker_id: str, local: bool = True) -> bool:
+        """Stop placing on the worker; `local`: asked here, so sibling processes are told."""
         if worker_id not in self.all_infos():
             return False
+        if local and self.share is not None:
+            self.share.drained(worker_id)
         self.drained.add(worker_id)
         return True
 

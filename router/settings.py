@@ -55,10 +55,10 @@ class RouterSettings:
     #                                                                    info, request templates, image URLs)
     # placement (router/placement): expected completion time, in seconds of prefill work, with a
     # recomputed token charged `own_weight` times (it also costs every later request its cache); a
-    # worker more than `slack_s` of queued work behind the least-backlogged one is skipped; request
-    # counts guard only against load this replica did not send. Tuned on the Mooncake replay
-    # (benchmarks/placement_replay.py): hit >= 0.97 of a pooled LRU, p99 TTFT <= 1.1x an oracle.
-    scorer_weights: tuple[tuple[str, Any], ...] = (("completion", (1.0, (("own_weight", 16.0),))),)
+    # worker whose expected completion of the request is more than `slack_s` behind the earliest is
+    # skipped; request counts guard only against load this replica did not send. Tuned on the first half
+    # of the Mooncake traces and measured on the second (benchmarks/placement_replay.py, --tune).
+    scorer_weights: tuple[tuple[str, Any], ...] = (("completion", (1.0, (("own_weight", 32.0),))),)
     # admission (docs/admission.md): tenants and their limits; slots per usable decode worker (0: no queue),
     # the queue's bound and its default deadline
     tenants_file: str | None = None
@@ -66,7 +66,7 @@ class RouterSettings:
     max_queued: int = 1024
     queue_timeout_s: float = 30.0
     placement_filters: tuple[Any, ...] = ("model", "role", "healthy", "circuit-not-open", "not-draining", "not-stuck",
-                                          ("not-backlogged", (("slack_s", 6.0),)),
+                                          ("not-backlogged", (("slack_s", 4.0), ("with_request", True))),
                                           ("not-overloaded", (("unseen_only", True),)))
 
     def pipeline_spec(self) -> dict[str, Any]:

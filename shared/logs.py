@@ -9,8 +9,8 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 CHATTY_CLIENTS = ("httpx", "httpcore")
 
 
-def configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format=LOG_FORMAT)
+def configure_logging(level: str, fmt: str = LOG_FORMAT) -> None:
+    logging.basicConfig(level=level.upper(), format=fmt)
     quiet = logging.getLogger().getEffectiveLevel() > logging.DEBUG
     for name in CHATTY_CLIENTS:
         logging.getLogger(name).setLevel(logging.WARNING if quiet else logging.NOTSET)

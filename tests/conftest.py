@@ -3,8 +3,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+
+# routers the tests start are one process unless a test asks for more (`--workers`): the default, one per
+# core, would change what the fleet tests measure and cost them start-up time (docs/router-processes.md)
+os.environ.setdefault("KIMI_PD_ROUTER_WORKERS", "1")
 
 
 @pytest.fixture(scope="session")
@@ -18,3 +23,25 @@ def redis_url() -> Iterator[str]:
     from shared.store.embedded import EmbeddedValkey
     with EmbeddedValkey() as server:
         yield server.url
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    """The generated `tiny` checkpoint (seed 0), made once a session: tests only read it (one that
+    changes a checkpoint makes its own)."""
+    from engine.checkpoint.create import create_checkpoint
+    return create_checkpoint("tiny", tmp_path_factory.mktemp("tiny-model") / "tiny", seed=0, progress=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_w4a8_dir(tmp_path_factory) -> Path:
+    """`tiny_dir`'s W4A8 twin (the same seed), made once a session."""
+    from engine.checkpoint.create import create_checkpoint
+    return create_checkpoint("tiny", tmp_path_factory.mktemp("tiny-model") / "tiny-w4a8", seed=0, quant="w4a8",
+                             progress=False)
+
+
+@pytest.fixture(scope="session")
+def e2e_model(tiny_dir) -> Path:
+    """The model the fleets of real processes serve (tests/e2e, tests/faults): `tiny_dir`."""
+    return tiny_dir

@@ -1,8 +1,9 @@
 """A model-free OpenAI-compatible worker that speaks vLLM's P/D protocol, for router benchmarks and tests.
 
 Run: `python -m tests.stub_worker --port P --role prefill|decode|both [--tokens N] [--token-delay-ms D]
-[--first-token-delay-ms F]` (a streamed reply's first token comes F + D ms after the request, each later
-one D ms after the previous: known TTFT and TPOT for checking benchmark clients).
+[--first-token-delay-ms F] [--fast]` (a streamed reply's first token comes F + D ms after the request,
+each later one D ms after the previous: known TTFT and TPOT for checking benchmark clients; `--fast`:
+the same handlers behind tests/stub_fast.py's bare server, for throughput runs).
 
 Serves `/health`, `/v1/models`, `/v1/chat/completions` and `/v1/completions` (streamed or not) with
 canned content of N short words, one word per token, and `/stats` (legs served, by kind). Like a
@@ -290,6 +291,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--served-model-name", default="kimi-k3")
     p.add_argument("--max-running", type=int, default=0, help="requests generating at once (0: any)")
     p.add_argument("--log-level", default="warning")
+    p.add_argument("--fast", action="store_true",
+                   help="serve with the bare asyncio + httptools server (tests/stub_fast.py), not FastAPI")
     return p.parse_args(argv)
 
 
@@ -301,6 +304,10 @@ def main(argv: list[str] | None = None) -> int:
                             first_token_delay_s=args.first_token_delay_ms / 1000,
                             served_model_name=args.served_model_name, host=args.host, port=args.port,
                             max_running=args.max_running)
+    if args.fast:
+        from tests.stub_fast import run
+        run(settings)
+        return 0
     uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     return 0
 

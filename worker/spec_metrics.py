@@ -7,6 +7,8 @@
   kimi_pd_worker_spec_decode_acceptance_length                  histogram: tokens emitted per draft (1 + accepted)
   kimi_pd_worker_spec_decode_draft_seconds / _verify_seconds    histograms: draft forward (context rows +
                                                                 proposal) and target verify step, per step
+  kimi_pd_worker_spec_decode_steps_total{num_speculative_tokens} steps by the largest K drafted for them
+                                                                (0: speculation off; the adaptive policy's choices)
 
 Mean acceptance length = 1 + accepted / drafts; acceptance rate = accepted / draft tokens.
 
@@ -35,6 +37,9 @@ class SpecDecodeMetrics:
         self.draft_s = Histogram(p + "draft_seconds", "Draft time per engine step", buckets=_TIME_BUCKETS, registry=r)
         self.verify_s = Histogram(p + "verify_seconds", "Target verification time per engine step",
                                   buckets=_TIME_BUCKETS, registry=r)
+        self.steps = Counter(p + "steps", "Engine steps by the largest number of tokens drafted (0: off)",
+                             ["num_speculative_tokens"], registry=r)
+        self._seen_steps = [0] * (num_speculative_tokens + 1)
         self._seen = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
         self._seen_pos = [0] * num_speculative_tokens
         self._vllm: dict[str, Counter] = {}
@@ -62,6 +67,9 @@ class SpecDecodeMetrics:
             if self._vllm_pos:
                 self._vllm_pos[i].inc(total - self._seen_pos[i])
             self._seen_pos[i] = total
+        for k, total in enumerate(drained.get("steps_by_k", ())):
+            self.steps.labels(num_speculative_tokens=str(k)).inc(total - self._seen_steps[k])
+            self._seen_steps[k] = total
         for value in drained["acceptance_lengths"]:
             self.length.observe(value)
         for value in drained["draft_seconds"]:

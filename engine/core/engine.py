@@ -352,7 +352,7 @@ class LLMEngine:
         verify_s = time.perf_counter() - started if batch.verified else None
         outputs += [self._append_tokens(req, c.token_ids, c.logprobs, c.top_logprobs) for req, c in batch.verified]
         if self.speculation is not None:
-            self.speculation.propose(batch.sampling + [r for r, _ in batch.verified], verify_s)
+            self.speculation.propose(batch.sampling + [r for r, _ in batch.verified], verify_s, started)
         return pending + outputs
 
     def _account(self, out: SchedulerOutput, result: RunnerOutput) -> StepBatch:

@@ -6,38 +6,19 @@ its parent goes away (the launcher on its host), and with an error when the fron
 """
 from __future__ import annotations
 
-import argparse
-import json
 import logging
-import os
-import threading
-import time
 
-import torch
+from engine.parallel.rank_process import rank_parser, start_rank
 
 log = logging.getLogger("engine.parallel.dp_leader")
 
 
-def _watch_parent(parent: int) -> None:
-    while True:
-        if os.getppid() != parent:
-            os._exit(3)
-        time.sleep(0.5)
-
-
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rank", type=int, required=True, help="global rank (a multiple of the TP size)")
-    parser.add_argument("--config", required=True, help="the engine's EngineConfig as JSON")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    args = parser.parse_args()
-    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    from engine.core.engine import EngineConfig, LLMEngine
+    args = rank_parser(__doc__, "global rank (a multiple of the TP size)").parse_args()
+    config = start_rank(args)
+    from engine.core.engine import LLMEngine
     from engine.parallel.dp_rank import DPRank, serve
     from engine.parallel.launch import build_dp_rank
-    config = EngineConfig(**json.loads(args.config))
     group, model, channel = build_dp_rank(config, args.rank)
     dp_rank = args.rank // config.tensor_parallel_size
     engine = LLMEngine(config, parallel=DPRank(group, model, channel))

@@ -44,7 +44,7 @@ _NEUTRAL_FIELDS: dict[str, tuple[Any, ...]] = {
     "tensor_parallel_size": (None, 1), "quantization": (None,), "revision": (None,), "code_revision": (None,),
     "kv_cache_dtype": (None, "auto"), "attention_backend": (None,), "moe_backend": (None,),
     "disable_padded_drafter_batch": (False, True), "enable_adaptive_verification": (False,),
-    "parallel_drafting": (False, True), "num_speculative_tokens_per_batch_size": (None,),
+    "parallel_drafting": (False, True),
     "synthetic_acceptance_rates": (None,), "synthetic_acceptance_length": (None,),
 }
 
@@ -62,6 +62,11 @@ class SpeculativeConfig:
     rejection_sample_method: str = "standard"
     dspark_draft_topk: int | None = None
     enforce_eager: bool | None = None
+    # K per step, at most num_speculative_tokens (docs/dspark.md#adaptive-speculation): vLLM's fixed
+    # schedule [[first batch, last batch, K], ...] when given; else, when adaptive, from measured costs
+    num_speculative_tokens_per_batch_size: tuple[tuple[int, int, int], ...] | None = None
+    adaptive_num_speculative_tokens: bool = False      # off by default until a quiet-host run shows it never loses
+    adaptive_costs: dict[str, Any] | None = field(default=None, compare=False)     # override of the measured costs
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @classmethod
@@ -99,8 +104,15 @@ class SpeculativeConfig:
         if d.get("enforce_eager") not in (None, True, False):
             raise SpecConfigError(f"{where}.enforce_eager: expected a boolean")
         known = {k: v for k, v in d.items() if k in names}
+        _check_dynamic(known)
         extra = {k: v for k, v in d.items() if k not in names}
         return cls(**known, extra=extra)
+
+    def num_drafts_for_batch(self, batch: int) -> int | None:
+        """K from vLLM's `num_speculative_tokens_per_batch_size` (None: no schedule; 0 outside its ranges)."""
+        if self.num_speculative_tokens_per_batch_size is None:
+            return None
+        return next((k for lo, hi, k in self.num_speculative_tokens_per_batch_size if lo <= batch <= hi), 0)
 
     def check_draft_tp(self, target_tp: int) -> None:
         """vLLM's rule: the draft's TP is 1 or the target's. Here the draft always runs on the target's ranks,
@@ -128,6 +140,9 @@ class SpeculativeConfig:
         if n > draft.block_size:
             raise SpecConfigError(f"--speculative-config.num_speculative_tokens={n} exceeds the draft's block size "
                                   f"{draft.block_size} ({self.model})")
+        if any(k > n for _, _, k in self.num_speculative_tokens_per_batch_size or ()):
+            raise SpecConfigError(f"--speculative-config.num_speculative_tokens_per_batch_size: a K above "
+                                  f"num_speculative_tokens ({n})")
         max_len = self.max_model_len or target_max_model_len
         if max_len > target_max_model_len:
             raise SpecConfigError(f"--speculative-config.max_model_len={max_len} exceeds the target's "
@@ -138,7 +153,33 @@ class SpeculativeConfig:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        if d["num_speculative_tokens_per_batch_size"] is not None:
+            d["num_speculative_tokens_per_batch_size"] = [list(t) for t in d["num_speculative_tokens_per_batch_size"]]
         return {**{k: v for k, v in d.items() if k != "extra"}, **self.extra}
+
+
+def _check_dynamic(known: dict[str, Any]) -> None:
+    """Validate (and normalise in place) the adaptive-K fields."""
+    where = "--speculative-config"
+    if known.get("adaptive_num_speculative_tokens") not in (None, True, False):
+        raise SpecConfigError(f"{where}.adaptive_num_speculative_tokens: expected a boolean")
+    schedule = known.get("num_speculative_tokens_per_batch_size")
+    if schedule is not None:
+        ok = isinstance(schedule, list | tuple) and all(
+            isinstance(t, list | tuple) and len(t) == 3 and all(isinstance(x, int) and not isinstance(x, bool)
+                                                               for x in t) and 1 <= t[0] <= t[1] and t[2] >= 0
+            for t in schedule)
+        if not ok or not schedule:
+            raise SpecConfigError(f"{where}.num_speculative_tokens_per_batch_size: a list of [first batch size, "
+                                  f"last batch size, K] (inclusive, K >= 0), got {schedule!r}")
+        known["num_speculative_tokens_per_batch_size"] = tuple(tuple(t) for t in schedule)
+    costs = known.get("adaptive_costs")
+    if costs is not None:
+        from engine.spec_decode.adaptive import StepCosts
+        try:
+            StepCosts.from_dict(costs if isinstance(costs, dict) else {})
+        except ValueError as exc:
+            raise SpecConfigError(f"{where}.{exc}") from exc
 
 
 _MASK_TOKEN_KEYS = ("mask_token_id", "dspark_noise_token_id", "pard_token", "ptd_token_id")

@@ -17,6 +17,7 @@ class SpecDecodeStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    steps_by_k: list[int] = field(default_factory=list)    # [K]: steps whose largest chosen K was K (0 = off)
     _lengths: list[int] = field(default_factory=list, repr=False)
     _draft_s: list[float] = field(default_factory=list, repr=False)
     _verify_s: list[float] = field(default_factory=list, repr=False)
@@ -24,6 +25,7 @@ class SpecDecodeStats:
 
     def __post_init__(self) -> None:
         self.accepted_per_pos = [0] * self.num_speculative_tokens
+        self.steps_by_k = [0] * (self.num_speculative_tokens + 1)
 
     def record_draft(self, num_draft_tokens: int, num_accepted: int) -> None:
         with self._lock:
@@ -33,6 +35,10 @@ class SpecDecodeStats:
             for i in range(num_accepted):
                 self.accepted_per_pos[i] += 1
             self._lengths.append(1 + num_accepted)
+
+    def record_choice(self, k: int) -> None:
+        with self._lock:
+            self.steps_by_k[k] += 1
 
     def record_times(self, draft_s: float | None, verify_s: float | None) -> None:
         with self._lock:
@@ -51,6 +57,7 @@ class SpecDecodeStats:
         with self._lock:
             out = {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
                    "num_accepted_tokens": self.num_accepted_tokens, "accepted_per_pos": list(self.accepted_per_pos),
+                   "steps_by_k": list(self.steps_by_k),
                    "acceptance_lengths": self._lengths, "draft_seconds": self._draft_s,
                    "verify_seconds": self._verify_s}
             self._lengths, self._draft_s, self._verify_s = [], [], []

@@ -3,7 +3,9 @@ against the target's rows (rolling back KDA state and cache pages past the accep
 verified tokens' context for the draft model, propose the next blocks, and keep the stats.
 
 The engine asks it three things per step (`verify`, `write_context`, `propose`); without a
-`--speculative-config` the engine has no such object and steps plainly.
+`--speculative-config` the engine has no such object and steps plainly. How many tokens each request
+drafts (K, 0 = none this step) is `choose`'s: vLLM's per-batch-size schedule when configured, else the
+adaptive policy (engine/spec_decode/adaptive.py) over measured step costs, else num_speculative_tokens.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 
 from engine.core.request import Request, RequestStatus
 from engine.sampler import SamplingState
+from engine.spec_decode.adaptive import AcceptanceTracker, CostCorrection, StepCosts, choose_drafts
 from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.proposer import DraftRequest, DSparkProposer
 from engine.spec_decode.stats import SpecDecodeStats
@@ -29,6 +32,10 @@ class SpecDecodeStep:
                  cache: HybridCacheManager, eos_token_ids: set[int], max_model_len: int) -> None:
         self.spec, self.proposer, self.stats, self.runner, self.cache = spec, proposer, stats, runner, cache
         self.eos_token_ids, self.max_model_len = eos_token_ids, max_model_len
+        self.tracker, self.correction = AcceptanceTracker(), CostCorrection()
+        # the adaptive plan the next step runs: (request ids, batch, speculating, tabled seconds, draft seconds)
+        self._planned: tuple[frozenset[str], int, bool, float, float] | None = None
+        self._costs = StepCosts.from_dict(spec.adaptive_costs) if spec.adaptive_costs else None
 
     def verify(self, s: ScheduledSeq, logits: torch.Tensor) -> VerifyResult:
         """Check `s`'s drafts against its n+1 logit rows; keep the state of the consumed tokens only."""
@@ -38,6 +45,7 @@ class SpecDecodeStep:
         checked = verify(logits, s.draft_token_ids, state, self.eos_token_ids,
                          s.num_computed_before, req.sampling_seed, req.spec_draft_logits)
         self.stats.record_draft(n, checked.num_accepted_drafts)
+        self.tracker.record(req.request_id, n, checked.num_accepted_drafts)
         req.spec_token_ids, req.spec_draft_logits = [], None
         consumed = checked.num_consumed
         if consumed < n + 1:
@@ -50,20 +58,73 @@ class SpecDecodeStep:
         """Draft context rows of the tokens verified this step (before commit publishes or frees blocks)."""
         self.proposer.write_context(context)
 
-    def propose(self, candidates: list[Request], verify_s: float | None) -> None:
-        """Draft the next block of every request that speculates now; record draft and verify times."""
+    def propose(self, candidates: list[Request], verify_s: float | None, step_started: float | None = None) -> None:
+        """Draft the next block of every request that speculates now; record draft and verify times.
+
+        step_started: when this step's forward began (perf_counter), to compare the step with its plan."""
         started = time.perf_counter()
-        reqs = [(r, self.num_drafts_for(r)) for r in candidates]
-        reqs = [(r, k) for r, k in reqs if k > 0]
+        capped = [(r, k) for r in candidates if (k := self.num_drafts_for(r)) > 0]
+        if step_started is not None:
+            self._observe(capped, started - step_started)
+        reqs = [(r, k) for (r, _), k in zip(capped, self.choose(capped), strict=True) if k > 0]
         blocks = self.proposer.propose([DraftRequest(r.blocks, r.num_computed_tokens, r.output_token_ids[-1], k,
                                                      0.0 if r.params.is_greedy else r.params.temperature,
                                                      r.sampling_seed) for r, k in reqs])
         for (req, _), block in zip(reqs, blocks, strict=False):
             req.spec_token_ids, req.spec_draft_logits = block.token_ids, block.logits
-        self.stats.record_times(time.perf_counter() - started if reqs else None, verify_s)
+        draft_s = time.perf_counter() - started
+        if self._planned is not None:
+            self._planned = (*self._planned[:4], draft_s)
+        self.stats.record_times(draft_s if reqs else None, verify_s)
+
+    def _observe(self, capped: list[tuple[Request, int]], step_s: float) -> None:
+        """Fold the step just run into the cost correction, when it ran the batch that was planned (no
+        request joined or left: a prefill in it would not be the planned work)."""
+        planned, self._planned = self._planned, None
+        costs = self._costs
+        if planned is None or costs is None or planned[0] != frozenset(r.request_id for r, _ in capped):
+            return
+        _, batch, speculating, tabled_s, draft_s = planned
+        self.correction.observe(costs, batch, speculating, tabled_s, step_s + draft_s)
+
+    def choose(self, capped: list[tuple[Request, int]]) -> list[int]:
+        """K for each (request, most it may draft) that could speculate this step; records the choice."""
+        if not capped:
+            return []
+        caps = [k for _, k in capped]
+        scheduled = self.spec.num_drafts_for_batch(len(capped))
+        if scheduled is not None:
+            ks = [min(c, scheduled) for c in caps]
+        elif not self.spec.adaptive_num_speculative_tokens or (costs := self.costs()) is None:
+            ks = caps
+        else:
+            self.tracker.forget({r.request_id for r, _ in capped})
+            b = len(capped)
+            plan = choose_drafts(costs, [self.tracker.alpha(r.request_id) for r, _ in capped], caps,
+                                 spec_scale=self.correction.scale(costs, b, True),
+                                 plain_scale=self.correction.scale(costs, b, False))
+            ks = list(plan.num_drafts)
+            self._planned = (frozenset(r.request_id for r, _ in capped), b, any(ks), plan.seconds, 0.0)
+            for (r, _), k in zip(capped, ks, strict=True):
+                if k == 0:
+                    self.tracker.idle(r.request_id)
+            if not any(ks):
+                self.tracker.idle_step()
+        self.stats.record_choice(max(ks))
+        return ks
+
+    def costs(self) -> StepCosts | None:
+        """The configured `adaptive_costs`, else measured on this engine at first use. None on a data-parallel
+        rank (its forwards are in lock-step with the other ranks', so it cannot run stand-in steps alone)."""
+        if self._costs is None and hasattr(self.runner, "dummy"):
+            return None
+        if self._costs is None:
+            from engine.spec_decode.calibrate import measured_costs
+            self._costs = measured_costs(self)
+        return self._costs
 
     def num_drafts_for(self, req: Request) -> int:
-        """How many tokens to draft for `req` now (0: it does not speculate this step).
+        """The most tokens `req` may draft now (0: it does not speculate this step).
 
         Bounded by its remaining output (a verify step emits up to drafts+1 tokens), the context
         length, and the draft's `max_model_len` (longer sequences decode without speculation)."""

@@ -4,6 +4,7 @@ and in plain counters for `/dashboard` and `GET /admin/tenants/{name}`."""
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -27,6 +28,8 @@ class Accounting:
     def __init__(self, metrics=None) -> None:
         self.metrics = metrics
         self.usage: dict[str, Usage] = defaultdict(Usage)
+        # `--workers N`: the sibling router processes' `raw()` usage, added to ours in `snapshot()`
+        self.siblings: Callable[[], list[dict]] | None = None
         self._seconds: dict[str, object] = {}        # histogram children: labels() takes a lock per call
 
     def rejected(self, label: str, reason: str) -> None:
@@ -56,5 +59,22 @@ class Accounting:
                 child = self._seconds[label] = m.tenant_seconds.labels(tenant=label)
             child.observe(seconds)  # type: ignore[attr-defined]
 
+    def raw(self) -> dict[str, list]:
+        """Every tenant's counters as plain values (what a sibling process adds up)."""
+        return {name: [u.requests, u.prompt_tokens, u.completion_tokens, u.rejected, u.outcomes, u.seconds]
+                for name, u in self.usage.items()}
+
     def snapshot(self) -> dict[str, dict]:
-        return {name: u.to_dict() for name, u in sorted(self.usage.items())}
+        """Per tenant usage: this process's, plus its siblings' under `--workers N` (the router's as a whole)."""
+        usage = self.usage
+        if self.siblings is not None:
+            usage = defaultdict(Usage)
+            for one in (self.raw(), *self.siblings()):
+                for name, (requests, prompt, completion, rejected, outcomes, seconds) in one.items():
+                    u = usage[name]
+                    u.requests, u.prompt_tokens = u.requests + requests, u.prompt_tokens + prompt
+                    u.completion_tokens, u.seconds = u.completion_tokens + completion, u.seconds + seconds
+                    for mine, theirs in ((u.rejected, rejected), (u.outcomes, outcomes)):
+                        for key, n in theirs.items():
+                            mine[key] = mine.get(key, 0) + n
+        return {name: u.to_dict() for name, u in sorted(usage.items())}

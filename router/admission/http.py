@@ -21,25 +21,28 @@ from shared.openai.errors import OpenAIError
 
 def build(app_state: Any, store: object | None, spawn: Callable[[Awaitable], None]) -> Admission:
     """The app's admission control; the tenants file was read (and checked) at start-up."""
-    s, metrics = app_state.settings, app_state.metrics
+    s, metrics, share = app_state.settings, app_state.metrics, getattr(app_state, "share", None)
     limiter = RateLimiter(store, f"router-{secrets.token_hex(4)}", metrics)
+    if share is not None and store is None:
+        limiter.replicas = share.nprocs          # no store: each router process keeps 1/N of every limit
     queue = None
     if s.max_inflight_per_worker > 0:
         def capacity() -> int:
             usable = [w for w in app_state.registry.states() if w.info.role in ("decode", "both")
                       and w.healthy and not w.is_draining]
             return len(usable) * s.max_inflight_per_worker
-        queue = AdmissionQueue(capacity, s.max_queued, s.queue_timeout_s, metrics)
+        queue = AdmissionQueue(capacity, s.max_queued, s.queue_timeout_s, metrics, siblings=share)
     return Admission(app_state.tenants, limiter, queue, Accounting(metrics), spawn)
 
 
-async def pump_loop(admission: Admission, stop: asyncio.Event) -> None:
-    """Slots that appear without a request ending (a worker joined, one recovered) go to waiters."""
+async def pump_loop(admission: Admission, stop: asyncio.Event, interval_s: float = 0.25) -> None:
+    """Slots that appear without a request ending here (a worker joined, one recovered, a sibling router
+    process's request ended) go to waiters."""
     while not stop.is_set():
         if admission.queue is not None:
             admission.queue.pump()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), 0.25)
+            await asyncio.wait_for(stop.wait(), interval_s)
 
 
 async def throttled(request: Request, exc: Exception) -> JSONResponse:

@@ -16,6 +16,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from router.admission.limits import Throttled
 
@@ -27,9 +28,12 @@ class _Waiter:
 
 
 class AdmissionQueue:
-    def __init__(self, capacity: Callable[[], int], max_queued: int, timeout_s: float, metrics=None) -> None:
+    def __init__(self, capacity: Callable[[], int], max_queued: int, timeout_s: float, metrics=None,
+                 siblings: Any = None) -> None:
+        """`siblings` (`--workers N`, router/procs/share.py): the other router processes' slots and waiters
+        count against the same capacity and bound, so the limits hold for the router as a whole."""
         self.capacity, self.max_queued, self.timeout_s = capacity, max_queued, timeout_s
-        self.metrics = metrics
+        self.metrics, self.siblings = metrics, siblings
         self.inflight = 0
         self._heap: list[_Waiter] = []
         self._seq = itertools.count()
@@ -39,15 +43,19 @@ class AdmissionQueue:
         return sum(1 for w in self._heap if not w.future.done())
 
     def _free(self) -> bool:
-        return self.inflight < max(1, self.capacity())
+        return self.inflight + self._peers()[0] < max(1, self.capacity())
+
+    def _peers(self) -> tuple[int, int]:
+        return (0, 0) if self.siblings is None else self.siblings.peer_admission()
 
     async def acquire(self, priority: tuple[int, int], timeout_s: float | None = None) -> float:
         """Take a slot (waiting for one when none is free); returns the seconds waited. Raises `Throttled`
         (503) when the queue is full or the deadline passes; cancelling leaves the queue at once."""
-        if self._free() and not self.waiting:
+        if self._free() and not self.waiting and not self._peers()[1]:
             self.inflight += 1
+            self._gauge()
             return 0.0
-        if self.waiting >= self.max_queued:
+        if self.waiting + self._peers()[1] >= self.max_queued:
             self._count("queue_full")
             raise Throttled("The server is at capacity and its queue is full; please retry shortly.",
                             {"retry-after": "1"}, status=503, code="queue_full", type="service_unavailable")
@@ -98,6 +106,8 @@ class AdmissionQueue:
             self.metrics.queue_rejections.labels(reason=outcome).inc()
 
     def _gauge(self) -> None:
+        if self.siblings is not None:
+            self.siblings.admission_changed(self.inflight, self.waiting)
         if self.metrics is not None:
             self.metrics.queue_depth.set(self.waiting)
             self.metrics.inflight.set(self.inflight)

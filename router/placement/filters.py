@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
 from router.placement.registry import Registry
+from router.placement.scorers import expected_completion_s
 from router.placement.types import CircuitState, RoutingContext, WorkerState
 
 Workers = tuple[WorkerState, ...]
@@ -135,9 +136,14 @@ class BacklogFilter(Filter):
     """Drops a worker whose queued prefill work (`WorkerState.backlog_s`, seconds) exceeds the
     least-backlogged candidate's by more than `slack_s`: a prefix hit is worth waiting for, but
     not without bound, and a queue in seconds sees 100x differences in prompt size that a count
-    of requests does not. The least-backlogged worker always survives."""
+    of requests does not. The least-backlogged worker always survives.
+
+    `with_request`: compare the request's expected completion instead (queued work plus its own
+    uncached tokens there, `expected_completion_s`), so the bound is on what the client waits: a
+    holder of the prefix may be further behind by the compute its hit saves."""
 
     slack_s: float = 4.0
+    with_request: bool = False
 
     def __post_init__(self) -> None:
         if self.slack_s < 0:
@@ -146,5 +152,6 @@ class BacklogFilter(Filter):
     def __call__(self, ctx: RoutingContext, workers: Sequence[WorkerState]) -> Workers:
         if not workers:
             return ()
-        floor = min(w.backlog_s for w in workers)
-        return tuple(w for w in workers if w.backlog_s - floor <= self.slack_s)
+        costs = [expected_completion_s(ctx, w) if self.with_request else w.backlog_s for w in workers]
+        floor = min(costs)
+        return tuple(w for w, cost in zip(workers, costs, strict=True) if cost - floor <= self.slack_s)

@@ -70,6 +70,7 @@ class WorkLedger:
         self._speeds = dict(config.worker_tokens_per_s)
         self._workers: dict[str, _Worker] = {}
         self._ids = itertools.count()
+        self.on_change: Callable[[str], None] | None = None    # router processes: publish the worker's work
 
     def _get(self, worker_id: str) -> _Worker:
         w = self._workers.get(worker_id)
@@ -82,6 +83,8 @@ class WorkLedger:
         w, leg = self._get(worker_id), Leg(worker_id, next(self._ids), max(int(tokens), 0))
         w.legs[leg.leg_id] = (leg.tokens, self._clock())
         w.open_tokens += leg.tokens
+        if self.on_change is not None:
+            self.on_change(worker_id)
         return leg
 
     def settle(self, leg: Leg, *, calibrate: bool = True) -> None:
@@ -99,6 +102,8 @@ class WorkLedger:
             w.weight_tokens = keep * w.weight_tokens + tokens
             w.weight_seconds = keep * w.weight_seconds + busy
             w.speed = w.weight_tokens / w.weight_seconds
+        if self.on_change is not None:
+            self.on_change(leg.worker_id)
 
     def tokens_per_s(self, worker_id: str) -> float:
         return self._get(worker_id).speed if worker_id in self._workers else \
@@ -112,6 +117,15 @@ class WorkLedger:
         head_tokens, head_sent = next(iter(w.legs.values()))
         progress = (self._clock() - max(head_sent, w.last_settle)) * w.speed
         return max(w.open_tokens - min(max(progress, 0.0), head_tokens), 0) / w.speed
+
+    def backlog_bounds(self, worker_id: str) -> tuple[float, float]:
+        """(backlog_s now, the backlog it falls to once the oldest leg's progress is spent): with no
+        leg opened or settled in between, backlog_s(t) = max(floor, now_value - (t - now))."""
+        w = self._workers.get(worker_id)
+        if w is None or not w.legs:
+            return 0.0, 0.0
+        head_tokens = next(iter(w.legs.values()))[0]
+        return self.backlog_s(worker_id), max(w.open_tokens - head_tokens, 0) / w.speed
 
     def open_legs(self, worker_id: str) -> int:
         w = self._workers.get(worker_id)

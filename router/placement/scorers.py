@@ -92,6 +92,21 @@ def expected_completion_s(ctx: RoutingContext, worker: WorkerState, own_weight: 
     return max(worker.backlog_s, 0.0) + own_weight * ctx.uncached_tokens(worker.info) / speed
 
 
+def busy_share(workers: Sequence[WorkerState]) -> float:
+    """Share of the candidates with prefill work queued (0.0 for none): how much of the fleet a
+    recomputed token would take from requests that are waiting."""
+    return sum(w.backlog_s > 0 for w in workers) / len(workers) if workers else 0.0
+
+
+def recompute_weight(own_weight: float, idle_own_weight: float | None, workers: Sequence[WorkerState]) -> float:
+    """The price of a recomputed token: `own_weight` on a busy fleet, falling linearly with the busy
+    share to `idle_own_weight` on an idle one (None: always `own_weight`). On an idle fleet another
+    worker's spare time is free, and waiting behind a prefix holder's queue only adds latency."""
+    if idle_own_weight is None:
+        return own_weight
+    return idle_own_weight + (own_weight - idle_own_weight) * busy_share(workers)
+
+
 @SCORERS.register("completion")
 @dataclass(frozen=True)
 class CompletionScorer(Scorer):
@@ -100,18 +115,23 @@ class CompletionScorer(Scorer):
 
     Requests differ ~100x in prefill work, so this prices load in seconds of queued work instead
     of requests, and the prefix cache by the work it saves, in one unit. `floor_s` keeps gaps of a
-    few milliseconds between idle workers from looking like large ratios.
+    few milliseconds between idle workers from looking like large ratios. A recomputed token costs
+    `recompute_weight(own_weight, idle_own_weight, workers)`.
     """
 
     own_weight: float = 1.0
     floor_s: float = 0.01
     default_tokens_per_s: float = 20000.0
+    idle_own_weight: float | None = None
 
     def __post_init__(self) -> None:
         if self.own_weight <= 0 or self.floor_s <= 0 or self.default_tokens_per_s <= 0:
             raise ValueError("completion needs own_weight, floor_s and default_tokens_per_s > 0")
+        if self.idle_own_weight is not None and not 0 < self.idle_own_weight <= self.own_weight:
+            raise ValueError("completion needs 0 < idle_own_weight <= own_weight")
 
     def __call__(self, ctx: RoutingContext, workers: Sequence[WorkerState]) -> list[float]:
-        costs = [expected_completion_s(ctx, w, self.own_weight, self.default_tokens_per_s) for w in workers]
+        weight = recompute_weight(self.own_weight, self.idle_own_weight, workers)
+        costs = [expected_completion_s(ctx, w, weight, self.default_tokens_per_s) for w in workers]
         best = min(costs, default=0.0)
         return [(best + self.floor_s) / (c + self.floor_s) for c in costs]

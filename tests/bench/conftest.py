@@ -8,9 +8,8 @@ from kimi_pd.bench.tokenizer import TokenPool, load_tokenizer
 
 
 @pytest.fixture(scope="session")
-def bench_model(tmp_path_factory) -> Path:
-    from engine.checkpoint.create import create_checkpoint
-    return create_checkpoint("tiny", tmp_path_factory.mktemp("bench-model") / "tiny", seed=0, progress=False)
+def bench_model(tiny_dir) -> Path:
+    return tiny_dir
 
 
 @pytest.fixture(scope="session")

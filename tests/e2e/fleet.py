@@ -139,6 +139,49 @@ def offline_llm(model_dir: Path):
     return LLM(str(model_dir), block_size=4, kda_chunk_size=8, cache_memory_bytes=8 << 20)
 
 
+def greedy_ids(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """An offline engine's greedy token ids for token-id prompts, decoded past EOS: what every P/D pairing
+    must answer."""
+    from engine import SamplingParams
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    return [o.output.token_ids for o in outs]
+
+
+def greedy_reference(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """`greedy_ids` from a colocated engine with the workers' cache geometry, closed after."""
+    with offline_llm(model_dir) as llm:
+        return greedy_ids(llm, prompts, max_tokens)
+
+
+def completion_ids_body(prompt: list[int], max_tokens: int) -> dict:
+    """A greedy /v1/completions body for a token-id prompt, decoded past EOS, answering its token ids."""
+    return {"model": "kimi-k3", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+
+
+def complete_ids(router_url: str, prompt: list[int], max_tokens: int) -> httpx.Response:
+    return httpx.post(router_url + "/v1/completions", json=completion_ids_body(prompt, max_tokens), timeout=120)
+
+
+def healthy_workers(router: Proc) -> set[str]:
+    """The worker URLs the router's admin view lists as healthy."""
+    listed = httpx.get(router.url + "/admin/workers", headers={"authorization": f"Bearer {ADMIN}"}, timeout=5)
+    return {w["url"] for w in listed.json()["workers"] if w["healthy"]}
+
+
+def pd_routers(fleet: Fleet, pairs: dict[str, tuple[Proc, Proc]]) -> list[Proc]:
+    """One always-disaggregating router per named (prefill, decode) pair, started together, each ready and
+    listing both its workers healthy (/ready needs only the decode worker; the prefill worker is placed
+    once the router's health check passed it)."""
+    routers = [fleet.router(name, "--prefill", p.url, "--decode", d.url, "--disagg-threshold", "0")
+               for name, (p, d) in pairs.items()]
+    for router, (prefill, decode) in zip(routers, pairs.values(), strict=True):
+        fleet.wait(router, "/ready")
+        eventually(lambda router=router, pair={prefill.url, decode.url}: healthy_workers(router) == pair,
+                   timeout_s=60, what=f"{router.name} to list {prefill.name} and {decode.name}")
+    return routers
+
+
 def metric(url: str, name: str, **labels: str) -> float:
     """Sum of a Prometheus sample (matching labels) from `url`/metrics."""
     total = 0.0

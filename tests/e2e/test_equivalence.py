@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from engine import SamplingParams
-from tests.e2e.fleet import Fleet, metric, offline_llm
+from tests.e2e.fleet import Fleet, metric
 
 pytestmark = pytest.mark.timeout(300)
 MAX_TOKENS = 12
@@ -33,20 +33,11 @@ CHATS = [
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory, e2e_model):
-    with Fleet(tmp_path_factory.mktemp("eq"), e2e_model) as f:
-        p, d, w = f.worker("prefill", "p0"), f.worker("decode", "d0"), f.worker("worker", "w0")
-        for proc in (p, d, w):
-            f.wait(proc)
-        r = f.router("r0", "--prefill", p.url, "--decode", d.url, "--disagg-threshold", "0")
-        f.wait(r, "/ready")
-        f.p, f.d, f.w, f.r = p, d, w, r
-        yield f
-
-
-@pytest.fixture(scope="module")
-def offline(e2e_model):
-    return offline_llm(e2e_model)
+def fleet(pd_fleet, tmp_path_factory, e2e_model):
+    """The package's fleet (`p`, `d`, `r`, the colocated `w`); a router this module adds is its own."""
+    with Fleet(tmp_path_factory.mktemp("eq"), e2e_model) as own:
+        own.p, own.d, own.r, own.w = pd_fleet.p, pd_fleet.d, pd_fleet.r, pd_fleet.w
+        yield own
 
 
 def chat_body(messages, **extra):

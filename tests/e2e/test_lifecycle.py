@@ -18,11 +18,10 @@ LONG = {"model": "kimi-k3", "messages": [{"role": "user", "content": "Go on and 
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory, e2e_model):
+def fleet(tmp_path_factory, e2e_model, pd_fleet):
+    """The package's P/D workers behind a router of this module's own that wants client API keys."""
     with Fleet(tmp_path_factory.mktemp("life"), e2e_model) as f:
-        f.p, f.d = f.worker("prefill", "p0"), f.worker("decode", "d0")
-        for proc in (f.p, f.d):
-            f.wait(proc)
+        f.p, f.d = pd_fleet.p, pd_fleet.d
         f.r = f.router("r", "--prefill", f.p.url, "--decode", f.d.url, "--disagg-threshold", "0",
                        env={"KIMI_PD_API_KEYS": "key-one,key-two"})
         f.wait(f.r, "/ready")

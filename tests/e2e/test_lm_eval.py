@@ -17,7 +17,6 @@ import pytest
 from engine import LLM, SamplingParams
 from shared.openai.convert import shape_chat_message
 from shared.openai.shaping import SpecialTokenStrip
-from tests.e2e.fleet import Fleet, offline_llm
 
 lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is in the dev extra")
 pytestmark = pytest.mark.timeout(600)
@@ -63,28 +62,16 @@ generation_kwargs:
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory, e2e_model):
-    with Fleet(tmp_path_factory.mktemp("lmeval"), e2e_model) as f:
-        p, d = f.worker("prefill", "p0"), f.worker("decode", "d0")
-        for proc in (p, d):
-            f.wait(proc)
-        # lm-eval's server-tokenizer path probes /tokenizer_info: on, as vLLM with --enable-tokenizer-info-endpoint
-        r = f.router("r0", "--prefill", p.url, "--decode", d.url, "--disagg-threshold", "0",
-                     "--enable-tokenizer-info-endpoint")
-        f.wait(r, "/ready")
-        f.r = r
-        yield f
-
-
-@pytest.fixture(scope="module")
-def offline(e2e_model):
-    return offline_llm(e2e_model)
+def fleet(pd_fleet):
+    # lm-eval's server-tokenizer path probes /tokenizer_info: on there, as vLLM with --enable-tokenizer-info-endpoint
+    return pd_fleet
 
 
 @pytest.fixture(scope="module")
 def task_manager(tmp_path_factory):
     from lm_eval.tasks import TaskManager
-    return TaskManager(include_path=str(_write_tasks(tmp_path_factory.mktemp("tasks"))))
+    # only our task files: indexing lm-eval's thousands of built-in task configs costs seconds and none is used
+    return TaskManager(include_path=str(_write_tasks(tmp_path_factory.mktemp("tasks"))), include_defaults=False)
 
 
 def _evaluate(fleet, task_manager, model: str, endpoint: str, task: str, batch_size: int, **kw) -> dict:

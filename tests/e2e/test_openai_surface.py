@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from engine import SamplingParams
-from tests.e2e.fleet import Fleet, metric, offline_llm
+from tests.e2e.fleet import metric
 from tests.engine.core.helpers import bannable_word
 
 pytestmark = pytest.mark.timeout(300)
@@ -20,17 +20,10 @@ PROMPTS = ["The lighthouse keeper counted the boats", "Rain fell on the quiet to
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory, e2e_model):
-    info = ("--enable-tokenizer-info-endpoint",)
+def fleet(pd_fleet):
     # the router may fetch image URLs from loopback (the test's HTTP server); the workers may not, so an
     # image URL answered through P/D proves the router forwarded the image itself
-    with Fleet(tmp_path_factory.mktemp("surface"), e2e_model) as f:
-        yield f.static_pd(decode_flags=info, router_flags=(*info, "--allow-private-media-urls"))
-
-
-@pytest.fixture(scope="module")
-def offline(e2e_model):
-    return offline_llm(e2e_model)
+    return pd_fleet
 
 
 @pytest.fixture(scope="module")

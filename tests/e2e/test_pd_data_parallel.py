@@ -16,10 +16,8 @@ import httpx
 import numpy as np
 import pytest
 
-from engine import LLM, SamplingParams
 from shared.net import free_port
-from tests.e2e.fleet import Fleet, metric
-from tests.e2e.test_pd_tensor_parallel import healthy_workers
+from tests.e2e.fleet import Fleet, complete_ids, greedy_reference, metric, pd_routers
 
 pytestmark = pytest.mark.timeout(420)
 MAX_TOKENS = 6
@@ -30,7 +28,6 @@ STRICT = ("--kv-load-failure-policy", "fail")
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory, e2e_model):
-    from tests.e2e.fleet import eventually
     with Fleet(tmp_path_factory.mktemp("pd-dp"), e2e_model) as f:
         port = str(free_port())
         across = (*DP, "--data-parallel-size-local", "1", "--data-parallel-address", "127.0.0.1",
@@ -42,26 +39,13 @@ def fleet(tmp_path_factory, e2e_model):
         f.d_dp = f.worker("decode", "d-dp2", *DP, *STRICT)
         for proc in (f.p_dp, f.d1, f.p1, f.d_dp):
             f.wait(proc, timeout_s=240)
-        f.r_pdp = f.router("r-pdp-d1", "--prefill", f.p_dp.url, "--decode", f.d1.url, "--disagg-threshold", "0")
-        f.r_ddp = f.router("r-p1-ddp", "--prefill", f.p1.url, "--decode", f.d_dp.url, "--disagg-threshold", "0")
-        for router, pair in ((f.r_pdp, {f.p_dp.url, f.d1.url}), (f.r_ddp, {f.p1.url, f.d_dp.url})):
-            f.wait(router, "/ready")
-            eventually(lambda router=router, pair=pair: healthy_workers(router) == pair, timeout_s=60,
-                       what=f"{router.name} to list {pair}")
+        f.r_pdp, f.r_ddp = pd_routers(f, {"r-pdp-d1": (f.p_dp, f.d1), "r-p1-ddp": (f.p1, f.d_dp)})
         yield f
 
 
 @pytest.fixture(scope="module")
 def colocated(e2e_model) -> list[list[int]]:
-    with LLM(str(e2e_model), block_size=4, kda_chunk_size=8, cache_memory_bytes=8 << 20) as llm:
-        outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
-    return [o.output.token_ids for o in outs]
-
-
-def complete(router_url: str, prompt: list[int]) -> httpx.Response:
-    body = {"model": "kimi-k3", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True}
-    return httpx.post(router_url + "/v1/completions", json=body, timeout=120)
+    return greedy_reference(e2e_model, PROMPTS, MAX_TOKENS)
 
 
 def placed(worker) -> list[int]:
@@ -73,7 +57,7 @@ def test_pd_with_data_parallel_equals_colocated(fleet, colocated, pair):
     router, prefill, decode, dp_worker = ((fleet.r_pdp, fleet.p_dp, fleet.d1, fleet.p_dp) if pair.startswith("dp2")
                                           else (fleet.r_ddp, fleet.p1, fleet.d_dp, fleet.d_dp))
     with ThreadPoolExecutor(len(PROMPTS)) as pool:              # together: they spread over the DP ranks
-        answers = list(pool.map(lambda p: complete(router.url, p), PROMPTS))
+        answers = list(pool.map(lambda p: complete_ids(router.url, p, MAX_TOKENS), PROMPTS))
     for got, expected in zip(answers, colocated, strict=True):
         assert got.status_code == 200, got.text
         assert got.headers["x-kimi-pd-decision"] == "prefill-decode"

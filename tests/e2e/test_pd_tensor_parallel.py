@@ -10,23 +10,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 
-from engine import LLM, SamplingParams
-from tests.e2e.fleet import ADMIN, Fleet, eventually, metric
+from tests.e2e.fleet import Fleet, complete_ids, greedy_reference, metric, pd_routers
 
 pytestmark = pytest.mark.timeout(420)
 MAX_TOKENS = 8
 # token-id prompts crossing pages (block 4) and KDA chunks (8); one repeats a prefix of another
 PROMPTS = [np.random.default_rng(s).integers(0, 1024, n).tolist() for s, n in [(11, 37), (12, 45)]]
 PROMPTS.append(PROMPTS[1][:24] + [3, 1, 4, 1, 5, 9, 2, 6])
-
-
-def healthy_workers(router) -> set[str]:
-    listed = httpx.get(router.url + "/admin/workers", headers={"authorization": f"Bearer {ADMIN}"}, timeout=5)
-    return {w["url"] for w in listed.json()["workers"] if w["healthy"]}
 
 
 @pytest.fixture(scope="module")
@@ -39,27 +32,13 @@ def fleet(tmp_path_factory, e2e_model):
         f.d2 = f.worker("decode", "d-tp2", "--tensor-parallel-size", "2", *strict)
         for proc in (f.p2, f.d1, f.p1, f.d2):
             f.wait(proc, timeout_s=240)
-        f.wide_prefill = f.router("r-p2-d1", "--prefill", f.p2.url, "--decode", f.d1.url, "--disagg-threshold", "0")
-        f.wide_decode = f.router("r-p1-d2", "--prefill", f.p1.url, "--decode", f.d2.url, "--disagg-threshold", "0")
-        for router, pair in ((f.wide_prefill, {f.p2.url, f.d1.url}), (f.wide_decode, {f.p1.url, f.d2.url})):
-            f.wait(router, "/ready")
-            # /ready needs a decode worker; the prefill worker is placed once the router lists it healthy
-            eventually(lambda router=router, pair=pair: healthy_workers(router) == pair, timeout_s=60,
-                       what=f"{router.name} to list {pair}")
+        f.wide_prefill, f.wide_decode = pd_routers(f, {"r-p2-d1": (f.p2, f.d1), "r-p1-d2": (f.p1, f.d2)})
         yield f
 
 
 @pytest.fixture(scope="module")
 def colocated(e2e_model) -> list[list[int]]:
-    with LLM(str(e2e_model), block_size=4, kda_chunk_size=8, cache_memory_bytes=8 << 20) as llm:
-        outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
-    return [o.output.token_ids for o in outs]
-
-
-def complete(router_url: str, prompt: list[int]) -> httpx.Response:
-    body = {"model": "kimi-k3", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True}
-    return httpx.post(router_url + "/v1/completions", json=body, timeout=120)
+    return greedy_reference(e2e_model, PROMPTS, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("pair", ["tp2-prefill-tp1-decode", "tp1-prefill-tp2-decode"])
@@ -67,7 +46,7 @@ def test_pd_across_tp_sizes_equals_colocated(fleet, colocated, pair):
     router, prefill, decode = ((fleet.wide_prefill, fleet.p2, fleet.d1) if pair.startswith("tp2")
                                else (fleet.wide_decode, fleet.p1, fleet.d2))
     for prompt, expected in zip(PROMPTS, colocated, strict=False):
-        got = complete(router.url, prompt)
+        got = complete_ids(router.url, prompt, MAX_TOKENS)
         assert got.status_code == 200, got.text
         assert got.headers["x-kimi-pd-decision"] == "prefill-decode"
         assert got.headers["x-kimi-pd-prefill-worker"] == prefill.url

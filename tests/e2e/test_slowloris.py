@@ -1,5 +1,7 @@
-"""Slowloris (issue 11): 200 connections that trickle request headers for 20 s neither stop normal
-requests nor stay open: the header deadline (--header-timeout) closes them."""
+"""Slowloris (issue 11): 200 connections that trickle request headers, one byte a round, neither stop
+normal requests nor stay open: the header deadline (--header-timeout, 3 s here) closes every one of them
+within a few seconds of it, while requests keep being served. The run ends once all are closed (at most
+DURATION_S)."""
 from __future__ import annotations
 
 import socket
@@ -11,7 +13,7 @@ import pytest
 from tests.e2e.fleet import Fleet
 
 pytestmark = pytest.mark.timeout(120)
-SLOW, DURATION_S, HEADER_TIMEOUT_S = 200, 20.0, 3.0
+SLOW, DURATION_S, HEADER_TIMEOUT_S = 200, 10.0, 3.0
 
 
 def test_slow_header_connections_are_closed_and_do_not_block(tmp_path, e2e_model):
@@ -30,7 +32,7 @@ def test_slow_header_connections_are_closed_and_do_not_block(tmp_path, e2e_model
         start, served = time.monotonic(), 0
         body = {"model": "kimi-k3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
         with httpx.Client(timeout=5) as client:
-            while time.monotonic() - start < DURATION_S:
+            while time.monotonic() - start < DURATION_S and len(closed_at) < SLOW:
                 for i, sock in enumerate(slow):              # one more header byte every round, forever
                     if i in closed_at:
                         continue
@@ -51,6 +53,6 @@ def test_slow_header_connections_are_closed_and_do_not_block(tmp_path, e2e_model
                 time.sleep(0.2)
         for sock in slow:
             sock.close()
-        assert served >= 20
+        assert served >= 5                                   # served while the slow ones were open
         assert len(closed_at) == SLOW, f"{SLOW - len(closed_at)} slow connections still open after {DURATION_S} s"
         assert max(closed_at.values()) < HEADER_TIMEOUT_S + 5, sorted(closed_at.values())[-5:]

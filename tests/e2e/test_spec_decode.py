@@ -3,6 +3,8 @@ spec metrics on the decode worker; a bad --speculative-config stops a worker at 
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 
@@ -11,7 +13,7 @@ import pytest
 
 from engine import SamplingParams
 from engine.spec_decode.checkpoint import create_draft_checkpoint
-from tests.e2e.fleet import Fleet, metric, offline_llm
+from tests.e2e.fleet import Fleet, metric
 
 pytestmark = pytest.mark.timeout(300)
 MAX_TOKENS = 20
@@ -26,11 +28,6 @@ def fleet(tmp_path_factory, e2e_model):
     with Fleet(tmp, e2e_model) as f:
         flags = ("--speculative-config", config)
         yield f.static_pd(flags, flags)
-
-
-@pytest.fixture(scope="module")
-def offline(e2e_model):
-    return offline_llm(e2e_model)
 
 
 def test_router_pd_with_speculation_equals_plain_offline(fleet, offline):
@@ -58,18 +55,36 @@ def test_router_pd_with_speculation_equals_plain_offline(fleet, offline):
     assert metric(fleet.d.url, "vllm:external_prefix_cache_hits_total") > 0     # the pulled prefill states
 
 
-@pytest.mark.parametrize("config, message", [
+# configs refused when the flags are parsed, before any engine or file is touched
+UNPARSABLE = [
     ('{"method": "dspark", "model": "/nowhere", "k": 7}', "unknown field"),
     ('{"method": "medusa", "model": "/nowhere"}', "only 'dspark'"),
-    ('{"method": "dspark", "model": "/nowhere"}', "no draft config.json"),
     ("{not json", "not valid JSON"),
-])
-def test_bad_speculative_config_is_a_startup_error(e2e_model, config, message):
+]
+
+
+def test_bad_speculative_config_is_a_startup_error(e2e_model):
+    """A worker process whose --speculative-config names no draft checkpoint exits 2 and says why (one child
+    process: each costs an interpreter and a torch import; the unparsable configs are refused in-process below,
+    on the path this process takes first)."""
+    config, message = '{"method": "dspark", "model": "/nowhere"}', "no draft config.json"
     cmd = [sys.executable, "-m", "kimi_pd", "decode", "--model", str(e2e_model), "--speculative-config", config]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
-                          env={**__import__("os").environ, "KIMI_PD_TRANSFER_SECRET": "x" * 32})
+                          env={**os.environ, "KIMI_PD_TRANSFER_SECRET": "x" * 32})
     assert done.returncode == 2, done.stderr[-2000:]
     assert message in done.stderr
+
+
+@pytest.mark.parametrize("config, message", UNPARSABLE)
+def test_unparsable_speculative_config_is_refused_before_the_engine_starts(e2e_model, monkeypatch, config, message):
+    """What the worker's start-up does first with its flags (`settings_from_args`, before any engine):
+    each bad config is a ValueError naming the fault, which `kimi-pd` turns into exit status 2."""
+    from kimi_pd.cli import build_parser
+    from worker.cli import settings_from_args
+    monkeypatch.setenv("KIMI_PD_TRANSFER_SECRET", "x" * 32)
+    args = build_parser().parse_args(["decode", "--model", str(e2e_model), "--speculative-config", config])
+    with pytest.raises(ValueError, match=re.escape(message)):
+        settings_from_args(args, str(e2e_model))
 
 
 def test_streamed_speculative_answer_concatenates_to_the_whole(fleet):

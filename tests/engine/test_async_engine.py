@@ -8,7 +8,6 @@ import time
 import pytest
 
 from engine.async_engine import AsyncEngine
-from engine.checkpoint.create import create_checkpoint
 from engine.core.engine import EngineConfig, LLMEngine
 from engine.structured_output import GrammarBudget
 from shared.errors import EngineDead, InvalidRequest
@@ -19,9 +18,6 @@ from tests.engine.core.helpers import SETTINGS, assert_clean, make_llm, prompt_i
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return create_checkpoint("tiny", tmp_path_factory.mktemp("async") / "tiny", seed=0, progress=False)
 
 
 @pytest.fixture()

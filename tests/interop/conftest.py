@@ -5,30 +5,17 @@ it runs with `-m interop` or `KIMI_PD_INTEROP=1` (`.ci/run` does, after the defa
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
+from tests.opt_in import OptInSuite
 
+SUITE = OptInSuite("interop suite", "interop", "KIMI_PD_INTEROP", "against a real vLLM",
+                   Path(__file__).resolve().parent)
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "interop: against a real vLLM (run with -m interop or KIMI_PD_INTEROP=1)")
-
-
-def _enabled(config: pytest.Config) -> bool:
-    return os.environ.get("KIMI_PD_INTEROP") == "1" or "interop" in (config.getoption("-m") or "").replace(
-        "not interop", "")
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    skip = pytest.mark.skip(reason="interop suite: run with -m interop (or KIMI_PD_INTEROP=1)")
-    for item in items:
-        if HERE in Path(item.path).resolve().parents:
-            item.add_marker(pytest.mark.interop)
-            if not _enabled(config):
-                item.add_marker(skip)
+pytest_configure = SUITE.register                    # the marker's help line
+pytest_collection_modifyitems = SUITE.mark           # marked, and skipped unless asked for
 
 
 @pytest.fixture(scope="session")

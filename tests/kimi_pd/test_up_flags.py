@@ -40,3 +40,28 @@ def test_bad_values_are_refused_before_anything_starts(tmp_path, capsys) -> None
     bad.write_text("[tenants.a]\nrpm = -1\n")
     assert main(["up", "--tenants", str(bad), "--port", "1"]) == 2
     assert "rpm must be a positive integer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "workers"), [([], "1"), (["--router-workers", "3"], "3")])
+def test_up_runs_one_router_process_unless_asked(monkeypatch, argv: list[str], workers: str) -> None:
+    """On one host the engine workers need the cores: `up` gives the router --workers 1 by default."""
+    import kimi_pd.up
+    seen: dict = {}
+    monkeypatch.setattr(kimi_pd.up, "up", lambda *a: seen.setdefault("router_args", a[-1]) and 0)
+    assert main(["up", "--port", "1", *argv]) == 0
+    args = seen["router_args"]
+    assert args[args.index("--workers") + 1] == workers
+
+
+def test_router_processes_default_to_the_cores_this_process_may_use(monkeypatch) -> None:
+    import os
+
+    from router.cli import WORKERS_ENV, router_processes, usable_cores
+    assert 1 <= router_processes(None) == usable_cores() <= len(os.sched_getaffinity(0))
+    assert router_processes(1) == 1
+    monkeypatch.setenv(WORKERS_ENV, "3")                 # the environment's default (tests/conftest.py sets 1)
+    assert build_parser().parse_args(["router"]).workers == 3
+    monkeypatch.delenv(WORKERS_ENV)
+    assert build_parser().parse_args(["router"]).workers is None
+    with pytest.raises(ValueError, match="--workers 0"):
+        router_processes(0)

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.checkpoint.create import create_checkpoint
 from engine.core.engine import EngineConfig, LLMEngine
 from engine.core.state_export import ExportedState
 from kv_transfer.interface import KVTransferParams, make_receiver, make_sender
@@ -27,9 +26,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 PROMPT = [(37 * i + 11) % 1000 for i in range(29)]
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    return create_checkpoint("tiny", tmp_path_factory.mktemp("xfer") / "tiny", seed=0, progress=False)
 
 
 def engine(tiny_dir: Path) -> LLMEngine:

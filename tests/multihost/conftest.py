@@ -13,26 +13,13 @@ from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
+from tests.opt_in import OptInSuite
 
+SUITE = OptInSuite("multi-host suite", "multihost", "KIMI_PD_MULTIHOST", "across namespace hosts",
+                   Path(__file__).resolve().parent)
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers",
-                            "multihost: across namespace hosts (run with -m multihost or KIMI_PD_MULTIHOST=1)")
-
-
-def _enabled(config: pytest.Config) -> bool:
-    return os.environ.get("KIMI_PD_MULTIHOST") == "1" or "multihost" in (config.getoption("-m") or "").replace(
-        "not multihost", "")
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    skip = pytest.mark.skip(reason="multi-host suite: run with -m multihost (or KIMI_PD_MULTIHOST=1)")
-    for item in items:
-        if HERE in Path(item.path).resolve().parents:
-            item.add_marker(pytest.mark.multihost)
-            if not _enabled(config):
-                item.add_marker(skip)
+pytest_configure = SUITE.register                    # the marker's help line
+pytest_collection_modifyitems = SUITE.mark           # marked, and skipped unless asked for
 
 
 @pytest.fixture(scope="session")
@@ -47,9 +34,8 @@ def namespaces() -> None:
 
 
 @pytest.fixture(scope="session")
-def mh_model(tmp_path_factory) -> Path:
-    from engine.checkpoint.create import create_checkpoint
-    return create_checkpoint("tiny", tmp_path_factory.mktemp("mh-model") / "tiny", seed=0, progress=False)
+def mh_model(tiny_dir) -> Path:
+    return tiny_dir
 
 
 def open_fleet(tmp: Path, model: Path, **spec: object) -> Iterator:
@@ -64,11 +50,16 @@ def open_fleet(tmp: Path, model: Path, **spec: object) -> Iterator:
     assert all(c.popen.poll() is not None for c in fleet.procs.children), "processes left behind"
 
 
+def shared_tmp(tmp_path_factory, name: str) -> Path:
+    """A fresh temporary folder that the namespaces' processes (other users' views of it) can read."""
+    tmp = tmp_path_factory.mktemp(name)
+    tmp.chmod(0o755)
+    return tmp
+
+
 @pytest.fixture(scope="module")
 def fleet(namespaces, mh_model, tmp_path_factory) -> Iterator:
-    tmp = tmp_path_factory.mktemp("mh")
-    tmp.chmod(0o755)
-    yield from open_fleet(tmp, mh_model)
+    yield from open_fleet(shared_tmp(tmp_path_factory, "mh"), mh_model)
 
 
 @pytest.fixture(scope="session")

@@ -9,16 +9,14 @@ from collections.abc import Iterator
 import pytest
 
 from benchmarks.chaos_multihost import FAULTS, MultiHostChaosConfig, run
-from tests.multihost.conftest import open_fleet
+from tests.multihost.conftest import open_fleet, shared_tmp
 
 pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.fixture(scope="module")
 def fleet(namespaces, mh_model, tmp_path_factory) -> Iterator:
-    tmp = tmp_path_factory.mktemp("mh-chaos")
-    tmp.chmod(0o755)
-    yield from open_fleet(tmp, mh_model)
+    yield from open_fleet(shared_tmp(tmp_path_factory, "mh-chaos"), mh_model)
 
 
 def test_links_down_and_up_under_mixed_traffic(fleet):

@@ -10,9 +10,9 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from engine import SamplingParams
 from kimi_pd.multihost.fleet import ConnectionSampler
-from tests.multihost.conftest import open_fleet
+from tests.e2e.fleet import completion_ids_body, greedy_ids
+from tests.multihost.conftest import open_fleet, shared_tmp
 
 pytestmark = pytest.mark.timeout(400)
 MAX_TOKENS = 6
@@ -21,20 +21,15 @@ PROMPTS = [np.random.default_rng(s).integers(0, 1024, n).tolist() for s, n in [(
 
 @pytest.fixture(scope="module")
 def dp_fleet(namespaces, mh_model, tmp_path_factory) -> Iterator:
-    tmp = tmp_path_factory.mktemp("mh-dp")
-    tmp.chmod(0o755)
-    yield from open_fleet(tmp, mh_model, prefill=1, decode=1, routers=1, prefill_nodes=2, data_parallel=True)
+    yield from open_fleet(shared_tmp(tmp_path_factory, "mh-dp"), mh_model, prefill=1, decode=1, routers=1,
+                          prefill_nodes=2, data_parallel=True)
 
 
 def test_dp2_prefill_over_two_hosts_feeds_a_decode_on_a_third(dp_fleet, offline):
-    expected = [o.output.token_ids for o in offline.generate(
-        PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))]
+    expected = greedy_ids(offline, PROMPTS, MAX_TOKENS)
     with ConnectionSampler(dp_fleet) as sampler, dp_fleet.client() as http:
-        def complete(prompt: list[int]):
-            return http.post(dp_fleet.url("lb") + "/v1/completions", json={
-                "model": "kimi-k3", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-                "ignore_eos": True, "return_token_ids": True})
-        answers = [complete(prompt) for prompt in PROMPTS]     # an idle front alternates its DP ranks
+        answers = [http.post(dp_fleet.url("lb") + "/v1/completions", json=completion_ids_body(prompt, MAX_TOKENS))
+                   for prompt in PROMPTS]                      # an idle front alternates its DP ranks
         health = http.get(dp_fleet.url("prefill-1") + "/health", headers=dp_fleet.admin_headers()).json()
     for resp in answers:
         assert resp.status_code == 200, resp.text

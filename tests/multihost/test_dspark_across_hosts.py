@@ -11,7 +11,7 @@ from engine import SamplingParams
 from kimi_pd.multihost.fleet import WORKER_TUNING
 from kimi_pd.multihost.netns import inside
 from tests.e2e.fleet import metric
-from tests.multihost.conftest import open_fleet
+from tests.multihost.conftest import open_fleet, shared_tmp
 
 pytestmark = pytest.mark.timeout(400)
 MAX_TOKENS = 16
@@ -21,8 +21,7 @@ PROMPTS = [" ".join(["the lighthouse keeper counted the boats along the shore"] 
 @pytest.fixture(scope="module")
 def spec_fleet(namespaces, mh_model, tmp_path_factory) -> Iterator:
     from engine.spec_decode.checkpoint import create_draft_checkpoint
-    tmp = tmp_path_factory.mktemp("mh-dspark")
-    tmp.chmod(0o755)
+    tmp = shared_tmp(tmp_path_factory, "mh-dspark")
     draft = create_draft_checkpoint(mh_model, tmp / "draft7", block=7, seed=3)
     config = json.dumps({"method": "dspark", "model": str(draft), "num_speculative_tokens": 7})
     yield from open_fleet(tmp, mh_model, prefill=1, decode=1, routers=1,

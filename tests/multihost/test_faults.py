@@ -19,7 +19,7 @@ from kimi_pd.multihost.fleet import ROUTER_TUNING
 from kimi_pd.multihost.netns import inside
 from kimi_pd.multihost.roles import KIMI_PD, ROUTER_PORT, role_argv, role_env
 from tests.e2e.fleet import metric
-from tests.multihost.conftest import open_fleet
+from tests.multihost.conftest import open_fleet, shared_tmp
 
 pytestmark = pytest.mark.timeout(400)
 PROMPT = " ".join(["the lighthouse keeper counted the boats along the shore"] * 6)
@@ -29,9 +29,8 @@ LONG = 240                  # tokens: a stream long enough to cut in the middle
 
 @pytest.fixture(scope="module")
 def fleet(namespaces, mh_model, tmp_path_factory) -> Iterator:
-    tmp = tmp_path_factory.mktemp("mh-faults")
-    tmp.chmod(0o755)
-    yield from open_fleet(tmp, mh_model, router_args=(*ROUTER_TUNING, "--idle-timeout", str(IDLE_TIMEOUT_S)))
+    yield from open_fleet(shared_tmp(tmp_path_factory, "mh-faults"), mh_model,
+                          router_args=(*ROUTER_TUNING, "--idle-timeout", str(IDLE_TIMEOUT_S)))
 
 
 def body(prompt: str, max_tokens: int, **extra) -> dict:

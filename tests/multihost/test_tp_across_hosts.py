@@ -10,9 +10,9 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from engine import SamplingParams
 from kimi_pd.multihost.fleet import ConnectionSampler
-from tests.multihost.conftest import open_fleet
+from tests.e2e.fleet import completion_ids_body, greedy_ids
+from tests.multihost.conftest import open_fleet, shared_tmp
 
 pytestmark = pytest.mark.timeout(400)
 MAX_TOKENS = 8
@@ -21,20 +21,16 @@ PROMPTS = [np.random.default_rng(s).integers(0, 1024, n).tolist() for s, n in [(
 
 @pytest.fixture(scope="module")
 def tp_fleet(namespaces, mh_model, tmp_path_factory) -> Iterator:
-    tmp = tmp_path_factory.mktemp("mh-tp")
-    tmp.chmod(0o755)
-    yield from open_fleet(tmp, mh_model, prefill=1, decode=1, routers=1, prefill_nodes=2, expert_parallel=True)
+    yield from open_fleet(shared_tmp(tmp_path_factory, "mh-tp"), mh_model, prefill=1, decode=1, routers=1,
+                          prefill_nodes=2, expert_parallel=True)
 
 
 def test_tp2_prefill_over_two_hosts_feeds_a_decode_on_a_third(tp_fleet, offline):
-    expected = [o.output.token_ids for o in offline.generate(
-        PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))]
+    expected = greedy_ids(offline, PROMPTS, MAX_TOKENS)
     got = []
     with ConnectionSampler(tp_fleet) as sampler, tp_fleet.client() as http:
         for prompt in PROMPTS:
-            resp = http.post(tp_fleet.url("lb") + "/v1/completions", json={
-                "model": "kimi-k3", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-                "ignore_eos": True, "return_token_ids": True})
+            resp = http.post(tp_fleet.url("lb") + "/v1/completions", json=completion_ids_body(prompt, MAX_TOKENS))
             assert resp.status_code == 200, resp.text
             assert resp.headers["x-kimi-pd-decision"] == "prefill-decode"
             got.append(resp.json()["choices"][0]["token_ids"])

@@ -33,7 +33,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from tests.router.fake_vllm import METRICS
+from tests.router.fake_vllm import METRICS, record_calls
 
 WORDS = tuple(f"w{i}" for i in range(7))
 TOKEN_BASE = 1000                            # token id of WORDS[i] is TOKEN_BASE + i
@@ -94,12 +94,7 @@ class AscendRank:
     def app(self) -> FastAPI:
         app = FastAPI()
 
-        @app.middleware("http")
-        async def record(request: Request, call_next):
-            body = await request.body()
-            self.calls.append({"method": request.method, "path": request.url.path, "headers": dict(request.headers),
-                               "body": json.loads(body) if body else None})
-            return await call_next(request)
+        record_calls(app, self.calls)
 
         app.add_api_route("/health", lambda: Response(status_code=200), methods=["GET"])   # vLLM: empty 200
         app.add_api_route("/version", lambda: {"version": "0.32.0+ascend-stub"}, methods=["GET"])

@@ -36,6 +36,17 @@ vllm:cache_config_info{{block_size="32",engine="0",num_gpu_blocks="100"}} 1.0
 """
 
 
+
+def record_calls(app: FastAPI, calls: list[dict]) -> None:
+    """Append every request the app gets (method, path, headers, JSON body) to `calls` before serving it:
+    what the fakes' tests read to see what the router sent."""
+    @app.middleware("http")
+    async def record(request: Request, call_next):
+        body = await request.body()
+        calls.append({"method": request.method, "path": request.url.path, "headers": dict(request.headers),
+                      "body": json.loads(body) if body else None})
+        return await call_next(request)
+
 @dataclass
 class FakeVllm:
     name: str
@@ -58,12 +69,7 @@ class FakeVllm:
     def app(self) -> FastAPI:
         app = FastAPI()
 
-        @app.middleware("http")
-        async def record(request: Request, call_next):
-            body = await request.body()
-            self.calls.append({"method": request.method, "path": request.url.path, "headers": dict(request.headers),
-                               "body": json.loads(body) if body else None})
-            return await call_next(request)
+        record_calls(app, self.calls)
 
         @app.get("/health")
         async def health():

@@ -126,6 +126,13 @@ COMPLETION_CASES = [
     ({}, ctx(cached={"a": 125}), [w("a", backlog=1.0), w("b")], [1.01 / 1.51, 1.0]),   # 1.5 s vs 1 s
     ({}, ctx(), [w("a", tps=2000.0), w("b", tps=0.0)], [0.06 / 0.51, 1.0]),     # unknown speed: the default
     ({"floor_s": 1.0}, ctx(), [w("a", backlog=1.0), w("b")], [2.0 / 3.0, 1.0]),
+    # a recomputed token costs idle_own_weight on an idle fleet, own_weight on a busy one, linear between:
+    # idle, a 0.5 s hit is worth 0.5 s; half busy, 8.5 x 0.5 s; all busy, 16 x 0.5 s
+    ({"own_weight": 16.0, "idle_own_weight": 1.0}, ctx(cached={"a": 125}), [w("a"), w("b")], [1.0, 0.51 / 1.01]),
+    ({"own_weight": 16.0, "idle_own_weight": 1.0}, ctx(cached={"a": 125}), [w("a", backlog=1.0), w("b")],
+     [1.0, 5.26 / 8.51]),
+    ({"own_weight": 16.0, "idle_own_weight": 1.0}, ctx(cached={"a": 125}),
+     [w("a", backlog=1.0), w("b", backlog=1.0)], [1.0, 9.01 / 17.01]),
 ]
 
 
@@ -139,6 +146,11 @@ FILTER_CASES = [
     ("not-backlogged", {"slack_s": 2.0}, [w("a", backlog=0.5), w("b", backlog=2.5), w("c", backlog=2.6)], ["a", "b"]),
     ("not-backlogged", {"slack_s": 0.0}, [w("a", backlog=3.0), w("b", backlog=3.0)], ["a", "b"]),
     ("not-backlogged", {}, [], []),
+    # with_request: the request's own compute counts (1000 tokens: 1 s at 1000 tokens/s, 0.5 s at 2000)
+    ("not-backlogged", {"slack_s": 0.5}, [w("a", backlog=0.5), w("b", backlog=1.2, tps=2000.0)], ["a"]),
+    ("not-backlogged", {"slack_s": 0.5, "with_request": True}, [w("a", backlog=0.5), w("b", backlog=1.2, tps=2000.0)],
+     ["a", "b"]),
+    ("not-backlogged", {"slack_s": 0.0, "with_request": True}, [w("a", backlog=0.5), w("b", backlog=0.0)], ["b"]),
     # counts of requests this replica sent are priced by the ledger; only unseen ones are guarded
     ("not-overloaded", {"unseen_only": True}, [w("a", running=20, inflight=20), w("b", running=0)], ["a", "b"]),
     ("not-overloaded", {"unseen_only": True}, [w("a", running=20, inflight=2), w("b", running=0)], ["b"]),
@@ -158,8 +170,24 @@ def test_router_policy_waits_for_a_hit_but_not_without_bound():
     pipe = build_pipeline(**settings.pipeline_spec())
     context = ctx(tokens=20000, cached={"a": 4000})                 # 16k of 20k tokens cached on a
     queued = lambda s: [w("a", backlog=s, tps=20000.0), w("b", tps=20000.0)]   # noqa: E731
-    assert pipe.pick(context, queued(3.0)).worker.worker_id == "a"   # 3 s queue < 16 x 0.8 s saved
-    assert pipe.pick(context, queued(7.0)).worker.worker_id == "b"   # beyond the 6 s slack
+    assert pipe.pick(context, queued(3.0)).worker.worker_id == "a"   # 3 s queue < 32 x 0.8 s saved
+    # the 4 s slack bounds what the client waits: a finishes at 4.7 s against b's 1 s, 3.7 s behind
+    assert pipe.pick(context, queued(4.5)).worker.worker_id == "a"
+    assert pipe.pick(context, queued(5.0)).worker.worker_id == "b"   # 5.2 s: beyond the slack
+
+
+def test_backlog_filter_with_request_lets_a_prefix_holder_be_as_far_behind_as_its_hit_saves():
+    context = ctx(tokens=1000, cached={"a": 250})                   # all 1000 tokens cached on a (1 left)
+    fleet = [w("a", backlog=0.9), w("b")]                            # b idle, but 1 s of compute there
+    by_queue = FILTERS.build("not-backlogged", slack_s=0.5)(context, fleet)
+    by_completion = FILTERS.build("not-backlogged", slack_s=0.5, with_request=True)(context, fleet)
+    assert [x.worker_id for x in by_queue] == ["b"]
+    assert [x.worker_id for x in by_completion] == ["a", "b"]
+
+
+def test_completion_rejects_an_idle_weight_above_the_busy_one():
+    with pytest.raises(ValueError):
+        SCORERS.build("completion", own_weight=4.0, idle_own_weight=8.0)
 
 
 # ------------------------------------------------------------------------------------------ registry

@@ -9,7 +9,6 @@ import time
 import pytest
 
 from engine.async_engine import AsyncEngine
-from engine.checkpoint.create import create_checkpoint
 from engine.core.engine import EngineConfig
 from shared.sampling_params import SamplingParams
 from shared.store.memory import InMemoryStore
@@ -20,9 +19,6 @@ from worker.presence import WorkerPresence
 HEARTBEAT_S, TTL_S = 0.1, 0.5
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return create_checkpoint("tiny", tmp_path_factory.mktemp("presence") / "tiny", seed=0, progress=False)
 
 
 @pytest.fixture()

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.checkpoint.create import create_checkpoint
 from engine.graphs.config import CompilationConfig
 from engine.graphs.decode import DecodePadding, enable_decode_padding, is_pure_decode
 from tests.engine.core.helpers import record_step_logits
@@ -17,9 +16,6 @@ SETTINGS = dict(block_size=4, kda_chunk_size=8, max_num_seqs=8, max_num_batched_
 PROMPTS = [np.random.default_rng(s).integers(0, 1024, n).tolist() for s, n in [(1, 9), (2, 14), (3, 5)]]
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return create_checkpoint("tiny", tmp_path_factory.mktemp("graphs") / "tiny", seed=0, progress=False)
 
 
 def recorded(llm: LLM):

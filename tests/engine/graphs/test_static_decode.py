@@ -31,10 +31,6 @@ PROMPTS = [np.random.default_rng(s).integers(0, 1024, n).tolist() for s, n in
 PARAMS = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (4, 10, 4, 7, 10)]
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from engine.checkpoint.create import create_checkpoint
-    return create_checkpoint("tiny", tmp_path_factory.mktemp("static") / "tiny", seed=0, progress=False)
 
 
 def run(model_dir, replayer=None):

@@ -37,17 +37,8 @@ PROMPTS = [np.random.default_rng(s).integers(0, 1024, n).tolist() for s, n in [(
 PARAMS = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (6, 10, 4, 8)]
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from engine.checkpoint.create import create_checkpoint
-    return create_checkpoint("tiny", tmp_path_factory.mktemp("fused") / "tiny", seed=0, progress=False)
 
 
-@pytest.fixture(scope="module")
-def tiny_w4a8_dir(tmp_path_factory):
-    from engine.checkpoint.create import create_checkpoint
-    return create_checkpoint("tiny", tmp_path_factory.mktemp("fused") / "tiny-w4a8", seed=0, quant="w4a8",
-                             progress=False)
 
 
 def run(model_dir, fused: bool, dtype: str, static: bool = False):

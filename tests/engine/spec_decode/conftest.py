@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.checkpoint.create import create_checkpoint
 from engine.spec_decode.checkpoint import create_draft_checkpoint
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -25,9 +24,6 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory) -> Path:
-    return create_checkpoint("tiny", tmp_path_factory.mktemp("spec") / "tiny", seed=0, progress=False)
 
 
 @pytest.fixture(scope="session")
@@ -69,9 +65,9 @@ def oracle_drafts(llm: LLM, references: dict[tuple[int, ...], list[int]], wrong_
     speculation = llm.engine.speculation          # the engine's speculative step (engine/spec_decode/step.py)
     counter = iter(range(10**9))
 
-    def propose(candidates, verify_s=None):
-        for req in candidates:
-            k = speculation.num_drafts_for(req)
+    def propose(candidates, verify_s=None, step_started=None):
+        capped = [(r, k) for r in candidates if (k := speculation.num_drafts_for(r)) > 0]
+        for (req, _), k in zip(capped, speculation.choose(capped), strict=True):     # the configured policy
             if k == 0:
                 continue
             full = references[tuple(req.prompt_token_ids)]

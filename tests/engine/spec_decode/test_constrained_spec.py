@@ -116,7 +116,7 @@ def oracle_drafts(llm, references: dict[tuple[int, ...], list[int]], wrong_at) -
     speculation = llm.engine.speculation          # the engine's speculative step (engine/spec_decode/step.py)
     counter = iter(range(10**9))
 
-    def propose(candidates, verify_s=None):
+    def propose(candidates, verify_s=None, step_started=None):
         for req in candidates:
             k = speculation.num_drafts_for(req)
             if k:

@@ -23,6 +23,7 @@ def test_training_forward_equals_serving_proposer(tiny_dir, draft_name, request)
     feats = target_features(target, ids, prop.capture_layers)
     blocks = list(range(1, 9))
     prop.write_context([(blocks, 0, feats)])
+    prop.flush()                                            # context writes are queued until read
     lm = target.language_model
     anchors = torch.tensor([[20, 5], [11, 29]])
     with torch.no_grad():

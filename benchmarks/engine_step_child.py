@@ -1,0 +1,111 @@
+"""One engine in its own process, answering the contention benchmark's requests on stdin/stdout.
+
+`benchmarks/engine_throughput.py` starts one per OpenMP variant (each variant is an environment, and
+libgomp reads it only when torch loads), so the variants run interleaved in one benchmark run.
+Protocol: one JSON object a line each way; `{"op": "quit"}` ends it.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+from engine.core.cache_manager import bytes_per_slot
+from engine.core.engine import EngineConfig, LLMEngine
+from engine.host_threads import openmp_settings
+from kimi_pd.planner.measure import decode_step_seconds as measured_decode_step
+from shared.sampling_params import SamplingParams
+
+
+def measure_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Bytes/s of a large tensor copy (read + write counted), best of `repeats`."""
+    import torch  # after `engine` (its OpenMP defaults go in before torch loads)
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    return 2 * nbytes / min(times)
+
+
+def weight_bytes_per_step(engine: LLMEngine, batch: int) -> int:
+    """Dense weights + routed experts the batch can touch (at most batch * top_k per MoE layer)."""
+    cfg, model = engine.model.config.text_config, engine.model.language_model
+    expert_bytes, dense = 0, 0
+    for name, p in model.named_parameters():
+        n = p.numel() * p.element_size()
+        if ".experts." in name:
+            expert_bytes += n
+        elif "embed_tokens" not in name:
+            dense += n
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    per_expert = expert_bytes / max(1, cfg.num_experts * moe_layers)
+    touched = min(cfg.num_experts, batch * cfg.num_experts_per_token)
+    return int(dense + per_expert * touched * moe_layers)
+
+
+def state_bytes_per_step(engine: LLMEngine, batch: int, context: int) -> int:
+    """MLA latents read + KDA state read and written, per step."""
+    cfg = engine.model.config.text_config
+    elt = engine.runner.dtype.itemsize
+    mla = len(cfg.mla_layer_ids) * context * cfg.mla_cache_dim * elt
+    return batch * (mla + 2 * bytes_per_slot(cfg, elt))
+
+
+def decode(engine: LLMEngine, req: dict[str, Any]) -> float:
+    """Median decode step seconds with `batch` sequences of `prompt_tokens` running."""
+    prompts = [[(7 * i + j) % 1000 for j in range(req["prompt_tokens"])] for i in range(req["batch"])]
+    return measured_decode_step(engine, prompts, req["steps"])
+
+
+def ttft(engine: LLMEngine, prompt_tokens: int) -> dict[str, Any]:
+    """Cold first token of a prompt, then the same prompt again (a prefix hit)."""
+    prompt = [(13 * j) % 1000 for j in range(prompt_tokens)]
+    times, cached = [], 0
+    for rid in ("cold", "warm"):
+        start = time.perf_counter()
+        engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=1))
+        while not (outs := engine.step()):
+            pass
+        times.append(time.perf_counter() - start)
+        cached = outs[0].num_cached_tokens
+    return {"prompt_tokens": prompt_tokens, "cold_s": times[0], "prefix_hit_s": times[1],
+            "cached_tokens": cached, "hit_over_cold": times[1] / times[0]}
+
+
+def answer(engine: LLMEngine, req: dict[str, Any], tp: int) -> dict[str, Any]:
+    op = req["op"]
+    if op == "decode":
+        return {"step_s": decode(engine, req)}
+    if op == "bandwidth":
+        return {"bytes_per_s": measure_bandwidth()}
+    if op == "bytes":      # TP: every rank reads its own 1/N of the sharded weights, so N x rank 0's
+        return {"bytes": weight_bytes_per_step(engine, req["batch"]) * tp
+                + state_bytes_per_step(engine, req["batch"], req["prompt_tokens"])}
+    if op == "ttft":
+        return ttft(engine, req["prompt_tokens"])
+    raise ValueError(f"unknown op {op!r}")
+
+
+def main() -> None:
+    cfg = json.loads(sys.argv[1])
+    eng = LLMEngine(EngineConfig(**cfg))
+    import torch
+    hello = {"threads": torch.get_num_threads(), "openmp": openmp_settings()}
+    print(json.dumps(hello), flush=True)
+    try:
+        for line in sys.stdin:
+            req = json.loads(line)
+            if req["op"] == "quit":
+                break
+            print(json.dumps(answer(eng, req, cfg.get("tensor_parallel_size", 1))), flush=True)
+    finally:
+        eng.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,253 @@
+"""The simulator behind benchmarks/placement_replay.py: FIFO prefill workers with LRU prefix caches, the
+baselines, and the router's real registry and placement pipeline driven on a simulated clock.
+
+Every run serves the whole request list (the part before `start` warms the caches and the router's
+ledger) and reports only requests `start..end`: a figure on a held-out part never includes its warm-up.
+"""
+from __future__ import annotations
+
+import argparse
+import heapq
+import itertools
+import math
+import statistics
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from router.placement.context import context_from_hashes
+from router.placement.pipeline import build_pipeline
+from router.placement.types import HashKey
+from router.registry import WorkerRegistry
+from router.settings import RouterSettings
+from shared.workers import LoadReport
+
+TRACE_BLOCK = 512
+MODEL = "kimi-k3"
+
+
+@dataclass(frozen=True)
+class Request:
+    arrival: float            # seconds, already scaled
+    tokens: int
+    blocks: tuple[int, ...]   # hash ids of the FULL blocks (engines cache full blocks only)
+
+
+class LRU:
+    """A worker's prefix cache: leading-hit lookup, then the prompt's blocks touched last to first
+    (block 0 most recent, so a prompt's tail is evicted before its head, as engines free them)."""
+
+    def __init__(self, capacity: int | None) -> None:
+        self.capacity, self.blocks = capacity, OrderedDict[int, None]()
+
+    def peek(self, blocks: Sequence[int]) -> int:
+        hit = 0
+        for h in blocks:
+            if h not in self.blocks:
+                break
+            hit += 1
+        return hit
+
+    def serve(self, blocks: Sequence[int]) -> int:
+        hit = self.peek(blocks)
+        for h in reversed(blocks):
+            self.blocks[h] = None
+            self.blocks.move_to_end(h)
+        if self.capacity is not None:
+            while len(self.blocks) > self.capacity:
+                self.blocks.popitem(last=False)
+        return hit
+
+
+def nearest_rank(ordered: Sequence[float], q: float) -> float:
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+class Fleet:
+    """FIFO prefill workers with LRU caches; what happened to every request, in arrival order.
+
+    `speeds[w]` is worker w's true prefill speed (tokens/s); `overhead_s` a fixed cost per request
+    (scheduling, one forward's launch), which the router's speed guess does not know about."""
+
+    def __init__(self, speeds: Sequence[float], cache_blocks: int | None, shared_cache: bool = False,
+                 overhead_s: float = 0.0, shared_blocks: int | None = None) -> None:
+        shared = LRU(shared_blocks) if shared_cache else None
+        self.caches = [shared or LRU(cache_blocks) for _ in speeds]
+        self.speeds, self.overhead_s = list(speeds), overhead_s
+        self.free_at = [0.0] * len(speeds)
+        self.ends: list[list[float]] = [[] for _ in speeds]   # finish times, for heartbeats/least loaded
+        self.ttft: list[float] = []
+        self.hits: list[int] = []
+        self.tokens: list[int] = []
+
+    def service_s(self, worker: int, req: Request, hit_blocks: int) -> float:
+        uncached = max(req.tokens - min(hit_blocks * TRACE_BLOCK, req.tokens), 1)
+        return self.overhead_s + uncached / self.speeds[worker]
+
+    def serve(self, worker: int, req: Request) -> float:
+        """Queue `req` on `worker`; returns its finish time."""
+        hit_blocks = self.caches[worker].serve(req.blocks)
+        start = max(req.arrival, self.free_at[worker])
+        self.free_at[worker] = end = start + self.service_s(worker, req, hit_blocks)
+        self.ends[worker].append(end)
+        self.ttft.append(end - req.arrival)
+        self.hits.append(min(hit_blocks * TRACE_BLOCK, req.tokens))
+        self.tokens.append(req.tokens)
+        return end
+
+    def unfinished(self, worker: int, at: float) -> int:
+        """Requests queued or running on `worker` at time `at` (FIFO: finish times are sorted)."""
+        ends = self.ends[worker]
+        lo, hi = 0, len(ends)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if ends[mid] <= at:
+                lo = mid + 1
+            else:
+                hi = mid
+        return len(ends) - lo
+
+    def result(self, start: int = 0, end: int | None = None) -> dict[str, float]:
+        """Hit ratio and TTFT percentiles over requests start..end only."""
+        ordered = sorted(self.ttft[start:end])
+        return {"hit_ratio": sum(self.hits[start:end]) / sum(self.tokens[start:end]),
+                "ttft_p50_s": nearest_rank(ordered, 0.50), "ttft_p90_s": nearest_rank(ordered, 0.90),
+                "ttft_p99_s": nearest_rank(ordered, 0.99), "ttft_mean_s": statistics.fmean(ordered)}
+
+
+def true_speeds(n: int, args: argparse.Namespace) -> list[float]:
+    """Each worker's true speed: `tokens_per_s`, spread evenly over +-`speed_spread` (0: all equal)."""
+    spread = getattr(args, "speed_spread", 0.0)
+    if n == 1 or spread == 0:
+        return [args.tokens_per_s] * n
+    return [args.tokens_per_s * (1 - spread + 2 * spread * w / (n - 1)) for w in range(n)]
+
+
+def new_fleet(n: int, args: argparse.Namespace, shared_cache: bool = False, shared_blocks: int | None = None) -> Fleet:
+    """Workers with their own LRUs, or one cache shared by all (`shared_blocks`; None: infinite)."""
+    return Fleet(true_speeds(n, args), args.cache_blocks, shared_cache, getattr(args, "overhead_s", 0.0),
+                 shared_blocks)
+
+
+# ---- baselines ------------------------------------------------------------------------------------
+
+Chooser = Callable[[Fleet, Request, int], int]
+
+
+def run_simple(reqs: Sequence[Request], n: int, args: argparse.Namespace, choose: Chooser,
+               shared_cache: bool = False, start: int = 0, shared_blocks: int | None = None) -> dict[str, float]:
+    fleet = new_fleet(n, args, shared_cache, shared_blocks)
+    for i, req in enumerate(reqs):
+        fleet.serve(choose(fleet, req, i), req)
+    return fleet.result(start)
+
+
+def round_robin(fleet: Fleet, req: Request, i: int) -> int:
+    return i % len(fleet.free_at)
+
+
+def least_loaded(fleet: Fleet, req: Request, i: int) -> int:
+    n = len(fleet.free_at)
+    return min(((i + k) % n for k in range(n)), key=lambda w: fleet.unfinished(w, req.arrival))
+
+
+def earliest_free(fleet: Fleet, req: Request, i: int) -> int:
+    """The oracle's dispatch: the worker that frees first (ties: the first)."""
+    return min(range(len(fleet.free_at)), key=lambda w: (max(fleet.free_at[w], req.arrival), w))
+
+
+def clairvoyant(own_weight: float) -> Chooser:
+    """Dispatch on the true per-worker queues and caches: the worker minimising the request's true
+    finish time plus (`own_weight` - 1) x its recomputed seconds. own_weight 1: the request's own earliest
+    finish (greedy); the router's own_weight: our cost function with perfect knowledge. What placement
+    could get on these caches without look-ahead, to tell our estimates' error from the caches' limit."""
+    def choose(fleet: Fleet, req: Request, i: int) -> int:
+        def cost(w: int) -> float:
+            service = fleet.service_s(w, req, fleet.caches[w].peek(req.blocks))
+            return max(fleet.free_at[w], req.arrival) + own_weight * service
+        return min(range(len(fleet.free_at)), key=lambda w: (cost(w), w))
+    return choose
+
+
+def pooled_lru_hit(reqs: Sequence[Request], blocks: int, start: int = 0) -> float:
+    cache, hit, total = LRU(blocks), 0, 0
+    for i, req in enumerate(reqs):
+        got = min(cache.serve(req.blocks) * TRACE_BLOCK, req.tokens)
+        if i >= start:
+            hit, total = hit + got, total + req.tokens
+    return hit / total
+
+
+# ---- the router -----------------------------------------------------------------------------------
+
+class _RouterSim:
+    """The router's registry and pipeline against a simulated fleet; events settle in time order."""
+
+    def __init__(self, n: int, args: argparse.Namespace, settings: RouterSettings) -> None:
+        self.clock = [0.0]
+        self.registry = WorkerRegistry(settings, None, clock=lambda: self.clock[0])
+        self.pipeline = build_pipeline(**settings.pipeline_spec())
+        self.urls = list(settings.static_prefill)
+        self.key = HashKey.of(self.registry.static[self.urls[0]])
+        self.fleet = new_fleet(n, args)
+        self.args = args
+        self.events: list[tuple[float, int, str, Any]] = []       # (time, seq, kind, payload)
+        self.seq = itertools.count()
+        self.next_beat = args.heartbeat_s
+
+    def beat(self) -> None:
+        """A heartbeat is sampled on every worker; the router sees it `report_delay_s` later."""
+        at, args = self.next_beat, self.args
+        for w, url in enumerate(self.urls):
+            report = LoadReport(running=self.fleet.unfinished(w, at), ts=at,
+                                capacity_tokens=args.cache_blocks * TRACE_BLOCK)
+            heapq.heappush(self.events, (at + args.report_delay_s, next(self.seq), "report", (url, report)))
+        self.next_beat += args.heartbeat_s
+
+    def advance(self, to: float) -> None:
+        while True:
+            beat_due = self.next_beat if self.next_beat <= to and (self.events or to < math.inf) else math.inf
+            event_due = self.events[0][0] if self.events and self.events[0][0] <= to else math.inf
+            if beat_due is math.inf and event_due is math.inf:
+                break
+            if beat_due < event_due:
+                self.beat()
+                continue
+            at, _, kind, payload = heapq.heappop(self.events)
+            self.clock[0] = at
+            if kind == "reply":                            # the prefill answer: settle the leg, end the call
+                url, leg = payload
+                self.registry.ledger.settle(leg)
+                self.registry.end(url, ok=True)
+            else:
+                url, report = payload
+                self.registry.loads[url] = report
+        self.clock[0] = to
+
+    def place(self, i: int, req: Request) -> None:
+        self.advance(req.arrival)
+        registry = self.registry
+        states = registry.states()
+        ctx = context_from_hashes(f"r{i}", req.tokens, {self.key: req.blocks}, states, registry.index,
+                                  model=MODEL, role="prefill", now=req.arrival)
+        chosen = self.pipeline.pick(ctx, states).worker
+        url = chosen.worker_id
+        registry.begin(url)
+        leg = registry.ledger.open(url, ctx.uncached_tokens(chosen.info))
+        registry.index.record_sent(url, ctx.hashes_for(chosen.info))
+        end = self.fleet.serve(self.urls.index(url), req)
+        seen = end + getattr(self.args, "reply_delay_s", 0.0)
+        heapq.heappush(self.events, (seen, next(self.seq), "reply", (url, leg)))
+
+
+def run_router(reqs: Sequence[Request], n: int, args: argparse.Namespace, settings: RouterSettings,
+               start: int = 0) -> dict[str, Any]:
+    """The router's registry and pipeline against the simulated fleet, on a simulated clock; figures over
+    requests `start..` only."""
+    sim = _RouterSim(n, args, settings)
+    for i, req in enumerate(reqs):
+        sim.place(i, req)
+    sim.advance(math.inf)
+    speeds = [round(sim.registry.ledger.tokens_per_s(u)) for u in sim.urls]
+    return {**sim.fleet.result(start), "calibrated_tokens_per_s": speeds}

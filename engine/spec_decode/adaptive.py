@@ -1,0 +1,221 @@
+"""Adaptive speculation: how many tokens to draft this step (K, 0 = off), from a cost model.
+
+A verify step at batch b with K_r drafts for request r emits `sum_r (1 + E_r(K_r))` tokens, where
+`E_r(K)` is the expected number of accepted drafts, and costs one target step over `1 + mean K`
+query tokens per request plus one draft step over a block of `max K_r`. Plain decoding emits b
+tokens per target step at q = 1. A batch where only some requests verify runs their rows apart from
+the one-token rows (the KDA path differs), so its step is costed as the plain step plus what verifying
+adds for those requests alone: `target(b, 1) + target(d, 1 + m/d) - target(d, 1)` for d requests
+drafting m tokens in all (with d = b, exactly the table's `target(b, 1 + m/b)`). `choose_drafts`
+picks the K_r maximising tokens per second and returns all zeros (speculation off) unless that beats
+plain decoding by `min_gain`.
+
+Everything here but `AcceptanceTracker` and `CostCorrection` is a pure function of its arguments; the
+costs come from `engine/spec_decode/calibrate.py` (measured at first use) or from the config's override.
+"""
+from __future__ import annotations
+
+import bisect
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _interp(xs: tuple[float, ...], ys: tuple[float, ...], x: float) -> float:
+    """Piecewise-linear through (xs, ys); linear extrapolation past either end (costs keep growing)."""
+    if len(xs) == 1:
+        return ys[0] * x / xs[0] if x > xs[0] else ys[0]
+    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+def _interp2(xs: tuple[float, ...], ys: tuple[float, ...], table: tuple[tuple[float, ...], ...],
+             x: float, y: float) -> float:
+    """Bilinear: along y within the two rows around x, then along x."""
+    if len(xs) == 1:
+        return _interp(xs, (_interp(ys, table[0], y),), x)
+    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    return _interp(xs[i - 1: i + 1], (_interp(ys, table[i - 1], y), _interp(ys, table[i], y)), x)
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Measured seconds per step. target[i][j]: a target step at batch batch_sizes[i] with query_lens[j]
+    tokens per request (1 = plain decode, 1 + K = verifying K drafts). draft[i][j]: a draft step for
+    batch_sizes[i] requests with a block of draft_lens[j] tokens (context rows + proposal)."""
+
+    batch_sizes: tuple[int, ...]
+    query_lens: tuple[int, ...]
+    target: tuple[tuple[float, ...], ...]
+    draft_lens: tuple[int, ...]
+    draft: tuple[tuple[float, ...], ...]
+
+    def target_s(self, batch: int, query_len: float) -> float:
+        return _interp2(self._axes[0], self._axes[1], self.target, batch, query_len)
+
+    def draft_s(self, batch: int, block: int) -> float:
+        return _interp2(self._axes[0], self._axes[2], self.draft, batch, block)
+
+    @functools.cached_property
+    def _axes(self) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
+        return (tuple(map(float, self.batch_sizes)), tuple(map(float, self.query_lens)),
+                tuple(map(float, self.draft_lens)))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"batch_sizes": list(self.batch_sizes), "query_lens": list(self.query_lens),
+                "target": [list(r) for r in self.target], "draft_lens": list(self.draft_lens),
+                "draft": [list(r) for r in self.draft]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> StepCosts:
+        """The `adaptive_costs` override; ValueError naming what is wrong."""
+        try:
+            costs = cls(tuple(int(b) for b in d["batch_sizes"]), tuple(int(q) for q in d["query_lens"]),
+                        tuple(tuple(float(x) for x in r) for r in d["target"]),
+                        tuple(int(n) for n in d["draft_lens"]), tuple(tuple(float(x) for x in r) for r in d["draft"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"adaptive_costs: expected batch_sizes, query_lens, target, draft_lens, draft ({exc})") \
+                from exc
+        costs.validate()
+        return costs
+
+    def validate(self) -> None:
+        for name, axis in (("batch_sizes", self.batch_sizes), ("query_lens", self.query_lens),
+                           ("draft_lens", self.draft_lens)):
+            if not axis or list(axis) != sorted(set(axis)) or axis[0] < 1:
+                raise ValueError(f"adaptive_costs.{name}: a non-empty increasing list of integers >= 1")
+        for name, table, width in (("target", self.target, len(self.query_lens)),
+                                   ("draft", self.draft, len(self.draft_lens))):
+            if len(table) != len(self.batch_sizes) or any(len(r) != width or min(r) <= 0 for r in table):
+                raise ValueError(f"adaptive_costs.{name}: one row of positive seconds per batch size, "
+                                 f"one column per length")
+
+
+def expected_accepted(alpha: float, k: int) -> float:
+    """Expected accepted drafts out of k when each is accepted with probability alpha given the ones
+    before it were (geometric): sum_{i=1..k} alpha^i."""
+    return sum(alpha ** i for i in range(1, k + 1))
+
+
+def expected_accepted_measured(cum_rates: list[float], k: int) -> float:
+    """The same from measured per-position rates: cum_rates[i] = P(at least i+1 drafts accepted)."""
+    return sum(cum_rates[:k])
+
+
+@dataclass(frozen=True)
+class Plan:
+    num_drafts: tuple[int, ...]          # per request, 0 = no speculation this step
+    tokens_per_s: float                  # expected, under the cost model
+    plain_tokens_per_s: float
+    seconds: float = 0.0                 # the table's (uncorrected) seconds of the chosen step, draft included
+
+
+def choose_drafts(costs: StepCosts, alphas: list[float], caps: list[int], min_gain: float = 0.1,
+                  spec_scale: float = 1.0, plain_scale: float = 1.0) -> Plan:
+    """K_r per request maximising expected tokens per second; all zeros unless it beats plain by min_gain.
+
+    alphas[r]: request r's per-draft acceptance probability; caps[r]: the most it may draft (0: none).
+    spec_scale / plain_scale: observed over tabled seconds of speculating / plain steps (CostCorrection).
+    The i-th draft of request r adds alpha_r^i expected tokens; for each total number of drafts m the
+    best ones are the m largest gains (they decrease along a request), so scanning m covers the optimum
+    of this model."""
+    b = len(alphas)
+    plain_s = costs.target_s(b, 1.0) if b else 1.0
+    plain = b / (plain_s * plain_scale)
+    gains = sorted(((alphas[r] ** i, r) for r in range(b) for i in range(1, caps[r] + 1)), reverse=True)
+    best_rate, best_m, best_s = plain * (1.0 + min_gain), 0, plain_s
+    ks, tokens = [0] * b, float(b)
+    for m, (gain, r) in enumerate(gains, start=1):
+        if m > best_m + b:                  # a whole round of drafts without a better rate: past the peak
+            break
+        ks[r] += 1
+        tokens += gain
+        drafting = sum(1 for k in ks if k)
+        seconds = (plain_s + costs.target_s(drafting, 1.0 + m / drafting) - costs.target_s(drafting, 1.0)
+                   + costs.draft_s(drafting, max(ks)))
+        if tokens / (seconds * spec_scale) > best_rate:
+            best_rate, best_m, best_s = tokens / (seconds * spec_scale), m, seconds
+    chosen = [0] * b
+    for _, r in gains[:best_m]:
+        chosen[r] += 1
+    return Plan(tuple(chosen), best_rate if best_m else plain, plain, best_s)
+
+
+@dataclass
+class CostCorrection:
+    """How far the running engine's steps are from the table: per batch size of the table and per kind
+    (speculating or plain), an exponential average of observed / tabled seconds (clamped to [0.5, 2]).
+
+    Start-up costs are measured on stand-ins with a short context and whatever else ran on the host
+    then; the steps actually run say how they compare now. The kind not run relaxes back toward the
+    table (`relax` per step), so one noisy stretch cannot lock the policy out of the other kind."""
+
+    weight: float = 0.1
+    relax: float = 0.05
+    ratios: dict[tuple[int, bool], float] = field(default_factory=dict)
+
+    @staticmethod
+    def _bucket(costs: StepCosts, batch: int) -> int:
+        return min(range(len(costs.batch_sizes)), key=lambda i: abs(costs.batch_sizes[i] - batch))
+
+    def scale(self, costs: StepCosts, batch: int, speculating: bool) -> float:
+        return self.ratios.get((self._bucket(costs, batch), speculating), 1.0)
+
+    def observe(self, costs: StepCosts, batch: int, speculating: bool, tabled_s: float, observed_s: float) -> None:
+        key, other = (self._bucket(costs, batch), speculating), (self._bucket(costs, batch), not speculating)
+        ratio = min(2.0, max(0.5, observed_s / tabled_s))
+        self.ratios[key] = self.ratios.get(key, 1.0) * (1 - self.weight) + ratio * self.weight
+        self.ratios[other] = self.ratios.get(other, 1.0) * (1 - self.relax) + self.relax
+
+
+@dataclass
+class AcceptanceTracker:
+    """Recent acceptance, per request and over all requests (exponentially decayed counts).
+
+    A request's alpha blends its own recent record with the global one (`prior_weight` pseudo-trials),
+    so a new request starts at the global rate and one that stops agreeing with the draft is cut back
+    within a few steps. A trial is one draft position the target checked: accepted drafts, plus the
+    rejected one when the block stopped early."""
+
+    prior_alpha: float = 0.6
+    decay: float = 0.8
+    global_decay: float = 0.98
+    idle_decay: float = 0.9
+    prior_weight: float = 1.5
+    _accepted: float = 0.0
+    _trials: float = 0.0
+    per_request: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    @property
+    def global_alpha(self) -> float:
+        return (self._accepted + self.prior_alpha * self.prior_weight) / (self._trials + self.prior_weight)
+
+    def record(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+        trials = num_accepted + (1 if num_accepted < num_drafts else 0)
+        self._accepted = self._accepted * self.global_decay + num_accepted
+        self._trials = self._trials * self.global_decay + trials
+        acc, tri = self.per_request.get(request_id, (0.0, 0.0))
+        self.per_request[request_id] = (acc * self.decay + num_accepted, tri * self.decay + trials)
+
+    def idle(self, request_id: str) -> None:
+        """A step without drafts for the request: its record fades toward the global rate, so a request
+        turned off for poor acceptance is tried again after a few steps."""
+        acc, tri = self.per_request.get(request_id, (0.0, 0.0))
+        self.per_request[request_id] = (acc * self.decay, tri * self.decay)
+
+    def idle_step(self) -> None:
+        """A step where nobody drafted: the global record fades toward the prior too (slowly), so a
+        policy that turned speculation off on a bad stretch probes it again some steps later."""
+        self._accepted *= self.idle_decay
+        self._trials *= self.idle_decay
+
+    def alpha(self, request_id: str) -> float:
+        acc, tri = self.per_request.get(request_id, (0.0, 0.0))
+        g = self.global_alpha
+        return min(0.99, (acc + g * self.prior_weight) / (tri + self.prior_weight))
+
+    def forget(self, keep: set[str]) -> None:
+        """Drop the records of requests no longer running."""
+        for rid in [r for r in self.per_request if r not in keep]:
+            del self.per_request[rid]

@@ -1,0 +1,60 @@
+"""The placement replay's simulator and its honesty rules: one worker leaves every policy the same
+choice (so all must give the same answers), and the load asked for is the load of the part reported."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from benchmarks.placement_replay import part_bounds, router_settings, scaled
+from benchmarks.placement_sim import (
+    TRACE_BLOCK,
+    Request,
+    clairvoyant,
+    earliest_free,
+    new_fleet,
+    round_robin,
+    run_router,
+    run_simple,
+)
+
+
+def args(**kw) -> argparse.Namespace:
+    base = dict(cache_blocks=1024, tokens_per_s=10000.0, heartbeat_s=1.0, report_delay_s=0.25, reply_delay_s=0.0,
+                speed_spread=0.0, overhead_s=0.0, scorers=None, filters=None, split=0.5, warmup=0.2)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def workload(n: int = 120) -> list[Request]:
+    """Conversations of growing prompts over a few shared system prompts, arriving in bursts."""
+    reqs = []
+    for i in range(n):
+        blocks = (i % 3, *(100 + 10 * (i % 7) + k for k in range(1 + i % 5)))
+        reqs.append(Request(arrival=0.2 * (i // 4), tokens=len(blocks) * TRACE_BLOCK + 100, blocks=blocks))
+    return reqs
+
+
+def test_one_worker_every_policy_is_the_same_fifo():
+    a, reqs = args(), workload()
+    ours = run_router(reqs, 1, a, router_settings(1, a, legacy=False), start=30)
+    for other in (run_simple(reqs, 1, a, round_robin, start=30), run_simple(reqs, 1, a, clairvoyant(32.0), start=30),
+                  run_simple(reqs, 1, a, earliest_free, shared_cache=True, start=30)):
+        for key in ("hit_ratio", "ttft_p50_s", "ttft_p99_s", "ttft_mean_s"):
+            assert ours[key] == pytest.approx(other[key])
+
+
+def test_scored_part_excludes_the_warm_up():
+    fleet = new_fleet(1, args())
+    for req in workload(8):
+        fleet.serve(0, req)
+    assert fleet.result(4)["ttft_mean_s"] == pytest.approx(sum(fleet.ttft[4:]) / 4)
+    assert part_bounds(100, args(), tuning=False) == (100, 50)     # held out: 50.., after 0..50 as warm-up
+    assert part_bounds(100, args(), tuning=True) == (50, 10)       # tuning: 10..50
+
+
+def test_load_is_that_of_the_reported_part():
+    rows = [{"timestamp": t, "input_length": n, "hash_ids": [0, 1]} for t, n in
+            [(0, 1000), (1000, 1000), (2000, 4000), (3000, 4000), (4000, 4000)]]
+    reqs = scaled(rows, 1.2, 1000.0, basis=(2, 5))                  # 12000 tokens over the last 2 (trace) s
+    span = reqs[4].arrival - reqs[2].arrival
+    assert sum(r.tokens for r in reqs[2:]) / span == pytest.approx(1.2 * 1000.0)

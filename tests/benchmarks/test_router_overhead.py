@@ -1,0 +1,71 @@
+"""benchmarks/router_overhead.py's arithmetic and checks, on made-up runs: added latency against the
+right baseline per mode, ratios to each peer, the goals, the headroom, the leg check; and the wrk
+script quoting bodies so Lua reads them back exactly."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from benchmarks.loadgen import Run, write_script
+from benchmarks.router_overhead import check_legs, goals, headroom, summarize_mode
+from benchmarks.services import BenchError
+
+
+def row(rps: float, mean: float, p50: float | None = None, cpu: float | None = None) -> dict:
+    out = {"requests": 100, "requests_per_s": rps, "mean_us": mean, "p50_us": p50 or mean, "p99_us": 2 * mean,
+           "generator_cpu_us_per_request": 30.0}
+    return out if cpu is None else {**out, "cpu_us_per_request": cpu, "rss_mb": 90.0}
+
+
+def runs(mode_rows: dict[str, dict[str, list[dict]]]) -> dict:
+    return {"chat": mode_rows}
+
+
+def test_decode_only_added_latency_is_against_the_direct_call_of_the_same_round():
+    s = summarize_mode("decode-only", runs({
+        "1": {"direct": [row(900, 100), row(800, 120), row(850, 110)],
+              "router": [row(500, 400, cpu=300), row(400, 420, cpu=310), row(450, 430, cpu=320)],
+              "sglang-router": [row(700, 250, cpu=100), row(600, 260, cpu=110), row(650, 240, cpu=90)]},
+        "32": {"direct": [row(6000, 5000)], "router": [row(1000, 30000, cpu=280)],
+               "sglang-router": [row(2000, 15000, cpu=70)]}}))
+    assert s["targets"]["router"]["chat_c1"]["added_latency_us"] == 300      # median of 300, 300, 320
+    assert s["targets"]["sglang-router"]["chat_c1"]["added_latency_us"] == 140
+    assert "added_latency_us" not in s["targets"]["router"]["chat_c32"]
+    r = s["ratios"]["router_vs_sglang-router"]
+    assert r["chat_c32_requests_per_s"] == 0.5 and r["chat_c32_cpu_us_per_request"] == 4.0
+    g = goals({"decode-only": s})["decode-only"]
+    assert g["requests_per_s_c32"] == [1000, 2000] and g["met"] is False
+    h = headroom({"decode-only": s})
+    assert h == {"decode-only/chat_c32": {"direct_requests_per_s": 6000, "fastest_proxy_requests_per_s": 2000,
+                                          "headroom": 3.0, "generator_cpu_us_per_request": 30.0}}
+
+
+def test_pd_added_latency_is_against_both_legs_done_by_the_client():
+    s = summarize_mode("prefill-decode", runs({
+        "1": {"direct": [row(900, 100)], "direct_prefill": [row(900, 150)], "router": [row(500, 600, cpu=500)],
+              "router_baseline": [row(400, 700, cpu=600)]}}))
+    assert s["targets"]["router"]["chat_c1"]["added_latency_us"] == 350
+    assert s["ratios"]["router_vs_baseline"]["chat_c1_cpu_us_per_request"] == round(500 / 600, 2)
+
+
+def test_leg_check_allows_only_the_requests_in_flight_when_wrk_stopped():
+    run = Run(requests=100, seconds=1.0, errors={}, mean_us=1.0, p50_us=1, p99_us=1, max_us=1, generator_cpu_s=0.0)
+    ok = {("prefill", "prefill"): 100, ("decode", "decode"): 132, ("decode", "local"): 0}
+    check_legs("prefill-decode", "router", run, ok, connections=32)                   # 32 in flight at most
+    for bad in ({**ok, ("decode", "decode"): 133}, {**ok, ("decode", "local"): 1}, {**ok, ("prefill", "prefill"): 99}):
+        with pytest.raises(BenchError):
+            check_legs("prefill-decode", "router", run, bad, connections=32)
+    check_legs("prefill-decode", "sglang-router", run, {("prefill", "local"): 100, ("decode", "local"): 100}, 32)
+    with pytest.raises(BenchError, match="errors"):
+        check_legs("decode-only", "router", Run(**{**run.__dict__, "errors": {"status": 3}}),
+                   {("decode", "local"): 100}, 32)
+
+
+def test_wrk_script_quotes_bodies_as_lua_strings(tmp_path):
+    bodies = [{"model": "m", "messages": [{"role": "user", "content": 'say "hi" \\ then\nbye'}]}]
+    text = write_script(tmp_path / "s.lua", bodies).read_text()
+    literal = re.search(r'local bodies = \{(".*")\}', text).group(1)
+    # Lua and JSON read these escapes alike: the literal parsed as a JSON string is the body's JSON
+    assert json.loads(json.loads(literal)) == bodies[0]
