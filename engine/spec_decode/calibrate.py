@@ -27,6 +27,10 @@ _MEASURED: dict[tuple[Any, ...], StepCosts] = {}
 CONTEXT_TOKENS = 32                     # context length of the stand-ins (a short chat turn)
 
 
+class NoRoomToCalibrate(RuntimeError):
+    """Every cache block is in use, so no stand-in request can be placed; the caller retries later."""
+
+
 def grid(max_batch: int, k: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """Batch sizes (powers of two up to max_batch, and it), query lengths, draft blocks to measure."""
     batches = sorted({min(2 ** i, max_batch) for i in range(max_batch.bit_length() + 1)})
@@ -95,7 +99,7 @@ def _stand_ins(engine: Any, count: int, tokens: int) -> list[Request]:
             break
         out.append(req)
     if not out:
-        raise RuntimeError("adaptive speculation: no free cache room to measure step costs")
+        raise NoRoomToCalibrate("adaptive speculation: no free cache room to measure step costs")
     return out
 
 

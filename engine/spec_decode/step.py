@@ -9,6 +9,7 @@ adaptive policy (engine/spec_decode/adaptive.py) over measured step costs, else 
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +22,8 @@ from engine.spec_decode.config import SpeculativeConfig
 from engine.spec_decode.proposer import DraftRequest, DSparkProposer
 from engine.spec_decode.stats import SpecDecodeStats
 from engine.spec_decode.verify import VerifyResult, verify
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from engine.core.cache_manager import HybridCacheManager
@@ -36,6 +39,10 @@ class SpecDecodeStep:
         # the adaptive plan the next step runs: (request ids, batch, speculating, tabled seconds, draft seconds)
         self._planned: tuple[frozenset[str], int, bool, float, float] | None = None
         self._costs = StepCosts.from_dict(spec.adaptive_costs) if spec.adaptive_costs else None
+        self._calibrate_after = 0            # step count before which no calibration is tried (no cache room)
+        self._steps = 0
+        self._off_streak = 0                 # consecutive all-off plans for the same requests (replanning is skipped)
+        self._off_for: frozenset[str] = frozenset()
 
     def verify(self, s: ScheduledSeq, logits: torch.Tensor) -> VerifyResult:
         """Check `s`'s drafts against its n+1 logit rows; keep the state of the consumed tokens only."""
@@ -67,9 +74,9 @@ class SpecDecodeStep:
         if step_started is not None:
             self._observe(capped, started - step_started)
         reqs = [(r, k) for (r, _), k in zip(capped, self.choose(capped), strict=True) if k > 0]
-        blocks = self.proposer.propose([DraftRequest(r.blocks, r.num_computed_tokens, r.output_token_ids[-1], k,
-                                                     0.0 if r.params.is_greedy else r.params.temperature,
-                                                     r.sampling_seed) for r, k in reqs])
+        drafts = [DraftRequest(r.blocks, r.num_computed_tokens, r.output_token_ids[-1], k,
+                               0.0 if r.params.is_greedy else r.params.temperature, r.sampling_seed) for r, k in reqs]
+        blocks = self.proposer.propose(drafts) if drafts else []
         for (req, _), block in zip(reqs, blocks, strict=False):
             req.spec_token_ids, req.spec_draft_logits = block.token_ids, block.logits
         draft_s = time.perf_counter() - started
@@ -95,8 +102,12 @@ class SpecDecodeStep:
         scheduled = self.spec.num_drafts_for_batch(len(capped))
         if scheduled is not None:
             ks = [min(c, scheduled) for c in caps]
-        elif not self.spec.adaptive_num_speculative_tokens or (costs := self.costs()) is None:
+        elif not self.spec.adaptive_num_speculative_tokens:
             ks = caps
+        elif (costs := self.costs()) is None:
+            ks = [0] * len(caps)             # not measured yet (no cache room): plain decoding is never slower
+        elif self._still_off(capped):
+            ks = [0] * len(caps)
         else:
             self.tracker.forget({r.request_id for r, _ in capped})
             b = len(capped)
@@ -110,8 +121,30 @@ class SpecDecodeStep:
                     self.tracker.idle(r.request_id)
             if not any(ks):
                 self.tracker.idle_step()
+            self._off_streak = self._off_streak + 1 if not any(ks) else 0
+            if self._off_streak == 1:
+                self._off_for = frozenset(r.request_id for r, _ in capped)
         self.stats.record_choice(max(ks))
         return ks
+
+    REPLAN_OFF_EVERY = 4
+
+    def _still_off(self, capped: list[tuple[Request, int]]) -> bool:
+        """After an all-off plan, the same requests stay off for REPLAN_OFF_EVERY - 1 more steps without
+        replanning: at a large batch the plan costs a measurable share of a small model's step, and
+        acceptance records move little while nobody drafts. Any request joining or leaving replans."""
+        if not self._off_streak or self._off_streak % self.REPLAN_OFF_EVERY == 0:
+            return False
+        if frozenset(r.request_id for r, _ in capped) != self._off_for:
+            self._off_streak = 0
+            return False
+        self._off_streak += 1
+        self._planned = None
+        for r, _ in capped:                  # records fade as on a planned off step, so probing comes as soon
+            self.tracker.idle(r.request_id)
+        self.tracker.idle_step()
+        self.stats.record_choice(0)
+        return True
 
     def costs(self) -> StepCosts | None:
         """The configured `adaptive_costs`, else measured on this engine at first use. None on a data-parallel
@@ -119,8 +152,15 @@ class SpecDecodeStep:
         if self._costs is None and hasattr(self.runner, "dummy"):
             return None
         if self._costs is None:
-            from engine.spec_decode.calibrate import measured_costs
-            self._costs = measured_costs(self)
+            self._steps += 1
+            if self._steps < self._calibrate_after:
+                return None
+            from engine.spec_decode.calibrate import NoRoomToCalibrate, measured_costs
+            try:
+                self._costs = measured_costs(self)
+            except NoRoomToCalibrate as exc:    # every cache block in use: decode plainly, try again later
+                self._calibrate_after = self._steps + 64
+                log.warning("%s; speculation stays off and calibration is retried in 64 steps", exc)
         return self._costs
 
     def num_drafts_for(self, req: Request) -> int:

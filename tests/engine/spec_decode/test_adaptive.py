@@ -54,6 +54,40 @@ def test_choose_drafts_respects_caps_and_prefers_good_requests():
     assert plan.num_drafts[1] < plan.num_drafts[0]
 
 
+def test_choose_drafts_looks_past_a_first_draft_that_does_not_pay():
+    """Batch 1 with a draft step's fixed cost: one draft loses to plain, seven win (a real tiny-chat table);
+    the scan must not stop after the first losing round."""
+    table = StepCosts((1, 2), (1, 2, 4, 8), ((0.0036, 0.0044, 0.0049, 0.0055), (0.0040, 0.0049, 0.0054, 0.0068)),
+                      (1, 4, 7), ((0.0012, 0.0013, 0.0014), (0.0013, 0.0014, 0.0015)))
+    one = (1.6 / (0.0036 + 0.0044 - 0.0036 + 0.0012))
+    assert one < 1.1 / 0.0036                                        # a single draft does not pay here
+    plan = choose_drafts(table, [0.6], [7])
+    assert plan.num_drafts[0] > 1 and plan.tokens_per_s > 1.1 * plan.plain_tokens_per_s
+
+
+def test_no_cache_room_to_calibrate_keeps_speculation_off_and_retries(tiny_dir, draft7, monkeypatch):
+    """Calibration at first use with every block taken: no crash, K=0 (plain is never slower), retried later."""
+    from engine.spec_decode import calibrate
+    llm = make_llm(tiny_dir, speculative_config=spec(draft7, adaptive_num_speculative_tokens=True))
+    step, calls = llm.engine.speculation, []
+
+    def full(engine):
+        calls.append(engine)
+        raise calibrate.NoRoomToCalibrate("adaptive speculation: no free cache room to measure step costs")
+
+    monkeypatch.setattr(calibrate, "measured_costs", full)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want = tokens(make_llm(tiny_dir).generate(PROMPTS[:2], params))
+    assert tokens(llm.generate(PROMPTS[:2], params)) == want
+    assert len(calls) == 1 and llm.engine.spec_stats.num_drafts == 0        # off, and not retried every step
+    assert sum(llm.engine.spec_stats.steps_by_k[1:]) == 0
+    monkeypatch.setattr(calibrate, "measured_costs", lambda engine: CHEAP)
+    step._calibrate_after = 0
+    assert tokens(llm.generate(PROMPTS[:2], params)) == want              # measured now: it speculates
+    assert llm.engine.spec_stats.num_drafts > 0
+    llm.engine.check_integrity()
+
+
 def test_expected_accepted():
     assert expected_accepted(0.5, 3) == pytest.approx(0.5 + 0.25 + 0.125)
     assert expected_accepted(0.9, 0) == 0
@@ -83,7 +117,7 @@ def test_tracker_cuts_back_a_poor_request_and_forgives_it():
     for _ in range(5):
         t.record("good", 7, 7)
         t.record("bad", 7, 0)
-    assert t.alpha("good") > 0.8 > 0.3 > t.alpha("bad")
+    assert t.alpha("good") > 0.8 > 0.5 > t.alpha("bad")
     low = t.alpha("bad")
     for _ in range(10):
         t.idle("bad")
