@@ -3,8 +3,8 @@ side by side with nginx, vllm-router and sglang-router.
 
 Run: `python -m benchmarks.router_overhead [--seconds 2] [--rounds 3] [--concurrency 1 32]
 [--kinds chat chat_stream] [--modes decode-only prefill-decode] [--router-workers N] [--no-peers]
-[--baseline-tree DIR]` (DIR: another checkout, e.g. a worktree of main, whose router runs beside ours
-as `router_baseline`: a same-run A/B of two trees).
+[--no-python-floor] [--baseline-tree DIR]` (DIR: another checkout, e.g. a worktree of main, whose router runs
+beside ours as `router_baseline`: a same-run A/B of two trees).
 
 Starts a prefill and a decode stub worker (tests.stub_worker on its bare fast server), our router
 (`python -m kimi_pd router`, with `--workers N` when N > 1) and the peers (benchmarks/peers.py) on
@@ -14,7 +14,9 @@ free 127.0.0.1 ports, once per mode:
   same request sent straight to the decode stub ("direct");
 - prefill-decode (`--disagg-threshold 0`): a prefill leg, then the decode leg; the baselines are the
   decode stub given fixed `kv_transfer_params` ("direct") and the prefill leg alone
-  ("direct_prefill"): a client doing P then D itself would wait for their sum.
+  ("direct_prefill"): a client doing P then D itself would wait for their sum. In decode-only mode
+  `python_floor` (benchmarks/python_floor.py) forwards the bytes unchanged on uvloop + httptools: the
+  least any Python proxy costs here, so what is left to gain in Python is ours minus the floor.
 
 The load generator is wrk (benchmarks/loadgen.py), closed loop: at 1 connection its mean latency
 is the latency, at 32 its requests/s the throughput. Each round runs every target at every
@@ -169,6 +171,12 @@ def run_mode(mode: str, model: Path, stubs: dict[str, str], args: argparse.Names
             base = stack.enter_context(router(base_port, MODES[mode], stubs["prefill"], stubs["decode"], model, args,
                                               tmp, tree=args.baseline_tree, name="router-baseline"))
             targets.append(Target("router_baseline", f"http://127.0.0.1:{base_port}{CHAT}", base.pid))
+        if mode == "decode-only" and args.python_floor:
+            floor_port = free_port()
+            floor = stack.enter_context(service("python-floor", ["-m", "benchmarks.python_floor", "--port",
+                                                                 str(floor_port), "--upstream", stubs["decode"]],
+                                                f"http://127.0.0.1:{floor_port}/health", tmp, args.startup_timeout))
+            targets.append(Target("python_floor", f"http://127.0.0.1:{floor_port}{CHAT}", floor.pid))
         if mode == "prefill-decode":
             decode_extra, prefill_extra = pd_extras(stubs["prefill"])
             targets[0] = Target("direct", stubs["decode"] + CHAT, extra=decode_extra)
@@ -328,6 +336,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="another checkout (e.g. a worktree of main): its router runs beside ours as router_baseline")
     p.add_argument("--no-peers", dest="peers", action="store_false",
                    help="skip nginx, vllm-router and sglang-router (else: started side by side with ours)")
+    p.add_argument("--no-python-floor", dest="python_floor", action="store_false",
+                   help="skip benchmarks/python_floor.py (the least a Python proxy costs; decode-only mode)")
     p.add_argument("--model", type=Path, help="checkpoint dir for the router's tokenizer (default: a tiny one)")
     p.add_argument("--startup-timeout", type=float, default=60.0)
     p.add_argument("--output", type=Path, default=RESULTS, help="JSON; the table goes beside it (NAME_latest)")

@@ -69,3 +69,33 @@ def test_wrk_script_quotes_bodies_as_lua_strings(tmp_path):
     literal = re.search(r'local bodies = \{(".*")\}', text).group(1)
     # Lua and JSON read these escapes alike: the literal parsed as a JSON string is the body's JSON
     assert json.loads(json.loads(literal)) == bodies[0]
+
+
+def test_python_floor_forwards_requests_and_answers_unchanged(tmp_path):
+    """The floor proxy (benchmarks/python_floor.py) relays a chat request to the fast stub and its answer
+    back as the stub wrote it; the stub counts exactly one leg per request."""
+    import argparse
+
+    import httpx
+
+    from benchmarks.services import service, stub_worker
+    from shared.net import free_port
+
+    stub_port, floor_port = free_port(), free_port()
+    stub_args = argparse.Namespace(tokens=4, token_delay_ms=0.0, startup_timeout=60.0)
+    stub = f"http://127.0.0.1:{stub_port}"
+    floor = f"http://127.0.0.1:{floor_port}"
+    body = {"model": "kimi-k3", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 4}
+    with stub_worker("decode", stub_port, stub_args, tmp_path), \
+            service("python-floor", ["-m", "benchmarks.python_floor", "--port", str(floor_port), "--upstream", stub],
+                    floor + "/health", tmp_path, 60.0):
+        before = httpx.get(stub + "/stats", timeout=5).json()
+        with httpx.Client(timeout=5) as http:
+            answers = [http.post(floor + "/v1/chat/completions", json=body) for _ in range(3)]
+            direct = http.post(stub + "/v1/chat/completions", json=body)
+        after = httpx.get(stub + "/stats", timeout=5).json()
+    assert [a.status_code for a in answers] == [200, 200, 200]
+    strip = ("id", "created")
+    assert all({k: v for k, v in a.json().items() if k not in strip} ==
+               {k: v for k, v in direct.json().items() if k not in strip} for a in answers)
+    assert after["local"] - before["local"] == 4 and after["decode"] == before["decode"]    # 3 relayed + 1 direct
