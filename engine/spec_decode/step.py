@@ -108,6 +108,7 @@ class SpecDecodeStep:
             ks = [0] * len(caps)             # not measured yet (no cache room): plain decoding is never slower
         elif self._still_off(capped):
             ks = [0] * len(caps)
+            self._fade(capped, ks)
         else:
             self.tracker.forget({r.request_id for r, _ in capped})
             b = len(capped)
@@ -116,11 +117,7 @@ class SpecDecodeStep:
                                  plain_scale=self.correction.scale(costs, b, False))
             ks = list(plan.num_drafts)
             self._planned = (frozenset(r.request_id for r, _ in capped), b, any(ks), plan.seconds, 0.0)
-            for (r, _), k in zip(capped, ks, strict=True):
-                if k == 0:
-                    self.tracker.idle(r.request_id)
-            if not any(ks):
-                self.tracker.idle_step()
+            self._fade(capped, ks)
             self._off_streak = self._off_streak + 1 if not any(ks) else 0
             if self._off_streak == 1:
                 self._off_for = frozenset(r.request_id for r, _ in capped)
@@ -140,11 +137,16 @@ class SpecDecodeStep:
             return False
         self._off_streak += 1
         self._planned = None
-        for r, _ in capped:                  # records fade as on a planned off step, so probing comes as soon
-            self.tracker.idle(r.request_id)
-        self.tracker.idle_step()
-        self.stats.record_choice(0)
         return True
+
+    def _fade(self, capped: list[tuple[Request, int]], ks: list[int]) -> None:
+        """Acceptance records of the requests not drafting fade toward the prior (and the global one when
+        nobody drafts), on planned and reused off steps alike, so speculation is probed again as soon."""
+        for (r, _), k in zip(capped, ks, strict=True):
+            if k == 0:
+                self.tracker.idle(r.request_id)
+        if not any(ks):
+            self.tracker.idle_step()
 
     def costs(self) -> StepCosts | None:
         """The configured `adaptive_costs`, else measured on this engine at first use. None on a data-parallel

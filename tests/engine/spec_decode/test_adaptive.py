@@ -88,6 +88,23 @@ def test_no_cache_room_to_calibrate_keeps_speculation_off_and_retries(tiny_dir, 
     llm.engine.check_integrity()
 
 
+def test_reused_off_plans_count_each_step_once(tiny_dir, draft7, monkeypatch):
+    """An all-off plan is reused while the same requests run and replanned every REPLAN_OFF_EVERY steps; every
+    step, planned or reused, is counted once in steps_by_k."""
+    from types import SimpleNamespace
+
+    import engine.spec_decode.step as step_module
+    llm = make_llm(tiny_dir, speculative_config=spec(draft7, adaptive_num_speculative_tokens=True,
+                                                     adaptive_costs=COSTLY.to_dict()))
+    plans = []
+    monkeypatch.setattr(step_module, "choose_drafts", lambda *a, **k: plans.append(1) or choose_drafts(*a, **k))
+    capped = [(SimpleNamespace(request_id=f"r{i}"), 7) for i in range(4)]
+    for _ in range(10):
+        assert llm.engine.speculation.choose(capped) == [0, 0, 0, 0]
+    assert len(plans) == 3                                     # steps 1, 5 and 9 plan; the rest reuse
+    assert llm.engine.spec_stats.steps_by_k[0] == 10 and sum(llm.engine.spec_stats.steps_by_k) == 10
+
+
 def test_expected_accepted():
     assert expected_accepted(0.5, 3) == pytest.approx(0.5 + 0.25 + 0.125)
     assert expected_accepted(0.9, 0) == 0
