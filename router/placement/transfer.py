@@ -13,6 +13,7 @@ measurement yet the rule abstains and the token threshold alone decides, as it a
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -97,16 +98,23 @@ def transfer_decision(uncached_tokens: int, threshold_tokens: int, transfer_s: f
 
 class TransferCosts:
     """Per decode worker fits, and one over every pull that a worker not measured yet borrows (its links
-    are most likely the pool's). The only state. Not thread-safe (the router's event loop owns it)."""
+    are most likely the pool's). The only state. Not thread-safe (the router's event loop owns it).
+
+    `on_observe` (router processes) hears every pull measured here, so the sibling processes learn the
+    same costs (a pull reported to one process would otherwise price the next prompt in that one only)."""
 
     def __init__(self, config: TransferCostConfig = TransferCostConfig()) -> None:
         self.config = config
         self._fits: dict[str, TransferFit] = {}
         self._pool = TransferFit()
+        self.on_observe: Callable[[str, int, float], None] | None = None
 
-    def observe(self, worker_id: str, tokens: int, seconds: float) -> None:
+    def observe(self, worker_id: str, tokens: int, seconds: float, *, local: bool = True) -> None:
+        """One measured pull; `local=False`: a sibling's, replayed (not told again)."""
         self._fits[worker_id] = observe(self._fits.get(worker_id, TransferFit()), tokens, seconds, self.config)
         self._pool = observe(self._pool, tokens, seconds, self.config)
+        if local and self.on_observe is not None:
+            self.on_observe(worker_id, tokens, seconds)
 
     def expected_s(self, worker_id: str, tokens: int) -> float | None:
         fit = self._fits.get(worker_id, TransferFit())

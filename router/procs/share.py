@@ -9,6 +9,8 @@ Placement state shared so that N processes place as one router (docs/router-proc
   before their next placement; exact indexes follow the store's KV events in every process;
 - admin changes (added static workers, drains): the log for the live siblings, plus the admin blob that a
   restarted process reads at start;
+- transfer costs (`--transfer-aware`): each pull a decode worker reports is a log record, so every
+  process prices the next prompt's move from all pulls, not from the ones it happened to route;
 - health: process 0 probes; each round's outcome is one log record the others apply;
 - admission: each process's queue slots and waiters, read by the others' queues;
 - tenant usage: each process's counters in its blob, merged by `/admin/tenants` and the dashboard.
@@ -32,7 +34,7 @@ if TYPE_CHECKING:
     from router.registry import WorkerRegistry
 
 log = logging.getLogger(__name__)
-SENT, ADD_STATIC, DRAIN, HEALTH = 1, 2, 3, 4
+SENT, ADD_STATIC, DRAIN, HEALTH, TRANSFER = 1, 2, 3, 4, 5
 PID, ADM_INFLIGHT, ADM_WAITING, SERVED, READY = 0, 1, 2, 3, 4    # process row fields (table.set_proc)
 USAGE_EVERY_S = 0.5
 IDLE_TICK_S = 0.25               # placements catch up with the log themselves; this only bounds an idle lag
@@ -65,6 +67,7 @@ class ProcessShare:
             registry.router_id, registry.sibling_prefix = f"{self.group}-{self.index}", f"{self.group}-"
         registry.ledger.on_change = self.publish
         registry.index.on_sent = self.sent
+        registry.transfer.on_observe = self.transferred
         admin = self.table.read_blob(self.nprocs)
         if admin:
             state = msgpack.unpackb(admin)
@@ -119,6 +122,9 @@ class ProcessShare:
     def sent(self, worker_id: str, hashes: Sequence[int]) -> None:
         self.table.append(SENT, self.index, msgpack.packb([worker_id, list(hashes)]))
 
+    def transferred(self, worker_id: str, tokens: int, seconds: float) -> None:
+        self.table.append(TRANSFER, self.index, msgpack.packb([worker_id, tokens, seconds]))
+
     def added_static(self, url: str, role: str, kv_connector: str | None) -> None:
         self.admin_change(ADD_STATIC, [url, role, kv_connector])
 
@@ -162,6 +168,9 @@ class ProcessShare:
             reg.drain(fields[0], local=False)
         elif kind == HEALTH:
             apply_round(reg, fields)
+        elif kind == TRANSFER:
+            if fields[0] in reg.all_infos():
+                reg.transfer.observe(fields[0], fields[1], fields[2], local=False)
 
     # ---- admission and usage --------------------------------------------------------------------
     def admission_changed(self, inflight: int, waiting: int) -> None:

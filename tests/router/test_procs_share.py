@@ -4,6 +4,7 @@ on one port are tested in test_router_processes.py."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from pathlib import Path
 
@@ -29,10 +30,10 @@ def table(tmp_path: Path):
     t.close()
 
 
-def pair(table: SharedTable, clock=None) -> tuple[WorkerRegistry, WorkerRegistry]:
+def pair(table: SharedTable, clock=None, settings: RouterSettings = SETTINGS) -> tuple[WorkerRegistry, WorkerRegistry]:
     regs = []
     for i in range(2):
-        reg = WorkerRegistry(SETTINGS, None) if clock is None else WorkerRegistry(SETTINGS, None, clock=clock)
+        reg = WorkerRegistry(settings, None) if clock is None else WorkerRegistry(settings, None, clock=clock)
         ProcessShare(table, i, group="g", **({} if clock is None else {"clock": clock})).attach(reg)
         regs.append(reg)
     for reg in regs:
@@ -69,6 +70,17 @@ def test_a_prefix_sent_by_one_process_is_held_by_the_other(table):
     assert b.index.matched_blocks(W2, [11, 12, 13, 14]) == 3
     assert b.index.matched_blocks(W1, [11]) == 0
     assert a.index.matched_blocks(W2, [11, 12, 13]) == 3   # its own send, once (not replayed to itself)
+
+
+def test_a_pull_reported_to_one_process_prices_moves_in_the_other(table):
+    a, b = pair(table, settings=dataclasses.replace(SETTINGS, transfer_aware=True))
+    assert b.transfer.expected_s(W1, 100) is None             # nothing measured anywhere yet
+    a.transfer.observe(W1, 1000, 2.0)                         # a slow link, reported to process a
+    b.states()                                                # placement reads the log first
+    assert b.transfer.expected_s(W1, 100) == pytest.approx(a.transfer.expected_s(W1, 100)) == pytest.approx(0.2)
+    assert b.transfer.expected_s(W2, 100) == pytest.approx(0.2)     # an unmeasured worker borrows the pool's
+    a.states()
+    assert a.transfer.expected_s(W1, 1000) == pytest.approx(2.0)    # its own pull, counted once
 
 
 def test_admin_changes_reach_live_and_later_processes(table):
