@@ -168,9 +168,8 @@ class ProcessShare:
             reg.drain(fields[0], local=False)
         elif kind == HEALTH:
             apply_round(reg, fields)
-        elif kind == TRANSFER:
-            if fields[0] in reg.all_infos():
-                reg.transfer.observe(fields[0], fields[1], fields[2], local=False)
+        elif kind == TRANSFER and fields[0] in reg.all_infos():
+            reg.transfer.observe(fields[0], fields[1], fields[2], local=False)
 
     # ---- admission and usage --------------------------------------------------------------------
     def admission_changed(self, inflight: int, waiting: int) -> None:
