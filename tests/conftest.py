@@ -7,9 +7,29 @@ from pathlib import Path
 
 import pytest
 
+from tests.opt_in import OptInSuite
+
 # routers the tests start are one process unless a test asks for more (`--workers`): the default, one per
 # core, would change what the fleet tests measure and cost them start-up time (docs/router-processes.md)
 os.environ.setdefault("KIMI_PD_ROUTER_WORKERS", "1")
+
+# the parallel suite: engines whose ranks are separate processes (TP, DP x EP, speculation and P/D across
+# them, a rank's death) checked against TP=1, about four minutes on two cores; its files live beside the
+# default tests they extend, so it is named here. The default suite keeps the flag parsing and layout tests.
+_TESTS = Path(__file__).resolve().parent
+PARALLEL = OptInSuite("parallel suite", "parallel", "KIMI_PD_PARALLEL", "multi-process TP/DP/EP engines against TP=1",
+                      _TESTS / "engine" / "parallel",
+                      files=(_TESTS / "engine" / "spec_decode" / "test_tp_spec.py",
+                             _TESTS / "e2e" / "test_pd_data_parallel.py", _TESTS / "e2e" / "test_pd_tensor_parallel.py"))
+_FLAG_TESTS = ("test_dp_flags.py", "test_worker_flags.py")     # argument parsing only: stay in the default run
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    PARALLEL.register(config)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    PARALLEL.mark(config, [item for item in items if Path(item.path).name not in _FLAG_TESTS])
 
 
 @pytest.fixture(scope="session")

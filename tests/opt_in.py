@@ -1,8 +1,9 @@
-"""The opt-in suites (faults, monitoring, interop, multihost): runs too heavy for the default suite's ten
-minutes on two cores, each in its own folder and run as its own CI step (`.ci/run`).
+"""The opt-in suites (faults, monitoring, interop, multihost, parallel): runs too heavy for the default suite's
+ten minutes on two cores, each run as its own CI step (`.ci/run`).
 
-A suite's conftest names it once; every test under that folder then carries the marker, and is skipped
-unless `-m MARKER` selects it or `$ENV=1` is set (`-m "not MARKER"` keeps it skipped)."""
+A suite is named once (in its folder's conftest, or in tests/conftest.py when its files live beside default
+tests); every test under its paths then carries the marker, and is skipped unless `-m MARKER` selects it or
+`$ENV=1` is set (`-m "not MARKER"` keeps it skipped)."""
 from __future__ import annotations
 
 import os
@@ -19,6 +20,7 @@ class OptInSuite:
     env: str        # the switch that enables it without -m
     what: str       # the marker's help line
     folder: Path
+    files: tuple[Path, ...] = ()    # more paths (files or folders) outside `folder`
 
     def register(self, config: pytest.Config) -> None:
         config.addinivalue_line("markers", f"{self.marker}: {self.what} (run with -m {self.marker} or {self.env}=1)")
@@ -31,8 +33,10 @@ class OptInSuite:
         """Mark the suite's tests; skip them where the run did not ask for the suite."""
         skip = pytest.mark.skip(reason=f"{self.name}: run with -m {self.marker} (or {self.env}=1)")
         enabled = self.enabled(config)
+        paths = (self.folder, *self.files)
         for item in items:
-            if self.folder in Path(item.path).resolve().parents:
+            path = Path(item.path).resolve()
+            if any(p == path or p in path.parents for p in paths):
                 item.add_marker(getattr(pytest.mark, self.marker))
                 if not enabled:
                     item.add_marker(skip)
