@@ -23,7 +23,7 @@ import secrets
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from router.connectors import CONNECTORS, Connector, connector
 from router.placement.health import HealthTracker
@@ -36,8 +36,21 @@ from shared.hashing import root_hash
 from shared.store.base import StateStore, WorkerRecord
 from shared.workers import LoadReport, Role, WorkerInfo
 
-if TYPE_CHECKING:
-    from router.procs.share import ProcessShare
+
+class Siblings(Protocol):
+    """What the registry asks of the router's sibling processes (`--workers N`; router/procs/share.py's
+    ProcessShare implements it): the registry stays below the process layer that attaches to it."""
+
+    def catch_up(self) -> None: ...
+
+    def peers(self) -> dict[str, tuple[int, float]]: ...
+
+    def publish(self, worker_id: str) -> None: ...
+
+    def added_static(self, url: str, role: str, kv_connector: str | None) -> None: ...
+
+    def drained(self, worker_id: str) -> None: ...
+
 
 log = logging.getLogger(__name__)
 REFUSAL = ("static workers answer as stock vLLM, not as kimi-pd workers: {urls}. Start the router with the "
@@ -137,7 +150,7 @@ class WorkerRegistry:
         # names its role and id) gets internal credentials; "vllm" (it answers as stock vLLM) is refused
         self.identities: dict[str, str] = {}
         # `--workers N`: the sibling router processes' load, sends and admin changes (router/procs/share.py)
-        self.share: ProcessShare | None = None
+        self.share: Siblings | None = None
         for info in self.static.values():
             self._size_static(info)
 

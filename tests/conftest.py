@@ -20,7 +20,8 @@ _TESTS = Path(__file__).resolve().parent
 PARALLEL = OptInSuite("parallel suite", "parallel", "KIMI_PD_PARALLEL", "multi-process TP/DP/EP engines against TP=1",
                       _TESTS / "engine" / "parallel",
                       files=(_TESTS / "engine" / "spec_decode" / "test_tp_spec.py",
-                             _TESTS / "e2e" / "test_pd_data_parallel.py", _TESTS / "e2e" / "test_pd_tensor_parallel.py"))
+                             _TESTS / "e2e" / "test_pd_data_parallel.py",
+                             _TESTS / "e2e" / "test_pd_tensor_parallel.py"))
 _FLAG_TESTS = ("test_dp_flags.py", "test_worker_flags.py")     # argument parsing only: stay in the default run
 
 
