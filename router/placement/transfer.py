@@ -110,7 +110,9 @@ class TransferCosts:
         self.on_observe: Callable[[str, int, float], None] | None = None
 
     def observe(self, worker_id: str, tokens: int, seconds: float, *, local: bool = True) -> None:
-        """One measured pull; `local=False`: a sibling's, replayed (not told again)."""
+        """One measured pull; `local=False`: a sibling's, replayed (not told again). Disabled: nothing kept."""
+        if not self.config.enabled:
+            return
         self._fits[worker_id] = observe(self._fits.get(worker_id, TransferFit()), tokens, seconds, self.config)
         self._pool = observe(self._pool, tokens, seconds, self.config)
         if local and self.on_observe is not None:
