@@ -150,29 +150,43 @@ def choose_drafts(costs: StepCosts, alphas: list[float], caps: list[int], min_ga
 
 @dataclass
 class CostCorrection:
-    """How far the running engine's steps are from the table: per batch size of the table and per kind
-    (speculating or plain), an exponential average of observed / tabled seconds (clamped to [0.5, 2]).
+    """How far the running engine's steps are from the table, per batch size of the table: a level that
+    every observed step moves (observed / tabled seconds, an exponential average, clamped to [0.5, 2]),
+    and how much more (or less) than that level speculating steps cost (`spec_rel`).
 
     Start-up costs are measured on stand-ins with a short context and whatever else ran on the host
-    then; the steps actually run say how they compare now. The kind not run relaxes back toward the
-    table (`relax` per step), so one noisy stretch cannot lock the policy out of the other kind."""
+    then; the steps actually run say how they compare now. A host or a context that slows every step
+    moves the level, which scales plain and speculating steps alike, so it cannot by itself make
+    speculation look cheaper: with a correction per kind that relaxed toward the table, plain steps
+    running 1.2-1.4x their tabled time and no speculating step to correct turned drafts on at batch
+    12-16, where each verify step cost about three plain ones (tiny-chat, 2 shared cores). What is
+    speculation's own (`spec_rel`) is learnt from speculating steps and relaxes back to 1 (`relax` per plain
+    step), so one noisy stretch cannot lock the policy out of speculating."""
 
     weight: float = 0.1
     relax: float = 0.05
-    ratios: dict[tuple[int, bool], float] = field(default_factory=dict)
+    level: dict[int, float] = field(default_factory=dict)
+    spec_rel: dict[int, float] = field(default_factory=dict)
 
     @staticmethod
     def _bucket(costs: StepCosts, batch: int) -> int:
         return min(range(len(costs.batch_sizes)), key=lambda i: abs(costs.batch_sizes[i] - batch))
 
     def scale(self, costs: StepCosts, batch: int, speculating: bool) -> float:
-        return self.ratios.get((self._bucket(costs, batch), speculating), 1.0)
+        b = self._bucket(costs, batch)
+        level = self.level.get(b, 1.0)
+        return level * self.spec_rel.get(b, 1.0) if speculating else level
 
     def observe(self, costs: StepCosts, batch: int, speculating: bool, tabled_s: float, observed_s: float) -> None:
-        key, other = (self._bucket(costs, batch), speculating), (self._bucket(costs, batch), not speculating)
+        b, w = self._bucket(costs, batch), self.weight
         ratio = min(2.0, max(0.5, observed_s / tabled_s))
-        self.ratios[key] = self.ratios.get(key, 1.0) * (1 - self.weight) + ratio * self.weight
-        self.ratios[other] = self.ratios.get(other, 1.0) * (1 - self.relax) + self.relax
+        level, rel = self.level.get(b, 1.0), self.spec_rel.get(b, 1.0)
+        if speculating:                      # the level from what the step's kind does not explain, and back
+            level = self.level[b] = level * (1 - w) + ratio / rel * w
+            self.spec_rel[b] = min(2.0, max(0.5, rel * (1 - w) + ratio / level * w))
+        else:
+            self.level[b] = level * (1 - w) + ratio * w
+            self.spec_rel[b] = rel * (1 - self.relax) + self.relax
 
 
 @dataclass

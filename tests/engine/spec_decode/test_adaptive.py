@@ -257,6 +257,29 @@ def test_cost_correction_moves_the_choice_to_what_the_steps_showed():
     assert plan.num_drafts == (0, 0, 0, 0)
 
 
+def test_plain_steps_slower_than_tabled_do_not_make_speculation_look_cheaper():
+    """Plain steps running 1.4x their tabled time (a busier host, longer contexts) with no speculating step
+    observed: both kinds are scaled alike, so a batch the table keeps off stays off."""
+    table, alphas, caps = costs(0.001, 0.002), [0.75] * 16, [7] * 16
+    assert max(choose_drafts(table, alphas, caps).num_drafts) == 0
+    fix = CostCorrection()
+    for _ in range(30):
+        fix.observe(table, 16, False, 0.010, 0.014)
+    assert fix.scale(table, 16, True) == pytest.approx(fix.scale(table, 16, False), rel=0.01) \
+        == pytest.approx(1.4, rel=0.05)
+    plan = choose_drafts(table, alphas, caps, spec_scale=fix.scale(table, 16, True),
+                         plain_scale=fix.scale(table, 16, False))
+    assert plan.num_drafts == (0,) * 16
+    # and a host that slows every step while a batch speculates does not lock speculation out afterwards
+    fix = CostCorrection()
+    for _ in range(30):
+        fix.observe(table, 1, True, 0.010, 0.020)
+    assert fix.scale(table, 1, True) == pytest.approx(2.0, rel=0.05)
+    for _ in range(40):
+        fix.observe(table, 1, False, 0.010, 0.020)
+    assert fix.scale(table, 1, True) == pytest.approx(fix.scale(table, 1, False), rel=0.15)
+
+
 def test_queued_context_rows_land_as_immediate_writes_would(tiny_dir, draft7):
     """Context writes are queued while nobody drafts; flushed in order, a block written for one request
     and then reused by another holds the second one's rows, as with immediate writes."""
