@@ -66,7 +66,7 @@ class DSparkProposer:
         self.head_dtype = getattr(lm.lm_head, "inner", lm.lm_head).weight.dtype   # a TP head wraps its shard
         self.pages = {j: torch.zeros(num_blocks, block_size, self.cfg.cache_dim, dtype=dtype, device=device)
                       for j in range(self.cfg.num_hidden_layers)}
-        self._queued: list[tuple[list[int], int, torch.Tensor]] = []
+        self._queued: list[tuple[list[int], int, torch.Tensor]] = []     # (cache slots, first position, features)
         self._queued_tokens = 0
 
     @property
@@ -85,10 +85,12 @@ class DSparkProposer:
     # ---- context ---------------------------------------------------------------------------
     def write_context(self, items: list[tuple[list[int], int, torch.Tensor]]) -> None:
         """items: (blocks, first position, features [t, target_hidden*L]) of verified tokens; queued (module doc)."""
+        bs = self.block_size
         for blocks, pos, feats in items:
-            if feats.shape[0]:
-                self._queued.append((list(blocks), pos, feats))      # the block table as it is now
-                self._queued_tokens += feats.shape[0]
+            if n := feats.shape[0]:                                   # slots by the block table as it is now
+                slots = [blocks[p // bs] * bs + p % bs for p in range(pos, pos + n)]
+                self._queued.append((slots, pos, feats))
+                self._queued_tokens += n
         if self._queued_tokens >= FLUSH_TOKENS:
             self.flush()
 
@@ -101,9 +103,9 @@ class DSparkProposer:
     @torch.inference_mode()
     def _write_context(self, items: list[tuple[list[int], int, torch.Tensor]]) -> None:
         feats = torch.cat([f for _, _, f in items])
-        positions = torch.cat([torch.arange(p, p + f.shape[0], device=self.device) for _, p, f in items])
+        positions = torch.tensor([p for _, lo, f in items for p in range(lo, lo + f.shape[0])], device=self.device)
         rows = self.model.context_kv(feats, positions)                       # [layers, T, dim]
-        index = torch.cat([self._index(b, p, p + f.shape[0]) for b, p, f in items])
+        index = torch.tensor([slot for slots, _, _ in items for slot in slots], device=self.device)
         if len(items) > 1 and index.unique().numel() < index.numel():      # a slot written twice: the last wins
             order = torch.arange(index.numel(), device=index.device)
             last = torch.full((int(index.max()) + 1,), -1, dtype=torch.long, device=index.device)

@@ -294,8 +294,9 @@ def test_queued_context_rows_land_as_immediate_writes_would(tiny_dir, draft7):
     proposer.flush()
     again = proposer.export_rows([5], 3)
     fresh = make_llm(tiny_dir, speculative_config=spec(draft7)).engine.proposer
-    fresh._write_context([([5], 0, first)])                      # immediate writes, one after the other
-    fresh._write_context([([5], 0, second)])
+    for rows in (first, second):                                 # immediate writes, one after the other
+        fresh.write_context([([5], 0, rows)])
+        fresh.flush()
     immediate = fresh.export_rows([5], 3)
     for j in queued:                                             # (batched GEMMs round differently: close)
         torch.testing.assert_close(queued[j], again[j], rtol=1e-5, atol=1e-6)
