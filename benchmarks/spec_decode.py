@@ -5,9 +5,9 @@ Run: `python -m benchmarks.spec_decode [--target DIR] [--draft DIR] [--k 7] [--b
 Writes benchmarks/results/spec_decode.json and .md:
 - per batch size, decode tokens/s of three engines over the same greedy requests (task-family prompts,
   answers ending at eos), timed per engine step after the prefill step: plain, DSpark with a fixed K,
-  and DSpark with the adaptive K (engine/spec_decode/adaptive.py). Rounds interleave the engines and
-  batch sizes (plain, fixed, adaptive, plain, ...) so load drift on a shared host hits all alike; the
-  outputs are checked identical to plain, so a speedup never buys a different answer;
+  and DSpark with the adaptive K (engine/spec_decode/adaptive.py). The engines decode each batch
+  together, one step of each in turn (`interleaved_decode`), so the host's drifting speed hits all
+  alike; the outputs are checked identical to plain, so a speedup never buys a different answer;
 - acceptance of the fixed-K engine (mean acceptance length, per-position rates) and the adaptive
   engine's choices (steps by K, measured step costs);
 - a projection of the speedup for Kimi-K3 itself from the measured acceptance (engine/spec_decode/projection.py);
@@ -49,24 +49,41 @@ def family_prompts(llm: LLM, per_family: int, seed: int) -> list[list[int]]:
 
 
 def timed_decode(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float, int]:
-    """Run the batch to completion; seconds and tokens of every step after the first (the prefill)."""
-    engine = llm.engine
+    """Run the batch to completion on one engine; seconds and tokens of every step after the first (the prefill)."""
+    outputs, decode_s, decode_tokens = interleaved_decode({"one": llm}, prompts, max_tokens)["one"]
+    return outputs, decode_s, decode_tokens
+
+
+def interleaved_decode(llms: dict[str, LLM], prompts: list[list[int]], max_tokens: int) \
+        -> dict[str, tuple[list[list[int]], float, int]]:
+    """Run the same batch on every engine, one step of each in turn until all are done; per engine the
+    outputs and the seconds and tokens of its steps after the first (the prefill).
+
+    Step by step, because this host's speed drifts in phases of seconds (the same engine on the same
+    batch: 2.4 ms a step for a while, then 4.7-5.4 ms, then back): engines run one after another a
+    whole batch at a time measured 0.65-1.97x each other when they were identical."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)      # real answers: they end at eos
-    ids = [engine.add_request(f"b{i}-{time.monotonic_ns()}", p, params) for i, p in enumerate(prompts)]
-    outputs: dict[str, list[int]] = {}
-    first, decode_s, decode_tokens = True, 0.0, 0
-    while engine.has_unfinished():
-        start = time.perf_counter()
-        outs = engine.step()
-        elapsed = time.perf_counter() - start
-        if not first:
-            decode_s += elapsed
-            decode_tokens += sum(len(o.new_token_ids) for o in outs)
-        first = False
-        for o in outs:
-            if o.finished:
-                outputs[o.request_id] = o.output.token_ids
-    return [outputs[i] for i in ids], decode_s, decode_tokens
+    state = {}
+    for name, llm in llms.items():
+        ids = [llm.engine.add_request(f"b{i}-{time.monotonic_ns()}", p, params) for i, p in enumerate(prompts)]
+        state[name] = {"ids": ids, "outputs": {}, "first": True, "seconds": 0.0, "tokens": 0}
+    running = [name for name in llms]
+    while running:
+        for name in list(running):
+            engine, st = llms[name].engine, state[name]
+            start = time.perf_counter()
+            outs = engine.step()
+            elapsed = time.perf_counter() - start
+            if not st["first"]:
+                st["seconds"] += elapsed
+                st["tokens"] += sum(len(o.new_token_ids) for o in outs)
+            st["first"] = False
+            for o in outs:
+                if o.finished:
+                    st["outputs"][o.request_id] = o.output.token_ids
+            if not engine.has_unfinished():
+                running.remove(name)
+    return {name: ([st["outputs"][i] for i in st["ids"]], st["seconds"], st["tokens"]) for name, st in state.items()}
 
 
 def engines(args) -> dict[str, LLM]:
@@ -80,31 +97,37 @@ def engines(args) -> dict[str, LLM]:
 
 def run(args, llms: dict[str, LLM], prompts: list[list[int]]) -> dict:
     totals = {(b, name): [0.0, 0] for b in args.batch_sizes for name in llms}
+    per_round: dict[int, list[float]] = {b: [] for b in args.batch_sizes}
     steps_by_k: dict[int, list[int]] = {}
     for llm in llms.values():                                   # warm-up, and the adaptive costs get measured
         timed_decode(llm, prompts[:2], 8)
+    adaptive_stats = llms["adaptive"].engine.spec_stats
     for rnd in range(args.rounds):
         for b in args.batch_sizes:
             group = [prompts[(rnd * 97 + b * 13 + i) % len(prompts)] for i in range(b)]
-            reference = None
-            for name, llm in llms.items():
-                stats = llm.engine.spec_stats
-                before = list(stats.steps_by_k) if stats else None
-                out, secs, toks = timed_decode(llm, group, args.max_tokens)
-                reference = reference or out
+            before = list(adaptive_stats.steps_by_k) if adaptive_stats else None
+            results = interleaved_decode(llms, group, args.max_tokens)
+            reference = results["plain"][0]
+            for name, (out, secs, toks) in results.items():
                 if out != reference:
                     raise AssertionError(f"{name} greedy output differs from plain at batch {b}")
                 totals[(b, name)][0] += secs
                 totals[(b, name)][1] += toks
-                if name == "adaptive" and stats and before is not None:
-                    acc = steps_by_k.setdefault(b, [0] * len(before))
-                    steps_by_k[b] = [a + x - y for a, x, y in zip(acc, stats.steps_by_k, before, strict=True)]
+            rates = {name: toks / secs for name, (_, secs, toks) in results.items()}
+            per_round[b].append(rates["adaptive"] / rates["plain"])
+            if adaptive_stats and before is not None:
+                acc = steps_by_k.setdefault(b, [0] * len(before))
+                steps_by_k[b] = [a + x - y for a, x, y in zip(acc, adaptive_stats.steps_by_k, before, strict=True)]
     rows = []
     for b in args.batch_sizes:
         rate = {name: totals[(b, name)][1] / totals[(b, name)][0] for name in llms}
+        spread = sorted(per_round[b])
         rows.append({"batch": b, "requests": b * args.rounds, **{f"{n}_tok_s": round(r, 1) for n, r in rate.items()},
                      "fixed_speedup": round(rate["fixed"] / rate["plain"], 3),
                      "adaptive_speedup": round(rate["adaptive"] / rate["plain"], 3),
+                     "adaptive_speedup_by_round": {"min": round(spread[0], 3),
+                                                   "median": round(spread[len(spread) // 2], 3),
+                                                   "max": round(spread[-1], 3)},
                      "adaptive_steps_by_k": steps_by_k.get(b)})
     return {"speedup": rows}
 
@@ -125,7 +148,7 @@ def main() -> None:
     parser.add_argument("--per-family", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8, 16])
-    parser.add_argument("--rounds", type=int, default=2, help="groups of `batch` requests per batch size")
+    parser.add_argument("--rounds", type=int, default=8, help="groups of `batch` requests per batch size")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="benchmarks/results/spec_decode.json")

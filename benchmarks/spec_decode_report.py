@@ -45,10 +45,13 @@ def write_markdown(result: dict, path: Path) -> None:
              f"max {result['max_tokens']} tokens, greedy, outputs identical to plain), {result['seconds']} s, "
              f"load average {result['loadavg_start'][0]:.2f} at start, {result['loadavg_end'][0]:.2f} at end.", "",
              "| batch | plain tok/s | fixed K tok/s | adaptive tok/s | fixed / plain | adaptive / plain | "
-             "adaptive steps by K (0..K) |", "|---|---|---|---|---|---|---|"]
+             "adaptive / plain per round (min, median, max) | adaptive steps by K (0..K) |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in result["speedup"]:
+        spread = r.get("adaptive_speedup_by_round") or {}
         lines.append(f"| {r['batch']} | {r['plain_tok_s']} | {r['fixed_tok_s']} | {r['adaptive_tok_s']} | "
-                     f"{r['fixed_speedup']}x | {r['adaptive_speedup']}x | {r['adaptive_steps_by_k']} |")
+                     f"{r['fixed_speedup']}x | {r['adaptive_speedup']}x | "
+                     f"{spread.get('min')}, {spread.get('median')}, {spread.get('max')} | {r['adaptive_steps_by_k']} |")
     a = result["acceptance"]
     lines += ["", f"Fixed-K acceptance: mean acceptance length {a['mean_acceptance_length']}, per position "
               f"{a['per_position_rate']}.", "", "## Kimi-K3 projection", "",
