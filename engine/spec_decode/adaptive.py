@@ -242,17 +242,19 @@ class AcceptanceTracker:
         acc, tri = self.per_request.get(request_id, (0.0, 0.0))
         self.per_request[request_id] = (acc * self.decay + num_accepted, tri * self.decay + trials)
 
-    def idle(self, request_id: str) -> None:
-        """A step without drafts for the request: its record fades toward the global rate, so a request
-        turned off for poor acceptance is tried again after a few steps."""
+    def idle(self, request_id: str, steps: int = 1) -> None:
+        """`steps` steps without drafts for the request: its record fades toward the global rate, so a
+        request turned off for poor acceptance is tried again after a few steps."""
         acc, tri = self.per_request.get(request_id, (0.0, 0.0))
-        self.per_request[request_id] = (acc * self.decay, tri * self.decay)
+        fade = self.decay ** steps
+        self.per_request[request_id] = (acc * fade, tri * fade)
 
-    def idle_step(self) -> None:
-        """A step where nobody drafted: the global record fades toward the prior too (slowly), so a
-        policy that turned speculation off on a bad stretch probes it again some steps later."""
-        self._accepted *= self.idle_decay
-        self._trials *= self.idle_decay
+    def idle_step(self, steps: int = 1) -> None:
+        """`steps` steps where nobody drafted: the global record fades toward the prior too (slowly), so
+        a policy that turned speculation off on a bad stretch probes it again some steps later."""
+        fade = self.idle_decay ** steps
+        self._accepted *= fade
+        self._trials *= fade
 
     def alpha(self, request_id: str) -> float:
         acc, tri = self.per_request.get(request_id, (0.0, 0.0))

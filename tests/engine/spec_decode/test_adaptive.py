@@ -105,6 +105,38 @@ def test_reused_off_plans_count_each_step_once(tiny_dir, draft7, monkeypatch):
     assert llm.engine.spec_stats.steps_by_k[0] == 10 and sum(llm.engine.spec_stats.steps_by_k) == 10
 
 
+def test_fast_off_steps_equal_full_off_steps(tiny_dir, draft7, monkeypatch):
+    """Steps that keep an all-off plan skip the plan bookkeeping (`_reuse_off_plan`) and settle the
+    acceptance fades they owe before the next plan: the same outputs, plans, step counts and acceptance
+    records as taking the full path every step."""
+    import engine.spec_decode.step as step_module
+    plans: list[int] = []
+    monkeypatch.setattr(step_module, "choose_drafts", lambda *a, **k: plans.append(len(a[1])) or choose_drafts(*a, **k))
+    fast_steps: list[bool] = []
+    reuse = step_module.SpecDecodeStep._reuse_off_plan
+    runs = {}
+    for fast in (True, False):
+        plans.clear()
+        llm = make_llm(tiny_dir, speculative_config=spec(draft7, adaptive_num_speculative_tokens=True,
+                                                         adaptive_costs=COSTLY.to_dict()))
+        speculation = llm.engine.speculation
+
+        def reuse_or_not(candidates, speculation=speculation, fast=fast) -> bool:
+            if not fast:
+                return False                                   # the full path every step
+            fast_steps.append(reuse(speculation, candidates))
+            return fast_steps[-1]
+        monkeypatch.setattr(speculation, "_reuse_off_plan", reuse_or_not)
+        for accepted in (7, 2, 5):                                 # a record for the off steps to fade
+            speculation.tracker.record("earlier", 7, accepted)
+        out = tokens(llm.generate(PROMPTS, GREEDY))
+        speculation._settle_idle()
+        runs[fast] = (out, list(plans), list(llm.engine.spec_stats.steps_by_k), speculation.tracker.global_alpha)
+    assert runs[True][:3] == runs[False][:3]
+    assert runs[True][3] == pytest.approx(runs[False][3], rel=1e-12) and runs[True][3] != pytest.approx(0.6)
+    assert sum(fast_steps) > len(runs[True][1])                # most off steps took the fast path
+
+
 def test_expected_accepted():
     assert expected_accepted(0.5, 3) == pytest.approx(0.5 + 0.25 + 0.125)
     assert expected_accepted(0.9, 0) == 0
@@ -286,7 +318,8 @@ def test_queued_context_rows_land_as_immediate_writes_would(tiny_dir, draft7):
     import torch
     proposer = make_llm(tiny_dir, speculative_config=spec(draft7)).engine.proposer
     width = proposer.cfg.target_hidden_size * proposer.cfg.num_target_layers
-    first, second = torch.randn(3, width), torch.randn(3, width)
+    gen = torch.Generator().manual_seed(0)               # random rows, the same every run
+    first, second = torch.randn(3, width, generator=gen), torch.randn(3, width, generator=gen)
     proposer.write_context([([5], 0, first)])
     proposer.write_context([([5], 0, second)])                   # block 5 reused: same slots, later rows
     queued = proposer.export_rows([5], 3)                        # export flushes first
@@ -299,6 +332,6 @@ def test_queued_context_rows_land_as_immediate_writes_would(tiny_dir, draft7):
         fresh.flush()
     immediate = fresh.export_rows([5], 3)
     for j in queued:                                             # (batched GEMMs round differently: close)
-        torch.testing.assert_close(queued[j], again[j], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(queued[j], immediate[j], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(queued[j], again[j], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(queued[j], immediate[j], rtol=1e-5, atol=1e-5)
     assert not torch.allclose(queued[0], proposer.model.context_kv(first, torch.arange(3))[0].to(queued[0].dtype))
