@@ -1,7 +1,7 @@
 """DSpark speculative decoding: plain vs fixed K vs adaptive K, decode tokens/s at several batch sizes, one run.
 
 Run: `python -m benchmarks.spec_decode [--target DIR] [--draft DIR] [--k 7] [--batch-sizes 1 4 8 16]`
-(defaults: the shipped tiny-chat and tiny-chat-dspark; about 2-3 minutes on 2 cores).
+(defaults: the shipped tiny-chat and tiny-chat-dspark, 8 rounds; about 1 minute on 2 cores).
 Writes benchmarks/results/spec_decode.json and .md:
 - per batch size, decode tokens/s of three engines over the same greedy requests (task-family prompts,
   answers ending at eos), timed per engine step after the prefill step: plain, DSpark with a fixed K,
