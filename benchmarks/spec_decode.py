@@ -67,7 +67,7 @@ def interleaved_decode(llms: dict[str, LLM], prompts: list[list[int]], max_token
     for name, llm in llms.items():
         ids = [llm.engine.add_request(f"b{i}-{time.monotonic_ns()}", p, params) for i, p in enumerate(prompts)]
         state[name] = {"ids": ids, "outputs": {}, "first": True, "seconds": 0.0, "tokens": 0}
-    running = [name for name in llms]
+    running = list(llms)
     while running:
         for name in list(running):
             engine, st = llms[name].engine, state[name]

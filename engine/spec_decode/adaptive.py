@@ -52,28 +52,24 @@ class StepCosts:
     draft: tuple[tuple[float, ...], ...]
 
     def target_s(self, batch: int, query_len: float) -> float:
-        key = (batch, query_len)
-        if (seconds := self._memo.get(key)) is None:
-            seconds = self._remember(key, _interp2(self._axes[0], self._axes[1], self.target, batch, query_len))
-        return seconds
+        return self._lookup(1, self.target, batch, query_len)
 
     def draft_s(self, batch: int, block: int) -> float:
-        key = (-batch, block)                                   # apart from target_s's keys
+        return self._lookup(2, self.draft, batch, block)
+
+    def _lookup(self, axis: int, table: tuple[tuple[float, ...], ...], batch: int, length: float) -> float:
+        """Interpolated seconds, remembered: the policy asks for the same few points every step (a plan
+        at batch 16 interpolates some 130 of them, which cost about a tenth of a tiny-chat step uncached)."""
+        key = (axis, batch, length)
         if (seconds := self._memo.get(key)) is None:
-            seconds = self._remember(key, _interp2(self._axes[0], self._axes[2], self.draft, batch, block))
+            if len(self._memo) >= 1 << 16:
+                self._memo.clear()
+            seconds = self._memo[key] = _interp2(self._axes[0], self._axes[axis], table, batch, length)
         return seconds
 
     @functools.cached_property
-    def _memo(self) -> dict[tuple[int, float], float]:
-        """Looked-up seconds: the policy asks for the same few points every step (a plan at batch 16
-        interpolates some 130 of them, which cost about a tenth of a tiny-chat step uncached)."""
+    def _memo(self) -> dict[tuple[int, int, float], float]:
         return {}
-
-    def _remember(self, key: tuple[int, float], seconds: float) -> float:
-        if len(self._memo) >= 1 << 16:
-            self._memo.clear()
-        self._memo[key] = seconds
-        return seconds
 
     @functools.cached_property
     def _axes(self) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:

@@ -90,15 +90,13 @@ class SpecDecodeStep:
         self.stats.record_times(draft_s if reqs else None, verify_s)
 
     def _reuse_off_plan(self, candidates: list[Request]) -> bool:
-        """The cheap way through a step that keeps an all-off plan (what `_still_off` would decide: the
-        same requests could draft as when it was made, not yet a replanning step, no planned step to
+        """The cheap way through a step that keeps an all-off plan (`_keep_off`, with no planned step to
         observe): no plan bookkeeping, and the acceptance fades those steps owe are applied before the
         next plan (`_settle_idle`). At batch 16 the full path cost about 3 % of a tiny-chat step."""
-        if not self._off_streak or self._off_streak % self.REPLAN_OFF_EVERY == 0 or self._planned is not None:
+        if self._planned is not None or not self._off_plan_due():
             return False
-        if frozenset(r.request_id for r in candidates if self.num_drafts_for(r) > 0) != self._off_for:
+        if not self._keep_off(frozenset(r.request_id for r in candidates if self.num_drafts_for(r) > 0)):
             return False
-        self._off_streak += 1
         self._idle_owed += 1
         return True
 
@@ -154,16 +152,26 @@ class SpecDecodeStep:
     REPLAN_OFF_EVERY = 4
 
     def _still_off(self, capped: list[tuple[Request, int]]) -> bool:
-        """After an all-off plan, the same requests stay off for REPLAN_OFF_EVERY - 1 more steps without
-        replanning: at a large batch the plan costs a measurable share of a small model's step, and
-        acceptance records move little while nobody drafts. Any request joining or leaving replans."""
-        if not self._off_streak or self._off_streak % self.REPLAN_OFF_EVERY == 0:
+        if not self._keep_off(frozenset(r.request_id for r, _ in capped)):
             return False
-        if frozenset(r.request_id for r, _ in capped) != self._off_for:
+        self._planned = None
+        return True
+
+    def _off_plan_due(self) -> bool:
+        """An all-off plan stands for REPLAN_OFF_EVERY - 1 more steps without replanning: at a large batch
+        the plan costs a measurable share of a small model's step, and acceptance records move little
+        while nobody drafts."""
+        return bool(self._off_streak) and self._off_streak % self.REPLAN_OFF_EVERY != 0
+
+    def _keep_off(self, could_draft: frozenset[str]) -> bool:
+        """Whether this step keeps the all-off plan (counted in the streak): only for the requests it was
+        made for; any joining or leaving ends the streak, and the step replans."""
+        if not self._off_plan_due():
+            return False
+        if could_draft != self._off_for:
             self._off_streak = 0
             return False
         self._off_streak += 1
-        self._planned = None
         return True
 
     def _fade(self, capped: list[tuple[Request, int]], ks: list[int]) -> None:
