@@ -18,17 +18,25 @@ from kimi_pd.planner.measure import decode_step_seconds as measured_decode_step
 from shared.sampling_params import SamplingParams
 
 
-def measure_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
-    """Bytes/s of a large tensor copy (read + write counted), best of `repeats`."""
+def measure_bandwidth(max_threads: int, nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """Bytes/s of a large tensor copy (read + write counted), best of `repeats` on one thread and on
+    `max_threads`: the host's bandwidth whatever the engine's own count (one thread for small forwards,
+    engine/host_threads.py) was left at. Restores that count."""
     import torch  # after `engine` (its OpenMP defaults go in before torch loads)
+    was = torch.get_num_threads()
     src = torch.ones(nbytes // 4)
     dst = torch.empty_like(src)
-    dst.copy_(src)
     times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - start)
+    try:
+        for threads in sorted({1, max_threads}):
+            torch.set_num_threads(threads)
+            dst.copy_(src)
+            for _ in range(repeats):
+                start = time.perf_counter()
+                dst.copy_(src)
+                times.append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(was)
     return 2 * nbytes / min(times)
 
 
@@ -77,12 +85,15 @@ def ttft(engine: LLMEngine, prompt_tokens: int) -> dict[str, Any]:
             "cached_tokens": cached, "hit_over_cold": times[1] / times[0]}
 
 
+MAX_THREADS = 1
+
+
 def answer(engine: LLMEngine, req: dict[str, Any], tp: int) -> dict[str, Any]:
     op = req["op"]
     if op == "decode":
         return {"step_s": decode(engine, req)}
     if op == "bandwidth":
-        return {"bytes_per_s": measure_bandwidth()}
+        return {"bytes_per_s": measure_bandwidth(MAX_THREADS)}
     if op == "bytes":      # TP: every rank reads its own 1/N of the sharded weights, so N x rank 0's
         return {"bytes": weight_bytes_per_step(engine, req["batch"]) * tp
                 + state_bytes_per_step(engine, req["batch"], req["prompt_tokens"])}
@@ -92,10 +103,12 @@ def answer(engine: LLMEngine, req: dict[str, Any], tp: int) -> dict[str, Any]:
 
 
 def main() -> None:
+    global MAX_THREADS
     cfg = json.loads(sys.argv[1])
-    eng = LLMEngine(EngineConfig(**cfg))
     import torch
-    hello = {"threads": torch.get_num_threads(), "openmp": openmp_settings()}
+    MAX_THREADS = torch.get_num_threads()       # before the engine sets its own count per forward
+    eng = LLMEngine(EngineConfig(**cfg))
+    hello = {"threads": MAX_THREADS, "openmp": openmp_settings()}
     print(json.dumps(hello), flush=True)
     try:
         for line in sys.stdin:

@@ -32,7 +32,12 @@ from engine.checkpoint.create import create_checkpoint
 # name -> environment changes; the engine applies its own OpenMP defaults (engine/host_threads.py)
 VARIANTS: dict[str, dict[str, str | None]] = {
     "default": {},                                                      # what `import engine` sets up
-    "spin": {"KIMI_PD_OPENMP_DEFAULTS": "0", "OMP_WAIT_POLICY": None},   # libgomp's own: spin, then sleep
+    # the engine before the oneDNN linears and one thread for small forwards (issue 30, 3 Dec 2026)
+    "before": {"KIMI_PD_CPU_GEMM": "aten", "KIMI_PD_ONE_THREAD_BELOW_TOKENS": "0"},
+    "aten-gemm": {"KIMI_PD_CPU_GEMM": "aten"},                         # MKL's sgemm for float linears
+    "two-threads": {"KIMI_PD_ONE_THREAD_BELOW_TOKENS": "0"},           # every forward on all threads
+    # libgomp's own waits (spin, then sleep), every forward on all threads
+    "spin": {"KIMI_PD_OPENMP_DEFAULTS": "0", "OMP_WAIT_POLICY": None, "KIMI_PD_ONE_THREAD_BELOW_TOKENS": "0"},
     "one-thread": {"OMP_NUM_THREADS": "1"},
 }
 COMPETITOR_TIMEOUT_S = 120.0     # a competitor kills itself after this, even if we die first
@@ -122,14 +127,18 @@ def measure(children: list[Child], args: argparse.Namespace, raw: dict[str, Any]
 def rows(children: list[Child], raw: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
     """Per variant, competitors and batch: median step over rounds and its roofline fractions."""
     out = []
+    # the host's bandwidth in a condition is the best any variant's probe saw in it (every probe tries
+    # one thread and all), so every variant is divided by the same roofline
+    host_bw = {n: max(bw for (_, m), bws in raw["bandwidth"].items() if m == n for bw in bws)
+               for n in args.competitors}
     for child in children:
-        quiet_bw = max(raw["bandwidth"][(child.name, 0)]) if 0 in args.competitors else None
+        quiet_bw = host_bw[0] if 0 in args.competitors else None
         for b in args.batch_sizes:
             moved = child.ask(op="bytes", batch=b, prompt_tokens=args.prompt_tokens)["bytes"]
             quiet_step = statistics.median(raw["steps"][(child.name, 0, b)]) if quiet_bw else None
             for n in args.competitors:
                 step = statistics.median(raw["steps"][(child.name, n, b)])
-                bw = max(raw["bandwidth"][(child.name, n)])
+                bw = host_bw[n]
                 row = {"variant": child.name, "competitors": n, "batch": b, "decode_step_ms": step * 1e3,
                        "step_ms_rounds": [s * 1e3 for s in raw["steps"][(child.name, n, b)]],
                        "output_tokens_per_s": b / step, "bytes_per_step": moved,

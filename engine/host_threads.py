@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
@@ -53,4 +54,66 @@ def apply_openmp_defaults(env: MutableMapping[str, str] | None = None,
 def openmp_settings(env: Mapping[str, str] | None = None) -> dict[str, str | None]:
     """What this process runs with (for logs and benchmark results)."""
     env = os.environ if env is None else env
-    return {k: env.get(k) for k in ("OMP_NUM_THREADS", *WAIT_KNOBS, OPT_OUT)}
+    return {k: env.get(k) for k in ("OMP_NUM_THREADS", *WAIT_KNOBS, OPT_OUT, SMALL_FORWARD_ENV, "KIMI_PD_CPU_GEMM")}
+
+
+# ---- intra-op threads per forward ---------------------------------------------------------------
+SMALL_FORWARD_ENV = "KIMI_PD_ONE_THREAD_BELOW_TOKENS"
+# Measured on the 2-vCPU development host (benchmarks/results/engine_throughput.md): with sleeping
+# OpenMP threads every parallel region pays a wake-up (tens of microseconds, more on a VM whose idle
+# vCPU halted), and a decode step runs hundreds of small regions over weights one core already reads
+# at most of the host's bandwidth. One thread decoded batch 1, 8 and 16 1.4-1.8x faster than two;
+# two threads won from ~64 prompt tokens a forward (prefill, compute-bound). Larger hosts were not
+# measured, so there the rule is off unless asked for.
+SMALL_FORWARD_TOKENS = 64
+SMALL_HOST_CORES = 4
+
+
+@dataclass(frozen=True)
+class ForwardThreads:
+    """How many intra-op threads a forward of `tokens` tokens runs on: one below `one_thread_below`
+    tokens (0: never), all of `max_threads` from there on."""
+
+    max_threads: int
+    one_thread_below: int
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, max_threads: int | None = None,
+                 usable_cores: int | None = None) -> ForwardThreads:
+        """`KIMI_PD_ONE_THREAD_BELOW_TOKENS` if set (0 turns it off), else 64 on hosts of at most 4
+        usable cores and off on larger ones. `max_threads` defaults to torch's count at the call."""
+        env = os.environ if env is None else env
+        cores = usable_cores if usable_cores is not None else len(os.sched_getaffinity(0))
+        raw = env.get(SMALL_FORWARD_ENV, "").strip()
+        if raw:
+            try:
+                below = int(raw)
+            except ValueError:
+                raise ValueError(f"{SMALL_FORWARD_ENV}={raw!r}: expected a token count (0 turns it off)") from None
+            if below < 0:
+                raise ValueError(f"{SMALL_FORWARD_ENV}={raw!r}: expected a token count >= 0")
+        else:
+            below = SMALL_FORWARD_TOKENS if cores <= SMALL_HOST_CORES else 0
+        if max_threads is None:
+            import torch
+            max_threads = torch.get_num_threads()
+        return cls(max(1, max_threads), below)
+
+    def threads_for(self, tokens: int) -> int:
+        return 1 if tokens < self.one_thread_below else self.max_threads
+
+
+class ForwardThreadSetter:
+    """Applies `ForwardThreads` before each forward, calling torch only when the count changes (the
+    draft model and the sampler after a forward run on the count it left)."""
+
+    def __init__(self, policy: ForwardThreads) -> None:
+        self.policy = policy
+        self._current: int | None = None
+
+    def before_forward(self, tokens: int) -> None:
+        want = self.policy.threads_for(tokens)
+        if want != self._current:
+            import torch
+            torch.set_num_threads(want)
+            self._current = want

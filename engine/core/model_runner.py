@@ -16,6 +16,7 @@ from engine.core.cache_manager import CacheConfig
 from engine.core.request import Request
 from engine.core.scheduler import ScheduledSeq, SchedulerOutput
 from engine.core.state_export import ExportedState, StateIdentity, StateMismatch
+from engine.host_threads import ForwardThreads, ForwardThreadSetter
 from engine.model.forward_batch import ForwardBatch, HybridCacheTensors, SequenceSlice
 from engine.model.kimi_k3 import KimiK3ForConditionalGeneration
 
@@ -58,6 +59,9 @@ class ModelRunner:
         num_slots = self.spec_slot_base + cache_config.num_working_slots * cache_config.spec_slots_per_seq
         self.cache_config = cache_config
         self.cache = self._allocate_cache(cache_config, num_slots)
+        # small CPU forwards on one intra-op thread (engine/host_threads.py); devices keep theirs
+        self.forward_threads = (ForwardThreadSetter(ForwardThreads.from_env()) if self.device.type == "cpu"
+                                else None)
         self.decode_graphs = None          # engine/graphs: padded (graph-replayed) decode steps
         self.block_size = cache_config.block_size
 
@@ -173,6 +177,8 @@ class ModelRunner:
 
     def run_model(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """The forward itself (a tensor-parallel runner broadcasts its inputs to the other ranks first)."""
+        if self.forward_threads is not None:
+            self.forward_threads.before_forward(input_ids.numel())
         if self.decode_graphs is not None:
             return self.decode_graphs.forward(self.model, input_ids, batch)
         return self.model(input_ids, batch)

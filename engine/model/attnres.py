@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.model.gemm import Linear
 from engine.model.layers import NormWeight, cast, inference_cached, rms_norm, upcast
 
 
@@ -40,4 +41,4 @@ class AttnResWeights(nn.Module):
     def __init__(self, dim: int) -> None:
         super().__init__()
         self.norm = NormWeight(dim)
-        self.proj = nn.Linear(dim, 1, bias=False)
+        self.proj = Linear(dim, 1, bias=False)

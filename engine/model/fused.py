@@ -22,19 +22,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from engine.model.gemm import BACKEND as GEMM_BACKEND
+from engine.model.gemm import Linear, linear
 from engine.model.quant import W4A8DynamicLinear, W8A8DynamicLinear
 
 FUSED_ATTR = "_fused_projections"
 EXPERT_GEMMS_ATTR = "_expert_gemms"        # a latent MoE's fused float experts, called directly
 # A fused float GEMM runs for inputs of at most this many rows (decode steps of small batches, the
 # routed experts' few tokens); wider inputs run the members' GEMMs on their views. Measured on this
-# 2-core CPU (MKL, 2 threads, fp32): fused q|k|v|f_a|b|g and router|down|shared gate|up are 13-20 %
-# faster than separate GEMMs at 1-3 rows but up to 1.7x slower at 8 (MKL's small-M sgemm on a
-# ~2100-column matrix). Quantized sets always fuse (exact; activations are quantized once).
-FUSED_GEMM_MAX_ROWS = 3
+# 2-core CPU (fp32): on MKL's sgemm, fused q|k|v|f_a|b|g and router|down|shared gate|up are 13-20 %
+# faster than separate GEMMs at 1-3 rows but up to 1.7x slower at 8 (its small-M kernel on a
+# ~2100-column matrix); on oneDNN (engine/model/gemm.py) the fused GEMM was as fast or faster at every
+# row count tried (1-1024), so it always runs. Quantized sets always fuse (exact; activations are
+# quantized once).
+FUSED_GEMM_MAX_ROWS = 1 << 62 if GEMM_BACKEND == "onednn" else 3
 
 
 def _kind(module: nn.Module) -> tuple | None:
@@ -79,7 +82,7 @@ def _merge(members: list[nn.Module]) -> nn.Module:
                 setattr(merged, name, nn.Parameter(torch.cat([getattr(m, name) for m in members]),
                                                    requires_grad=False))
         else:
-            merged = nn.Linear(in_features, total, bias=False, device="meta")
+            merged = Linear(in_features, total, bias=False, device="meta")
             merged.weight = nn.Parameter(torch.cat([m.weight for m in members]), requires_grad=False)
         lo = 0
         for member, size in zip(members, sizes, strict=False):
@@ -132,7 +135,9 @@ class FusedProjections:
                 a[2] == b[1] for a, b in zip(spans, spans[1:], strict=False))
             self.chunks.append((spans[0][0], spans[0][1], spans[-1][2]) if contiguous else spans)
             start += n
-        self._float = [isinstance(g, nn.Linear) for g in self.groups]
+        # our Linear's product is `linear` on its weight: called directly (no module call); any other
+        # module (a plain nn.Linear member keeps aten's GEMM) through itself, as unfused
+        self._float = [isinstance(g, Linear) for g in self.groups]
         self._member_list, self._chunk_sizes = list(members), list(chunks)
         self._merged_float = merged_float
         # One GEMM whose chunks tile its columns in order: one `split` makes every chunk's view.
@@ -146,7 +151,7 @@ class FusedProjections:
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         if x.shape[0] > FUSED_GEMM_MAX_ROWS and self._merged_float:
             return self._members(x)
-        outs = [F.linear(x, g.weight) if is_float else _apply(g, x)
+        outs = [linear(x, g.weight) if is_float else _apply(g, x)
                 for g, is_float in zip(self.groups, self._float, strict=False)]
         if self._split_sizes is not None:
             return list(outs[0].split(self._split_sizes, dim=-1))

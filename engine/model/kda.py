@@ -9,6 +9,7 @@ from torch import nn
 from engine.model import choices
 from engine.model.forward_batch import ForwardBatch, HybridCacheTensors, SequenceSlice, StaticDecode
 from engine.model.fused import fuse_linears, project
+from engine.model.gemm import Linear
 from engine.model.kda_ops import (
     causal_conv_step,
     causal_conv_with_state,
@@ -38,21 +39,21 @@ class KimiDeltaAttention(nn.Module):
         self.num_heads, self.head_dim = lac.num_heads, lac.head_dim
         self.lower_bound, self.eps = lac.gate_lower_bound, cfg.rms_norm_eps
         d, hk, w = cfg.hidden_size, lac.num_heads * lac.head_dim, lac.short_conv_kernel_size
-        self.q_proj = nn.Linear(d, hk, bias=False)
-        self.k_proj = nn.Linear(d, hk, bias=False)
-        self.v_proj = nn.Linear(d, hk, bias=False)
+        self.q_proj = Linear(d, hk, bias=False)
+        self.k_proj = Linear(d, hk, bias=False)
+        self.v_proj = Linear(d, hk, bias=False)
         self.q_conv1d = nn.Conv1d(hk, hk, w, groups=hk, bias=False)
         self.k_conv1d = nn.Conv1d(hk, hk, w, groups=hk, bias=False)
         self.v_conv1d = nn.Conv1d(hk, hk, w, groups=hk, bias=False)
-        self.f_a_proj = nn.Linear(d, lac.head_dim, bias=False)
-        self.f_b_proj = nn.Linear(lac.head_dim, hk, bias=False)
+        self.f_a_proj = Linear(d, lac.head_dim, bias=False)
+        self.f_b_proj = Linear(lac.head_dim, hk, bias=False)
         self.dt_bias = nn.Parameter(torch.zeros(hk, dtype=torch.float32))
         # Stored like the real checkpoint: [head_dim], per-head values first, zero padding after.
         self.A_log = nn.Parameter(torch.zeros(lac.head_dim, dtype=torch.float32))
-        self.b_proj = nn.Linear(d, lac.num_heads, bias=False)
-        self.g_proj = nn.Linear(d, hk, bias=False)
+        self.b_proj = Linear(d, lac.num_heads, bias=False)
+        self.g_proj = Linear(d, hk, bias=False)
         self.o_norm = NormWeight(lac.head_dim)
-        self.o_proj = nn.Linear(hk, d, bias=False)
+        self.o_proj = Linear(hk, d, bias=False)
 
     # ---- per-head parameters -----------------------------------------------------------------
     def head_a_log(self) -> torch.Tensor:

@@ -22,6 +22,7 @@ from torch import nn
 
 from engine.model.attnres import AttnResWeights, attn_res, site_query
 from engine.model.forward_batch import ForwardBatch
+from engine.model.gemm import Linear
 from engine.model.kda import KDAOptions, KimiDeltaAttention
 from engine.model.layers import NormWeight, RMSNorm, SiTUMLP
 from engine.model.mla import GatedMLA, MLAOptions
@@ -112,7 +113,7 @@ class KimiLinearForCausalLM(nn.Module):
     def __init__(self, cfg: TextConfig, options: ModelOptions) -> None:
         super().__init__()
         self.model = KimiK3TextModel(cfg, options)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         hidden = self.model(input_ids, batch)

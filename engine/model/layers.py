@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.fused import fuse_linears, project
+from engine.model.gemm import Linear
 
 T = TypeVar("T")
 _ACCUMULATION_DTYPES = (torch.float32, torch.float64)
@@ -98,9 +99,9 @@ class SiTUMLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, beta: float, linear_beta: float | None) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_proj = Linear(hidden, intermediate, bias=False)
+        self.up_proj = Linear(hidden, intermediate, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
         self.beta, self.linear_beta = beta, linear_beta
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ from torch import nn
 from engine.model import choices
 from engine.model.forward_batch import ForwardBatch, SequenceSlice, StaticDecode
 from engine.model.fused import fuse_linears, project
+from engine.model.gemm import Linear
 from engine.model.layers import RMSNorm, cast, inference_cached, linear_weight, upcast
 from shared.model_config import TextConfig
 
@@ -37,14 +38,14 @@ class GatedMLA(nn.Module):
         self.scale = (self.nope + self.rope) ** -0.5
         latent_eps = cfg.rms_norm_eps if choices.MLA_LATENT_NORM_USES_RMS_NORM_EPS else 1e-6
         d, nh = cfg.hidden_size, cfg.num_attention_heads
-        self.q_a_proj = nn.Linear(d, cfg.q_lora_rank, bias=False)
+        self.q_a_proj = Linear(d, cfg.q_lora_rank, bias=False)
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, latent_eps)
-        self.q_b_proj = nn.Linear(cfg.q_lora_rank, nh * (self.nope + self.rope), bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(d, self.kv_lora + self.rope, bias=False)
+        self.q_b_proj = Linear(cfg.q_lora_rank, nh * (self.nope + self.rope), bias=False)
+        self.kv_a_proj_with_mqa = Linear(d, self.kv_lora + self.rope, bias=False)
         self.kv_a_layernorm = RMSNorm(self.kv_lora, latent_eps)
-        self.kv_b_proj = nn.Linear(self.kv_lora, nh * (self.nope + self.v_dim), bias=False)
-        self.g_proj = nn.Linear(d, nh * self.v_dim, bias=False)
-        self.o_proj = nn.Linear(nh * self.v_dim, d, bias=False)
+        self.kv_b_proj = Linear(self.kv_lora, nh * (self.nope + self.v_dim), bias=False)
+        self.g_proj = Linear(d, nh * self.v_dim, bias=False)
+        self.o_proj = Linear(nh * self.v_dim, d, bias=False)
 
     def latent(self, x: torch.Tensor) -> torch.Tensor:
         """What the cache stores for tokens x: [N, kv_lora + rope]."""

@@ -4,10 +4,10 @@ from __future__ import annotations
 import typing
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.model.fused import EXPERT_GEMMS_ATTR, FUSED_ATTR, FUSED_GEMM_MAX_ROWS, fuse_linears, project
+from engine.model.gemm import Linear, linear
 from engine.model.layers import RMSNorm, SiTUMLP, cast, situ, upcast
 from shared.model_config import TextConfig
 
@@ -41,9 +41,9 @@ class Expert(nn.Module):
 
     def __init__(self, width: int, intermediate: int) -> None:
         super().__init__()
-        self.w1 = nn.Linear(width, intermediate, bias=False)
-        self.w3 = nn.Linear(width, intermediate, bias=False)
-        self.w2 = nn.Linear(intermediate, width, bias=False)
+        self.w1 = Linear(width, intermediate, bias=False)
+        self.w3 = Linear(width, intermediate, bias=False)
+        self.w2 = Linear(intermediate, width, bias=False)
 
 
 class LatentMoE(nn.Module):
@@ -57,8 +57,8 @@ class LatentMoE(nn.Module):
         self.beta, self.linear_beta = cfg.activation_situ_beta, cfg.activation_situ_linear_beta
         self.gate = Router(d, cfg.num_experts)
         self.experts = nn.ModuleList(Expert(latent, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
-        self.routed_expert_down_proj = nn.Linear(d, latent, bias=False)
-        self.routed_expert_up_proj = nn.Linear(latent, d, bias=False)
+        self.routed_expert_down_proj = Linear(d, latent, bias=False)
+        self.routed_expert_up_proj = Linear(latent, d, bias=False)
         self.routed_expert_norm = RMSNorm(latent, cfg.rms_norm_eps) if cfg.latent_moe_use_norm else None
         self.shared_experts = (SiTUMLP(d, cfg.num_shared_experts * cfg.moe_intermediate_size,
                                        self.beta, self.linear_beta) if cfg.num_shared_experts else None)
@@ -107,7 +107,7 @@ class LatentMoE(nn.Module):
             expert = self._expert_at(e)
             fused = fuse_linears(expert, (expert.w1, expert.w3), (1, 1))
             w13 = expert.__dict__[FUSED_ATTR].groups[0] if fused else None
-            if gemms is not None and isinstance(w13, nn.Linear) and isinstance(expert.w2, nn.Linear):
+            if gemms is not None and isinstance(w13, Linear) and isinstance(expert.w2, Linear):
                 gemms.append((w13.weight, expert.w1.weight, expert.w3.weight, expert.w2.weight))
             else:
                 gemms = None
@@ -176,10 +176,10 @@ class LatentMoE(nn.Module):
         if not chosen:
             return torch.zeros(h.shape, dtype=upcast(h).dtype, device=h.device)
         row = h.contiguous()
-        gate_up = _cat([F.linear(row, gemms[e - local.start][0]) for e, _ in chosen])
+        gate_up = _cat([linear(row, gemms[e - local.start][0]) for e, _ in chosen])
         gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
         act = situ(gate, up, self.beta, self.linear_beta)
-        out = _cat([F.linear(a, gemms[e - local.start][3]) for a, (e, _) in zip(act.split(1), chosen, strict=False)])
+        out = _cat([linear(a, gemms[e - local.start][3]) for a, (e, _) in zip(act.split(1), chosen, strict=False)])
         # a sum over rows adds them in order, bitwise as the scatter does (test_decode_fast_paths)
         return (upcast(out) * weights[0, [slot for _, slot in chosen]].unsqueeze(1)).sum(0, keepdim=True)
 
@@ -206,14 +206,14 @@ class LatentMoE(nn.Module):
             if n:
                 w13, w1, w3, w2 = gemms[i]
                 r = rows[pos: pos + n]
-                parts.append(F.linear(r, w13) if n <= FUSED_GEMM_MAX_ROWS
-                             else torch.cat([F.linear(r, w1), F.linear(r, w3)], dim=-1))
+                parts.append(linear(r, w13) if n <= FUSED_GEMM_MAX_ROWS
+                             else torch.cat([linear(r, w1), linear(r, w3)], dim=-1))
                 runs.append((w2, pos, pos + n))
                 pos += n
         gate_up = _cat(parts)
         inter = gate_up.shape[-1] // 2
         act = situ(gate_up[:, :inter], gate_up[:, inter:], self.beta, self.linear_beta)
-        return _cat([F.linear(act[lo:hi], w2) for w2, lo, hi in runs])
+        return _cat([linear(act[lo:hi], w2) for w2, lo, hi in runs])
 
     def _routed_dense(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Every local expert on every token, weighted by a dense [T, E] routing matrix (zero where not chosen)."""

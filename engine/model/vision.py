@@ -63,6 +63,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engine.model.gemm import Linear
 from shared.model_config import ConfigError, VisionConfig
 from shared.prompt.images import ROPE_MAX_GRID
 
@@ -178,8 +179,8 @@ class PatchEmbed(nn.Module):
 class MLP2(nn.Module):
     def __init__(self, dim: int, hidden: int, bias: bool) -> None:
         super().__init__()
-        self.fc0 = nn.Linear(dim, hidden, bias=bias)
-        self.fc1 = nn.Linear(hidden, dim, bias=bias)
+        self.fc0 = Linear(dim, hidden, bias=bias)
+        self.fc1 = Linear(hidden, dim, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.fc1(F.gelu(self.fc0(x), approximate="tanh"))
@@ -196,8 +197,8 @@ class EncoderBlock(nn.Module):
         # eps left at torch's default, as in the released K3 tower (only post_norm has an explicit eps).
         self.norm0 = nn.RMSNorm(dim)
         self.norm1 = nn.RMSNorm(dim)
-        self.wqkv = nn.Linear(dim, 3 * qkv, bias=opts.attn_bias)
-        self.wo = nn.Linear(qkv, dim, bias=opts.attn_bias)
+        self.wqkv = Linear(dim, 3 * qkv, bias=opts.attn_bias)
+        self.wo = Linear(qkv, dim, bias=opts.attn_bias)
         self.mlp = MLP2(dim, cfg.vt_intermediate_size, bias=opts.linear_bias)
 
     def attention(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -281,12 +282,12 @@ class MMProjector(nn.Module):
         kh, kw = self.merge_kernel_size
         merged = cfg.vt_hidden_size * kh * kw
         self.proj = nn.Sequential(
-            nn.Linear(merged, merged, bias=False),
+            Linear(merged, merged, bias=False),
             nn.GELU(),
-            nn.Linear(merged, cfg.text_hidden_size, bias=False),
+            Linear(merged, cfg.text_hidden_size, bias=False),
         )
         self.post_norm = nn.RMSNorm(cfg.text_hidden_size, eps=opts.projector_ln_eps)
-        self.rot_proj = nn.Linear(cfg.text_hidden_size, cfg.text_hidden_size, bias=False) if with_rot_proj else None
+        self.rot_proj = Linear(cfg.text_hidden_size, cfg.text_hidden_size, bias=False) if with_rot_proj else None
 
     @property
     def linear_1(self) -> nn.Linear:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.model.gemm import Linear
 from engine.model.quant import INT8_QMAX, W4A8DynamicLinear, W8A8DynamicLinear, _DynamicLinearBase, _exact_int_matmul
 from engine.parallel.comm import TPGroup
 
@@ -26,7 +27,7 @@ def _param(t: torch.Tensor) -> nn.Parameter:
 def shard_out(linear: nn.Module, lo: int, hi: int) -> nn.Linear | _DynamicLinearBase:
     """Output rows lo:hi of a float or quantized linear (a column-parallel shard)."""
     if isinstance(linear, nn.Linear):
-        dense = nn.Linear(linear.in_features, hi - lo, bias=False, device="meta")
+        dense = Linear(linear.in_features, hi - lo, bias=False, device="meta")
         dense.weight = _param(linear.weight[lo:hi])
         return dense
     new: _DynamicLinearBase
@@ -49,7 +50,7 @@ def shard_out(linear: nn.Module, lo: int, hi: int) -> nn.Linear | _DynamicLinear
 def shard_in(linear: nn.Module, lo: int, hi: int) -> nn.Linear | _DynamicLinearBase:
     """Input columns lo:hi of a float or quantized linear (a row-parallel shard; outputs are partial)."""
     if isinstance(linear, nn.Linear):
-        dense = nn.Linear(hi - lo, linear.out_features, bias=False, device="meta")
+        dense = Linear(hi - lo, linear.out_features, bias=False, device="meta")
         dense.weight = _param(linear.weight[:, lo:hi])
         return dense
     new: _DynamicLinearBase

@@ -43,7 +43,9 @@ def measured_costs(engine: Any, reps: int = 3) -> StepCosts:
     """The step costs of `engine` (a SpecDecodeStep: its spec, runner, cache and proposer), memoised per
     process (see the module doc)."""
     k = engine.spec.num_speculative_tokens
-    key = (engine.runner.identity, engine.proposer.draft_id, _max_batch(engine), k, torch.get_num_threads())
+    threads = getattr(engine.runner, "forward_threads", None)     # per-forward counts: key on the policy
+    key = (engine.runner.identity, engine.proposer.draft_id, _max_batch(engine), k,
+           threads.policy if threads is not None else torch.get_num_threads())
     if key not in _MEASURED:
         started = time.perf_counter()
         _MEASURED[key] = measure(engine, k, reps)

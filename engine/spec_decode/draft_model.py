@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.model.gemm import Linear
 from engine.model.layers import RMSNorm, SiTUMLP, upcast
 from engine.spec_decode.config import AnyDraftConfig, DraftConfig, GQADraftConfig
 
@@ -50,9 +51,9 @@ class SiLUMLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_proj = Linear(hidden, intermediate, bias=False)
+        self.up_proj = Linear(hidden, intermediate, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -68,13 +69,13 @@ class DraftMLA(nn.Module):
         self.rope, self.v_dim = cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_lora, self.theta = cfg.kv_lora_rank, cfg.rope_theta
         self.scale = (self.nope + self.rope) ** -0.5
-        self.q_a_proj = nn.Linear(d, cfg.q_lora_rank, bias=False)
+        self.q_a_proj = Linear(d, cfg.q_lora_rank, bias=False)
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-        self.q_b_proj = nn.Linear(cfg.q_lora_rank, nh * (self.nope + self.rope), bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(d, self.kv_lora + self.rope, bias=False)
+        self.q_b_proj = Linear(cfg.q_lora_rank, nh * (self.nope + self.rope), bias=False)
+        self.kv_a_proj_with_mqa = Linear(d, self.kv_lora + self.rope, bias=False)
         self.kv_a_layernorm = RMSNorm(self.kv_lora, cfg.rms_norm_eps)
-        self.kv_b_proj = nn.Linear(self.kv_lora, nh * (self.nope + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(nh * self.v_dim, d, bias=False)
+        self.kv_b_proj = Linear(self.kv_lora, nh * (self.nope + self.v_dim), bias=False)
+        self.o_proj = Linear(nh * self.v_dim, d, bias=False)
 
     def head_split(self) -> list[tuple[str, int, int]]:
         """(linear, rows per head, heads) of the per-head projections a tensor-parallel rank slices."""
@@ -121,10 +122,10 @@ class DraftGQA(nn.Module):
         d, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim, self.v_dim = nh, nkv, hd, hd
         self.group, self.head_offset, self.theta, self.scale = nh // nkv, 0, cfg.rope_theta, hd ** -0.5
-        self.q_proj = nn.Linear(d, nh * hd, bias=False)
-        self.k_proj = nn.Linear(d, nkv * hd, bias=False)
-        self.v_proj = nn.Linear(d, nkv * hd, bias=False)
-        self.o_proj = nn.Linear(nh * hd, d, bias=False)
+        self.q_proj = Linear(d, nh * hd, bias=False)
+        self.k_proj = Linear(d, nkv * hd, bias=False)
+        self.v_proj = Linear(d, nkv * hd, bias=False)
+        self.o_proj = Linear(nh * hd, d, bias=False)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
 
@@ -174,13 +175,13 @@ class MarkovHead(nn.Module):
     def __init__(self, vocab: int, rank: int) -> None:
         super().__init__()
         self.markov_w1 = nn.Embedding(vocab, rank)
-        self.markov_w2 = nn.Linear(rank, vocab, bias=False)
+        self.markov_w2 = Linear(rank, vocab, bias=False)
 
 
 class ConfidenceHead(nn.Module):
     def __init__(self, input_dim: int) -> None:
         super().__init__()
-        self.proj = nn.Linear(input_dim, 1, bias=True)
+        self.proj = Linear(input_dim, 1, bias=True)
 
 
 class DSparkDraftModel(nn.Module):
@@ -192,7 +193,7 @@ class DSparkDraftModel(nn.Module):
     def __init__(self, cfg: DraftConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.context_proj = nn.Linear(cfg.target_hidden_size * cfg.num_target_layers, cfg.hidden_size, bias=False)
+        self.context_proj = Linear(cfg.target_hidden_size * cfg.num_target_layers, cfg.hidden_size, bias=False)
         self.context_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -266,7 +267,7 @@ class GQADraftModel(DSparkDraftModel):
     def __init__(self, cfg: GQADraftConfig) -> None:
         nn.Module.__init__(self)            # not DSparkDraftModel's: its own module names, the same operations
         self.cfg = cfg
-        self.fc = nn.Linear(cfg.target_hidden_size * cfg.num_target_layers, cfg.hidden_size, bias=False)
+        self.fc = Linear(cfg.target_hidden_size * cfg.num_target_layers, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from engine.host_threads import OPENMP_DEFAULTS, apply_openmp_defaults, openmp_defaults, openmp_settings
+from engine.host_threads import (
+    OPENMP_DEFAULTS,
+    ForwardThreads,
+    ForwardThreadSetter,
+    apply_openmp_defaults,
+    openmp_defaults,
+    openmp_settings,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,3 +62,69 @@ def test_import_engine_sets_the_default_before_torch_loads():
     assert _env_after_import(code) == "PASSIVE False"
     assert _env_after_import(code, OMP_WAIT_POLICY="ACTIVE") == "ACTIVE False"
     assert _env_after_import(code, KIMI_PD_OPENMP_DEFAULTS="0") == "None False"
+
+
+# ---- one intra-op thread for small forwards -------------------------------------------------------
+
+@pytest.mark.parametrize(("env", "cores", "below"), [
+    ({}, 2, 64),                                                     # a small host: on by default
+    ({}, 4, 64),
+    ({}, 8, 0),                                                      # a larger one was not measured: off
+    ({"KIMI_PD_ONE_THREAD_BELOW_TOKENS": "0"}, 2, 0),                # the operator turns it off
+    ({"KIMI_PD_ONE_THREAD_BELOW_TOKENS": "16"}, 32, 16),             # or on, anywhere
+])
+def test_forward_threads_from_env(env, cores, below):
+    assert ForwardThreads.from_env(env, max_threads=2, usable_cores=cores).one_thread_below == below
+
+
+@pytest.mark.parametrize("raw", ["lots", "-1", "1.5"])
+def test_forward_threads_rejects_a_bad_setting(raw):
+    with pytest.raises(ValueError, match="KIMI_PD_ONE_THREAD_BELOW_TOKENS"):
+        ForwardThreads.from_env({"KIMI_PD_ONE_THREAD_BELOW_TOKENS": raw}, max_threads=2, usable_cores=2)
+
+
+def test_threads_for_a_forward():
+    policy = ForwardThreads(max_threads=4, one_thread_below=64)
+    assert [policy.threads_for(n) for n in (1, 8, 63, 64, 512)] == [1, 1, 1, 4, 4]
+    assert ForwardThreads(max_threads=4, one_thread_below=0).threads_for(1) == 4
+
+
+def test_the_setter_calls_torch_only_when_the_count_changes(monkeypatch):
+    import torch
+    calls: list[int] = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    setter = ForwardThreadSetter(ForwardThreads(max_threads=2, one_thread_below=64))
+    for tokens in (1, 1, 8, 300, 300, 1, 64):
+        setter.before_forward(tokens)
+    assert calls == [1, 2, 1, 2]
+
+
+def test_the_engine_runs_small_forwards_on_one_thread_and_prefill_on_all(tiny_dir):
+    """A decode step leaves torch on one thread; a forward of 64+ prompt tokens on all of them."""
+    import torch
+
+    from engine.core.engine import EngineConfig, LLMEngine
+    from shared.sampling_params import SamplingParams
+    engine = LLMEngine(EngineConfig(model=str(tiny_dir), max_num_seqs=2, cache_memory_bytes=32 << 20))
+    runner = engine.runner
+    assert runner.forward_threads is not None
+    setter = runner.forward_threads
+    setter.policy = ForwardThreads(max_threads=2, one_thread_below=64)
+    seen: list[int] = []
+    real_forward = runner.model.forward
+
+    def spy(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real_forward(*args, **kwargs)
+
+    runner.model.forward = spy
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        engine.add_request("long", list(range(1, 100)), params)
+        while engine.has_unfinished():
+            engine.step()
+    finally:
+        runner.model.forward = real_forward
+        torch.set_num_threads(setter.policy.max_threads)
+        engine.close()
+    assert seen[0] == 2 and seen[-1] == 1 and len(seen) >= 3

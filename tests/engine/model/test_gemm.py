@@ -1,0 +1,91 @@
+"""engine/model/gemm.py: the CPU linears on oneDNN agree with aten's, and fall back where they must."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.model import gemm
+from engine.model.gemm import Linear, linear
+
+ROOT = Path(__file__).resolve().parents[3]
+ONEDNN = gemm.BACKEND == "onednn"
+
+
+@pytest.mark.parametrize(("shape", "out"), [((1, 64), 96), ((7, 64), 96), ((2, 3, 64), 40), ((64,), 8), ((0, 64), 8)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_aten(shape, out, bias):
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(*shape, generator=gen), torch.randn(out, 64, generator=gen)
+    b = torch.randn(out, generator=gen) if bias else None
+    with torch.inference_mode():
+        got = linear(x, w, b)
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert got.shape == (*shape[:-1], out)
+
+
+def test_fused_row_views_and_transposed_weights():
+    """A fused tensor's member is a row view (oneDNN takes it); a transposed view goes to aten."""
+    fused = torch.randn(48, 32)
+    x = torch.randn(3, 32)
+    with torch.inference_mode():
+        torch.testing.assert_close(linear(x, fused[16:40]), F.linear(x, fused[16:40]))
+        transposed = torch.randn(32, 48).t()                   # [48, 32], not row-major
+        y = torch.randn(3, 32)
+        torch.testing.assert_close(linear(y, transposed), F.linear(y, transposed))
+
+
+def test_training_keeps_autograd():
+    """Outside inference the product must be differentiable: the aten path, same gradients."""
+    layer = Linear(16, 4, bias=True)
+    x = torch.randn(5, 16, requires_grad=True)
+    layer(x).sum().backward()
+    assert x.grad is not None and layer.weight.grad is not None
+    ref_x = x.detach().clone().requires_grad_(True)
+    F.linear(ref_x, layer.weight, layer.bias).sum().backward()
+    torch.testing.assert_close(x.grad, ref_x.grad)
+
+
+def test_other_dtypes_run_on_aten(monkeypatch):
+    calls: list[tuple] = []
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(a))
+    x, w = torch.randn(2, 8, dtype=torch.bfloat16), torch.randn(4, 8, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(linear(x, w), F.linear(x, w))
+    assert calls == []
+
+
+@pytest.mark.skipif(not ONEDNN, reason="this torch has no oneDNN linear")
+def test_float32_inference_runs_on_onednn(monkeypatch):
+    calls: list[tuple] = []
+    real = torch.ops.mkldnn._linear_pointwise
+
+    def spy(*args):
+        calls.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    with torch.inference_mode():
+        linear(torch.randn(2, 8), torch.randn(4, 8))
+    assert len(calls) == 1
+
+
+def _backend_in_child(value: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, gemm.BACKEND_ENV: value, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-c", "from engine.model import gemm; print(gemm.BACKEND)"],
+                          env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_the_operator_can_keep_aten():
+    done = _backend_in_child("aten")
+    assert done.returncode == 0 and done.stdout.strip() == "aten"
+
+
+def test_an_unknown_backend_stops_start_up():
+    done = _backend_in_child("cublas")
+    assert done.returncode != 0 and "KIMI_PD_CPU_GEMM='cublas'" in done.stderr
