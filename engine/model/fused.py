@@ -24,8 +24,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from engine.model.gemm import BACKEND as GEMM_BACKEND
-from engine.model.gemm import Linear, linear
+from engine.model.gemm import Linear, linear, uses_onednn
 from engine.model.quant import W4A8DynamicLinear, W8A8DynamicLinear
 
 FUSED_ATTR = "_fused_projections"
@@ -35,9 +34,14 @@ EXPERT_GEMMS_ATTR = "_expert_gemms"        # a latent MoE's fused float experts,
 # 2-core CPU (fp32): on MKL's sgemm, fused q|k|v|f_a|b|g and router|down|shared gate|up are 13-20 %
 # faster than separate GEMMs at 1-3 rows but up to 1.7x slower at 8 (its small-M kernel on a
 # ~2100-column matrix); on oneDNN (engine/model/gemm.py) the fused GEMM was as fast or faster at every
-# row count tried (1-1024), so it always runs. Quantized sets always fuse (exact; activations are
-# quantized once).
-FUSED_GEMM_MAX_ROWS = 1 << 62 if GEMM_BACKEND == "onednn" else 3
+# row count tried (1-1024), so it always runs there (`fused_gemm_max_rows`). Quantized sets always
+# fuse (exact; activations are quantized once).
+FUSED_GEMM_MAX_ROWS = 3
+
+
+def fused_gemm_max_rows(weight: torch.Tensor) -> int:
+    """Rows up to which a fused float GEMM on `weight` beats its members' (any count on oneDNN)."""
+    return 1 << 62 if uses_onednn(weight) else FUSED_GEMM_MAX_ROWS
 
 
 def _kind(module: nn.Module) -> tuple | None:
@@ -140,6 +144,8 @@ class FusedProjections:
         self._float = [isinstance(g, Linear) for g in self.groups]
         self._member_list, self._chunk_sizes = list(members), list(chunks)
         self._merged_float = merged_float
+        self._max_rows = min((fused_gemm_max_rows(g.weight) for g in self.groups
+                              if isinstance(g, nn.Linear) and g not in members), default=FUSED_GEMM_MAX_ROWS)
         # One GEMM whose chunks tile its columns in order: one `split` makes every chunk's view.
         tiles = len(self.groups) == 1 and all(isinstance(c, tuple) for c in self.chunks) and all(
             a[2] == b[1] for a, b in zip(self.chunks, self.chunks[1:], strict=False)) and self.chunks[0][1] == 0
@@ -149,7 +155,7 @@ class FusedProjections:
         return _one_by_one(self._member_list, x, self._chunk_sizes)
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        if x.shape[0] > FUSED_GEMM_MAX_ROWS and self._merged_float:
+        if x.shape[0] > self._max_rows and self._merged_float:
             return self._members(x)
         outs = [linear(x, g.weight) if is_float else _apply(g, x)
                 for g, is_float in zip(self.groups, self._float, strict=False)]

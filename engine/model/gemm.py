@@ -8,8 +8,9 @@ weight at about half oneDNN's rate (2080x1024 fp32, 60 different weights in turn
 `torch.ops.mkldnn._linear_pointwise` takes the plain weight: nothing is repacked or copied.
 
 `linear(x, weight, bias)` is `F.linear` with that choice made per call: oneDNN for float32 CPU
-tensors outside autograd with a row-major weight (oneDNN rejects a transposed view), aten
-(`F.linear`) for anything else: other devices and dtypes, training, a torch built without oneDNN.
+tensors outside autograd with a row-major weight (oneDNN rejects a transposed view) of at least
+128K elements, aten (`F.linear`) for anything else: small weights (MKL's call costs less), other
+devices and dtypes, training, a torch built without oneDNN.
 The two differ only in rounding (float32 sums in another order); neither is batch-invariant, so
 nothing that held before depends on it. `KIMI_PD_CPU_GEMM=aten` keeps MKL everywhere (read once,
 when this module loads).
@@ -52,11 +53,21 @@ BACKEND = _chosen_backend()
 _ONEDNN = BACKEND == "onednn"
 
 
+# oneDNN pays ~10 us more a call than MKL (primitive lookup); it wins from about 256x256 weights and by
+# 1.4-1.7x from 1024x256 on (one thread, 1 or 8 rows, weights out of cache: engine_throughput.md), so
+# smaller weights (tiny-chat's are all below) stay on MKL
+ONEDNN_MIN_WEIGHT_ELEMENTS = 1 << 17
+
+
+def uses_onednn(weight: torch.Tensor) -> bool:
+    """Whether a float32 product with this weight runs on oneDNN (inside inference; see `linear`)."""
+    return (_ONEDNN and weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2
+            and weight.is_contiguous() and weight.numel() >= ONEDNN_MIN_WEIGHT_ELEMENTS)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, on oneDNN where that is faster (see the module docstring)."""
-    if (_ONEDNN and x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu"
-            and weight.device.type == "cpu" and weight.dim() == 2 and weight.is_contiguous()
-            and x.dim() >= 1 and x.shape[-1] == weight.shape[-1]
+    if (x.dtype == torch.float32 and x.dim() >= 1 and x.shape[-1] == weight.shape[-1] and uses_onednn(weight)
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                                   or (bias is not None and bias.requires_grad)))):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")

@@ -6,7 +6,7 @@ import typing
 import torch
 from torch import nn
 
-from engine.model.fused import EXPERT_GEMMS_ATTR, FUSED_ATTR, FUSED_GEMM_MAX_ROWS, fuse_linears, project
+from engine.model.fused import EXPERT_GEMMS_ATTR, FUSED_ATTR, fuse_linears, fused_gemm_max_rows, project
 from engine.model.gemm import Linear, linear
 from engine.model.layers import RMSNorm, SiTUMLP, cast, situ, upcast
 from shared.model_config import TextConfig
@@ -108,7 +108,8 @@ class LatentMoE(nn.Module):
             fused = fuse_linears(expert, (expert.w1, expert.w3), (1, 1))
             w13 = expert.__dict__[FUSED_ATTR].groups[0] if fused else None
             if gemms is not None and isinstance(w13, Linear) and isinstance(expert.w2, Linear):
-                gemms.append((w13.weight, expert.w1.weight, expert.w3.weight, expert.w2.weight))
+                gemms.append((w13.weight, expert.w1.weight, expert.w3.weight, expert.w2.weight,
+                              fused_gemm_max_rows(w13.weight)))
             else:
                 gemms = None
         # float experts: the dispatch loop calls their GEMMs directly (no module calls per expert)
@@ -199,14 +200,14 @@ class LatentMoE(nn.Module):
 
     def _float_experts(self, rows: torch.Tensor, counts: list[int], local: range, gemms: list) -> torch.Tensor:
         """`_any_experts` for fused float experts, calling their GEMMs directly: the same products
-        (w1|w3 fused up to FUSED_GEMM_MAX_ROWS rows, as `FusedProjections` does) and the same SiTU."""
+        (w1|w3 fused up to `fused_gemm_max_rows` rows, as `FusedProjections` does) and the same SiTU."""
         parts, runs, pos = [], [], 0
         for i, e in enumerate(local):
             n = counts[e]
             if n:
-                w13, w1, w3, w2 = gemms[i]
+                w13, w1, w3, w2, max_rows = gemms[i]
                 r = rows[pos: pos + n]
-                parts.append(linear(r, w13) if n <= FUSED_GEMM_MAX_ROWS
+                parts.append(linear(r, w13) if n <= max_rows
                              else torch.cat([linear(r, w1), linear(r, w3)], dim=-1))
                 runs.append((w2, pos, pos + n))
                 pos += n
