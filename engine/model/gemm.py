@@ -54,8 +54,8 @@ _ONEDNN = BACKEND == "onednn"
 
 
 # oneDNN pays ~10 us more a call than MKL (primitive lookup); it wins from about 256x256 weights and by
-# 1.4-1.7x from 1024x256 on (one thread, 1 or 8 rows, weights out of cache: engine_throughput.md), so
-# smaller weights (tiny-chat's are all below) stay on MKL
+# 1.4-1.7x from 1024x256 on (one thread, 1 or 8 rows, weights out of cache; see
+# benchmarks/results/engine_throughput.md), so smaller weights (all of tiny-chat's) stay on MKL
 ONEDNN_MIN_WEIGHT_ELEMENTS = 1 << 17
 
 
