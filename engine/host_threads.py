@@ -13,6 +13,7 @@ torch earlier keeps libgomp's own defaults and says so in a warning.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -81,7 +82,7 @@ class ForwardThreads:
     def from_env(cls, env: Mapping[str, str] | None = None, max_threads: int | None = None,
                  usable_cores: int | None = None) -> ForwardThreads:
         """`KIMI_PD_ONE_THREAD_BELOW_TOKENS` if set (0 turns it off), else 64 on hosts of at most 4
-        usable cores and off on larger ones. `max_threads` defaults to torch's count at the call."""
+        usable cores and off on larger ones. `max_threads` defaults to `process_threads()`."""
         env = os.environ if env is None else env
         cores = usable_cores if usable_cores is not None else len(os.sched_getaffinity(0))
         raw = env.get(SMALL_FORWARD_ENV, "").strip()
@@ -94,13 +95,18 @@ class ForwardThreads:
                 raise ValueError(f"{SMALL_FORWARD_ENV}={raw!r}: expected a token count >= 0")
         else:
             below = SMALL_FORWARD_TOKENS if cores <= SMALL_HOST_CORES else 0
-        if max_threads is None:
-            import torch
-            max_threads = torch.get_num_threads()
-        return cls(max(1, max_threads), below)
+        return cls(max(1, max_threads if max_threads is not None else process_threads()), below)
 
     def threads_for(self, tokens: int) -> int:
         return 1 if tokens < self.one_thread_below else self.max_threads
+
+
+@functools.cache
+def process_threads() -> int:
+    """torch's intra-op thread count as the process started: read once, before any `ForwardThreadSetter`
+    changes it, so an engine made after another has decoded still gets every thread."""
+    import torch
+    return torch.get_num_threads()
 
 
 class ForwardThreadSetter:

@@ -16,6 +16,7 @@ from engine.host_threads import (
     apply_openmp_defaults,
     openmp_defaults,
     openmp_settings,
+    process_threads,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -128,3 +129,16 @@ def test_the_engine_runs_small_forwards_on_one_thread_and_prefill_on_all(tiny_di
         torch.set_num_threads(setter.policy.max_threads)
         engine.close()
     assert seen[0] == 2 and seen[-1] == 1 and len(seen) >= 3
+
+
+def test_an_engine_made_after_another_decoded_still_gets_every_thread():
+    """The policy's thread count is the process's, not whatever the last forward left torch at."""
+    import torch
+    process_threads()                                  # read before any setter acts (an engine's first runner)
+    start = torch.get_num_threads()
+    try:
+        ForwardThreadSetter(ForwardThreads.from_env({}, usable_cores=2)).before_forward(1)
+        assert torch.get_num_threads() == 1
+        assert ForwardThreads.from_env({}, usable_cores=2).max_threads == process_threads()
+    finally:
+        torch.set_num_threads(start)
