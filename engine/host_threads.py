@@ -63,10 +63,13 @@ SMALL_FORWARD_ENV = "KIMI_PD_ONE_THREAD_BELOW_TOKENS"
 # Measured on the 2-vCPU development host (benchmarks/results/engine_throughput.md): with sleeping
 # OpenMP threads every parallel region pays a wake-up (tens of microseconds, more on a VM whose idle
 # vCPU halted), and a decode step runs hundreds of small regions over weights one core already reads
-# at most of the host's bandwidth. One thread decoded batch 1, 8 and 16 1.4-1.8x faster than two;
-# two threads won from ~64 prompt tokens a forward (prefill, compute-bound). Larger hosts were not
-# measured, so there the rule is off unless asked for.
-SMALL_FORWARD_TOKENS = 64
+# at most of the host's bandwidth. Where a second thread starts to pay depends on the work per region,
+# so the default cut is in tokens x hidden_size^2: the small preset (hidden 1024) decoded batch 1 and 8
+# 1.4-1.8x faster on one thread and ran 16-token forwards 1.14x faster on one, 32-256-token ones
+# 1.09-1.17x faster on two; tiny-chat (hidden 128) was faster on one thread up to 256 tokens (0.40-0.83x
+# the time). A cut of 2^25 puts them at 32 and 2048 tokens. Larger hosts were not measured, so there the
+# rule is off unless asked for.
+SMALL_FORWARD_WORK = 1 << 25
 SMALL_HOST_CORES = 4
 
 
@@ -79,10 +82,11 @@ class ForwardThreads:
     one_thread_below: int
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, max_threads: int | None = None,
+    def from_env(cls, hidden_size: int, env: Mapping[str, str] | None = None, max_threads: int | None = None,
                  usable_cores: int | None = None) -> ForwardThreads:
-        """`KIMI_PD_ONE_THREAD_BELOW_TOKENS` if set (0 turns it off), else 64 on hosts of at most 4
-        usable cores and off on larger ones. `max_threads` defaults to `process_threads()`."""
+        """`KIMI_PD_ONE_THREAD_BELOW_TOKENS` if set (0 turns it off), else, on hosts of at most 4 usable
+        cores, the tokens at which tokens x hidden_size^2 reaches SMALL_FORWARD_WORK (32 for a hidden size
+        of 1024), and off on larger hosts. `max_threads` defaults to `process_threads()`."""
         env = os.environ if env is None else env
         cores = usable_cores if usable_cores is not None else len(os.sched_getaffinity(0))
         raw = env.get(SMALL_FORWARD_ENV, "").strip()
@@ -94,7 +98,7 @@ class ForwardThreads:
             if below < 0:
                 raise ValueError(f"{SMALL_FORWARD_ENV}={raw!r}: expected a token count >= 0")
         else:
-            below = SMALL_FORWARD_TOKENS if cores <= SMALL_HOST_CORES else 0
+            below = -(-SMALL_FORWARD_WORK // max(1, hidden_size) ** 2) if cores <= SMALL_HOST_CORES else 0
         return cls(max(1, max_threads if max_threads is not None else process_threads()), below)
 
     def threads_for(self, tokens: int) -> int:

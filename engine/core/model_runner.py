@@ -60,8 +60,8 @@ class ModelRunner:
         self.cache_config = cache_config
         self.cache = self._allocate_cache(cache_config, num_slots)
         # small CPU forwards on one intra-op thread (engine/host_threads.py); devices keep theirs
-        self.forward_threads = (ForwardThreadSetter(ForwardThreads.from_env()) if self.device.type == "cpu"
-                                else None)
+        self.forward_threads = (ForwardThreadSetter(ForwardThreads.from_env(self.text_config.hidden_size))
+                                if self.device.type == "cpu" else None)
         self.decode_graphs = None          # engine/graphs: padded (graph-replayed) decode steps
         self.block_size = cache_config.block_size
 

@@ -67,21 +67,22 @@ def test_import_engine_sets_the_default_before_torch_loads():
 
 # ---- one intra-op thread for small forwards -------------------------------------------------------
 
-@pytest.mark.parametrize(("env", "cores", "below"), [
-    ({}, 2, 64),                                                     # a small host: on by default
-    ({}, 4, 64),
-    ({}, 8, 0),                                                      # a larger one was not measured: off
-    ({"KIMI_PD_ONE_THREAD_BELOW_TOKENS": "0"}, 2, 0),                # the operator turns it off
-    ({"KIMI_PD_ONE_THREAD_BELOW_TOKENS": "16"}, 32, 16),             # or on, anywhere
+@pytest.mark.parametrize(("env", "hidden", "cores", "below"), [
+    ({}, 1024, 2, 32),                                               # a small host: on by default
+    ({}, 128, 4, 2048),                                              # narrower layers: more tokens
+    ({}, 7168, 2, 1),                                                # K3's width: every forward on all
+    ({}, 1024, 8, 0),                                                # a larger host was not measured: off
+    ({"KIMI_PD_ONE_THREAD_BELOW_TOKENS": "0"}, 1024, 2, 0),          # the operator turns it off
+    ({"KIMI_PD_ONE_THREAD_BELOW_TOKENS": "16"}, 1024, 32, 16),       # or sets it, anywhere
 ])
-def test_forward_threads_from_env(env, cores, below):
-    assert ForwardThreads.from_env(env, max_threads=2, usable_cores=cores).one_thread_below == below
+def test_forward_threads_from_env(env, hidden, cores, below):
+    assert ForwardThreads.from_env(hidden, env, max_threads=2, usable_cores=cores).one_thread_below == below
 
 
 @pytest.mark.parametrize("raw", ["lots", "-1", "1.5"])
 def test_forward_threads_rejects_a_bad_setting(raw):
     with pytest.raises(ValueError, match="KIMI_PD_ONE_THREAD_BELOW_TOKENS"):
-        ForwardThreads.from_env({"KIMI_PD_ONE_THREAD_BELOW_TOKENS": raw}, max_threads=2, usable_cores=2)
+        ForwardThreads.from_env(1024, {"KIMI_PD_ONE_THREAD_BELOW_TOKENS": raw}, max_threads=2, usable_cores=2)
 
 
 def test_threads_for_a_forward():
@@ -137,8 +138,8 @@ def test_an_engine_made_after_another_decoded_still_gets_every_thread():
     process_threads()                                  # read before any setter acts (an engine's first runner)
     start = torch.get_num_threads()
     try:
-        ForwardThreadSetter(ForwardThreads.from_env({}, usable_cores=2)).before_forward(1)
+        ForwardThreadSetter(ForwardThreads.from_env(1024, {}, usable_cores=2)).before_forward(1)
         assert torch.get_num_threads() == 1
-        assert ForwardThreads.from_env({}, usable_cores=2).max_threads == process_threads()
+        assert ForwardThreads.from_env(1024, {}, usable_cores=2).max_threads == process_threads()
     finally:
         torch.set_num_threads(start)
