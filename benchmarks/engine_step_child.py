@@ -13,7 +13,7 @@ from typing import Any
 
 from engine.core.cache_manager import bytes_per_slot
 from engine.core.engine import EngineConfig, LLMEngine
-from engine.host_threads import openmp_settings
+from engine.host_threads import openmp_settings, process_threads
 from kimi_pd.planner.measure import decode_step_seconds as measured_decode_step
 from shared.sampling_params import SamplingParams
 
@@ -85,15 +85,12 @@ def ttft(engine: LLMEngine, prompt_tokens: int) -> dict[str, Any]:
             "cached_tokens": cached, "hit_over_cold": times[1] / times[0]}
 
 
-MAX_THREADS = 1
-
-
 def answer(engine: LLMEngine, req: dict[str, Any], tp: int) -> dict[str, Any]:
     op = req["op"]
     if op == "decode":
         return {"step_s": decode(engine, req)}
     if op == "bandwidth":
-        return {"bytes_per_s": measure_bandwidth(MAX_THREADS)}
+        return {"bytes_per_s": measure_bandwidth(process_threads())}
     if op == "bytes":      # TP: every rank reads its own 1/N of the sharded weights, so N x rank 0's
         return {"bytes": weight_bytes_per_step(engine, req["batch"]) * tp
                 + state_bytes_per_step(engine, req["batch"], req["prompt_tokens"])}
@@ -103,12 +100,9 @@ def answer(engine: LLMEngine, req: dict[str, Any], tp: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    global MAX_THREADS
     cfg = json.loads(sys.argv[1])
-    import torch
-    MAX_THREADS = torch.get_num_threads()       # before the engine sets its own count per forward
     eng = LLMEngine(EngineConfig(**cfg))
-    hello = {"threads": MAX_THREADS, "openmp": openmp_settings()}
+    hello = {"threads": process_threads(), "openmp": openmp_settings()}
     print(json.dumps(hello), flush=True)
     try:
         for line in sys.stdin:

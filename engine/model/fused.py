@@ -121,6 +121,7 @@ class FusedProjections:
         order = list(dict.fromkeys(kinds))
         self.groups: list[nn.Module] = []
         merged_float = False
+        max_rows = 1 << 62                  # the least any merged float GEMM allows (fused_gemm_max_rows)
         where: list[tuple[int, int, int]] = [(0, 0, 0)] * len(members)     # (group, lo, hi) per member
         for g, kind in enumerate(order):
             group = [i for i, k in enumerate(kinds) if k == kind]
@@ -130,7 +131,9 @@ class FusedProjections:
                 where[i] = (g, lo, lo + size)
                 lo += size
             self.groups.append(_merge([members[i] for i in group]) if len(group) > 1 else members[group[0]])
-            merged_float = merged_float or (len(group) > 1 and kind[0] == "float")
+            if len(group) > 1 and kind[0] == "float":
+                merged_float = True
+                max_rows = min(max_rows, fused_gemm_max_rows(self.groups[-1].weight))
         self.chunks: list[tuple[int, int, int] | list[tuple[int, int, int]]] = []
         start = 0
         for n in chunks:
@@ -144,8 +147,7 @@ class FusedProjections:
         self._float = [isinstance(g, Linear) for g in self.groups]
         self._member_list, self._chunk_sizes = list(members), list(chunks)
         self._merged_float = merged_float
-        self._max_rows = min((fused_gemm_max_rows(g.weight) for g in self.groups
-                              if isinstance(g, nn.Linear) and g not in members), default=FUSED_GEMM_MAX_ROWS)
+        self._max_rows = max_rows
         # One GEMM whose chunks tile its columns in order: one `split` makes every chunk's view.
         tiles = len(self.groups) == 1 and all(isinstance(c, tuple) for c in self.chunks) and all(
             a[2] == b[1] for a, b in zip(self.chunks, self.chunks[1:], strict=False)) and self.chunks[0][1] == 0
