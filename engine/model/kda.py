@@ -12,10 +12,12 @@ from engine.model.fused import fuse_linears, project
 from engine.model.gemm import Linear
 from engine.model.kda_ops import (
     causal_conv_step,
+    causal_conv_steps,
     causal_conv_with_state,
     kda_chunked,
     kda_gate,
     kda_recurrent,
+    kda_recurrent_states,
     kda_recurrent_step_,
 )
 from engine.model.layers import NormWeight, cast, inference_cached, l2norm, rms_norm, upcast
@@ -169,10 +171,10 @@ class KimiDeltaAttention(nn.Module):
         return o[:, 0]
 
     def _verify_steps(self, idx: list[int], qkv, g, beta, conv_w, batch: ForwardBatch, out) -> None:
-        """Speculative verification, vectorised over the verifying slices of equal length: the conv runs
-        token by token through `causal_conv_step` and the recurrence through `kda_recurrent`, exactly the
-        per-token arithmetic of plain decoding; the state after each token but the last is kept in the
-        slice's per-position slot, the last becomes the working state."""
+        """Speculative verification, vectorised over the verifying slices of equal length: plain
+        decoding's per-token conv and recurrence arithmetic, bit for bit (`causal_conv_steps`,
+        `kda_recurrent_states`), with the state after each token but the last kept in the slice's
+        per-position slot and the last as the working state."""
         by_len: dict[int, list[int]] = {}
         for i in idx:
             by_len.setdefault(batch.slices[i].num_new_tokens, []).append(i)
@@ -182,21 +184,17 @@ class KimiDeltaAttention(nn.Module):
             starts = torch.tensor([batch.token_offsets[i] for i in group], device=qkv.device)
             rows = starts[:, None] + torch.arange(t_len, device=qkv.device)                # [B, T]
             slots = torch.tensor([batch.slices[i].kda_slot for i in group], device=qkv.device)
-            conv = conv_store[slots]
-            mixed, conv_states = [], []
-            for t in range(t_len):
-                m, conv = causal_conv_step(qkv[rows[:, t]], conv_w, conv)
-                mixed.append(m)
-                conv_states.append(conv)
-            q, k, v = self._split_qkv(torch.stack(mixed, dim=1))                           # [B, T, H, K]
-            rec_states: list[torch.Tensor] = []
-            o, _ = kda_recurrent(q, k, v, g[rows], beta[rows], rec_store[slots], self.head_dim ** -0.5, rec_states)
+            mixed, conv_states = causal_conv_steps(qkv[rows], conv_w, conv_store[slots])   # [B, T, W-1, C]
+            q, k, v = self._split_qkv(mixed)                                               # [B, T, H, K]
+            o, rec_states = kda_recurrent_states(q, k, v, g[rows], beta[rows], rec_store[slots],
+                                                 self.head_dim ** -0.5)                    # [T, B, H, K, V]
             out[rows.reshape(-1)] = o.reshape(-1, *o.shape[2:])
-            conv_store[slots], rec_store[slots] = conv_states[-1], rec_states[-1]
+            conv_store[slots], rec_store[slots] = conv_states[:, -1], rec_states[-1]
             spec = torch.tensor([batch.slices[i].spec_slots for i in group], device=qkv.device)   # [B, T-1]
             if spec.numel():
-                conv_store[spec.t().reshape(-1)] = torch.stack(conv_states[:-1]).reshape(-1, *conv.shape[1:])
-                rec_store[spec.t().reshape(-1)] = torch.stack(rec_states[:-1]).reshape(-1, *rec_states[0].shape[1:])
+                positions = conv_states[:, :-1].transpose(0, 1)                          # [T-1, B, W-1, C]
+                conv_store[spec.t().reshape(-1)] = positions.reshape(-1, *conv_states.shape[2:])
+                rec_store[spec.t().reshape(-1)] = rec_states[:-1].reshape(-1, *rec_states.shape[2:])
 
     def _sequence(self, s: SequenceSlice, start: int, qkv, g, beta, conv_w,
                   cache: HybridCacheTensors, out) -> None:

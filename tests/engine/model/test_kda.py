@@ -4,7 +4,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model.kda_ops import causal_conv_step, causal_conv_with_state, kda_chunked, kda_gate, kda_recurrent
+from engine.model.kda_ops import (
+    causal_conv_step,
+    causal_conv_steps,
+    causal_conv_with_state,
+    kda_chunked,
+    kda_gate,
+    kda_recurrent,
+    kda_recurrent_states,
+)
 from engine.model.layers import l2norm
 from tests.engine.oracles import fla_attnres_naive, fla_gate_functions, fla_kda_naive, kda_float64_loop
 
@@ -97,6 +105,39 @@ def test_conv_state_carries_and_step_matches():
         rest.append(y)
     torch.testing.assert_close(torch.cat([first, *rest]), whole)
     torch.testing.assert_close(state, whole_state)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_verification_forms_equal_token_by_token_decoding_bitwise(dtype, batch):
+    """Speculative verification runs T tokens at once (causal_conv_steps, kda_recurrent_states); every
+    output and every per-position state must be bit for bit what T one-token decode steps compute,
+    so a rolled-back request continues exactly as if it had decoded plainly."""
+    gen = torch.Generator().manual_seed(11 + batch)
+    t_len, c, w = 5, 3 * H * K, 4
+    x, weight = torch.randn(batch, t_len, c, generator=gen, dtype=dtype), torch.randn(c, w, generator=gen, dtype=dtype)
+    conv0 = torch.randn(batch, w - 1, c, generator=gen, dtype=dtype)
+    ys, conv_states, conv = [], [], conv0
+    for t in range(t_len):
+        y, conv = causal_conv_step(x[:, t], weight, conv)
+        ys.append(y)
+        conv_states.append(conv)
+    y_all, conv_all = causal_conv_steps(x, weight, conv0)
+    assert torch.equal(y_all, torch.stack(ys, dim=1)) and torch.equal(conv_all, torch.stack(conv_states, dim=1))
+
+    def rand(*shape):
+        return torch.randn(batch, t_len, *shape, generator=gen, dtype=dtype)
+    q, k = l2norm(rand(H, K)), l2norm(rand(H, K))
+    v, g, beta = rand(H, K), -5.0 * torch.sigmoid(rand(H, K)), torch.sigmoid(rand(H))
+    s0 = torch.randn(batch, H, K, K, generator=gen, dtype=dtype)
+    o_steps, states, s = [], [], s0
+    for t in range(t_len):                       # one token at a time, as plain decoding runs them
+        o, s = kda_recurrent(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1], beta[:, t:t + 1], s, SCALE)
+        o_steps.append(o[:, 0])
+        states.append(s)
+    o_all, states_all = kda_recurrent_states(q, k, v, g, beta, s0, SCALE)
+    assert torch.equal(o_all, torch.stack(o_steps, dim=1))
+    assert torch.equal(states_all, torch.stack(states))
 
 
 def test_attnres_matches_fla_naive():
