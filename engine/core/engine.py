@@ -33,7 +33,7 @@ from engine.model.kimi_k3 import ModelOptions
 from engine.parallel.dp_config import DataParallelSettings
 from engine.sampler import SamplingState, sample
 from engine.spec_decode.config import AnyDraftConfig, SpeculativeConfig, read_draft_config
-from engine.spec_decode.proposer import DSparkProposer
+from engine.spec_decode.proposer import ContextRows, DSparkProposer
 from engine.spec_decode.stats import SpecDecodeStats
 from engine.spec_decode.step import SpecDecodeStep
 from engine.spec_decode.verify import VerifyResult
@@ -101,7 +101,24 @@ class StepBatch:
     sampling: list[Request] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)
     verified: list[tuple[Request, VerifyResult]] = field(default_factory=list)
-    context: list[tuple[list[int], int, torch.Tensor]] = field(default_factory=list)
+    context: ContextRows | None = None
+
+
+def _context_rows(kept: list[tuple[list[int], int, int, int]], features: torch.Tensor, block_size: int) -> ContextRows:
+    """The draft context of a step's kept tokens: (blocks, first position, first feature row, rows) per
+    request. When the kept rows are all of `features` in order (a decode step without verification)
+    the tensor is taken as it is: no slice or copy per request."""
+    slots, positions = [], []
+    for blocks, pos, _, n in kept:
+        for p in range(pos, pos + n):
+            slots.append(blocks[p // block_size] * block_size + p % block_size)
+            positions.append(p)
+    whole, row = True, 0
+    for _, _, offset, n in kept:
+        whole, row = whole and offset == row, row + n
+    if whole and row == features.shape[0]:
+        return ContextRows(slots, positions, features)
+    return ContextRows(slots, positions, torch.cat([features[offset: offset + n] for _, _, offset, n in kept]))
 
 
 class LLMEngine:
@@ -361,6 +378,7 @@ class LLMEngine:
         for index, (start, chunk_logits) in result.prompt_logits.items():
             record_prompt_logprobs(out.seqs[index].req, start, chunk_logits)
         batch, row = StepBatch(), 0
+        kept: list[tuple[list[int], int, int, int]] = []         # (blocks, first position, feature row, rows)
         for s, offset in zip(out.seqs, result.token_offsets, strict=False):
             req = s.req
             req.first_scheduled_time = req.first_scheduled_time or time.monotonic()
@@ -378,8 +396,10 @@ class LLMEngine:
                     batch.sampling.append(req)
                     batch.sample_rows.append(row)
                     row += 1
-            if result.features is not None:
-                batch.context.append((req.blocks, s.num_computed_before, result.features[offset: offset + consumed]))
+            if result.features is not None and consumed:
+                kept.append((req.blocks, s.num_computed_before, offset, consumed))
+        if result.features is not None and kept:
+            batch.context = _context_rows(kept, result.features, self.config.block_size)
         return batch
 
     def _finish_scored_only(self, batch: StepBatch) -> list[RequestOutput]:

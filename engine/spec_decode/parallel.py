@@ -25,7 +25,7 @@ from engine.parallel.comm import TPGroup
 from engine.parallel.layers import RowParallelLinear, shard_in, shard_out
 from engine.spec_decode.config import SpecConfigError, SpeculativeConfig, read_draft_config
 from engine.spec_decode.draft_model import DraftLayer, DSparkDraftModel
-from engine.spec_decode.proposer import DraftBlock, DraftRequest, DSparkProposer
+from engine.spec_decode.proposer import ContextRows, DraftBlock, DraftRequest, DSparkProposer
 
 
 def check_before_ranks(config: Any) -> None:
@@ -75,11 +75,10 @@ class TPProposer(DSparkProposer):
         """What the other ranks need to build their share (sent once, after the runner exists)."""
         return ("draft_setup", self.spec, self.num_blocks, self.block_size)
 
-    def write_context(self, items: list[tuple[list[int], int, torch.Tensor]]) -> None:
-        items = [(blocks, pos, f.cpu()) for blocks, pos, f in items if f.shape[0]]
-        if items:
-            self.group.broadcast(("draft_context", items))
-            super().write_context(items)
+    def write_rows(self, rows: ContextRows) -> None:
+        rows = ContextRows(rows.slots, rows.positions, rows.features.cpu())
+        self.group.broadcast(("draft_context", rows))
+        super().write_rows(rows)
 
     def propose(self, reqs: list[DraftRequest]) -> list[DraftBlock]:
         if reqs:
@@ -94,7 +93,8 @@ def apply_draft_command(runner: Any, kind: str, args: tuple) -> None:
         runner.proposer = DSparkProposer(spec, runner.model, num_blocks, block_size, runner.dtype, runner.device)
         shard_draft(runner.proposer.model, runner.group)
     elif kind == "draft_context":
-        runner.proposer.write_context([(b, p, f.to(runner.device)) for b, p, f in args[0]])
+        rows = args[0]
+        runner.proposer.write_rows(ContextRows(rows.slots, rows.positions, rows.features.to(runner.device)))
     elif kind == "draft_propose":
         runner.proposer.block_logits(args[0])
     else:

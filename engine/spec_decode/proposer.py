@@ -8,9 +8,11 @@ one forward that needs them, so nothing past the verified length is ever stored.
 
 Context writes are deferred and applied in order, in one batched projection, before anything reads the
 pages (a draft forward, an export, an import) or once `FLUSH_TOKENS` have queued: while speculation is
-off (adaptive K = 0) the per-step write would otherwise cost a few percent of a plain step. In-order
-application leaves the pages exactly as immediate writes would, even when a block is freed and reused
-in between (its new owner's rows are queued after the stale ones).
+off (adaptive K = 0) the per-step write would otherwise cost a few percent of a plain step. An engine
+step queues its rows as one `ContextRows` (its features tensor as the forward returned it, when every
+row is kept), so an off step costs a list of slots and no tensor operation. In-order application
+leaves the pages exactly as immediate writes would, even when a block is freed and reused in between
+(its new owner's rows are queued after the stale ones).
 """
 from __future__ import annotations
 
@@ -37,6 +39,26 @@ class DraftRequest:
     num_drafts: int                   # <= num_speculative_tokens; the block is the batch's largest
     temperature: float                # 0: greedy
     seed: int
+
+
+@dataclass(frozen=True)
+class ContextRows:
+    """Verified tokens whose draft context is to be written: cache slot and position of each feature row."""
+
+    slots: list[int]                  # by the block tables as they were when the rows were verified
+    positions: list[int]
+    features: torch.Tensor            # [len(slots), target_hidden * L]
+
+    @classmethod
+    def of(cls, items: list[tuple[list[int], int, torch.Tensor]], block_size: int) -> ContextRows | None:
+        """(blocks, first position, features) per request -> one ContextRows (None when no row)."""
+        items = [it for it in items if it[2].shape[0]]
+        if not items:
+            return None
+        slots = [blocks[p // block_size] * block_size + p % block_size
+                 for blocks, pos, f in items for p in range(pos, pos + f.shape[0])]
+        positions = [p for _, pos, f in items for p in range(pos, pos + f.shape[0])]
+        return cls(slots, positions, items[0][2] if len(items) == 1 else torch.cat([f for _, _, f in items]))
 
 
 @dataclass
@@ -66,7 +88,7 @@ class DSparkProposer:
         self.head_dtype = getattr(lm.lm_head, "inner", lm.lm_head).weight.dtype   # a TP head wraps its shard
         self.pages = {j: torch.zeros(num_blocks, block_size, self.cfg.cache_dim, dtype=dtype, device=device)
                       for j in range(self.cfg.num_hidden_layers)}
-        self._queued: list[tuple[list[int], int, torch.Tensor]] = []     # (cache slots, first position, features)
+        self._queued: list[ContextRows] = []
         self._queued_tokens = 0
 
     @property
@@ -85,28 +107,29 @@ class DSparkProposer:
     # ---- context ---------------------------------------------------------------------------
     def write_context(self, items: list[tuple[list[int], int, torch.Tensor]]) -> None:
         """items: (blocks, first position, features [t, target_hidden*L]) of verified tokens; queued (module doc)."""
-        bs = self.block_size
-        for blocks, pos, feats in items:
-            if n := feats.shape[0]:                                   # slots by the block table as it is now
-                slots = [blocks[p // bs] * bs + p % bs for p in range(pos, pos + n)]
-                self._queued.append((slots, pos, feats))
-                self._queued_tokens += n
+        if (rows := ContextRows.of(items, self.block_size)) is not None:
+            self.write_rows(rows)
+
+    def write_rows(self, rows: ContextRows) -> None:
+        """Queue one step's verified rows (module doc); written at the next read or past FLUSH_TOKENS."""
+        self._queued.append(rows)
+        self._queued_tokens += len(rows.slots)
         if self._queued_tokens >= FLUSH_TOKENS:
             self.flush()
 
     def flush(self) -> None:
         """Write every queued context row (before anything reads or overwrites the pages)."""
-        items, self._queued, self._queued_tokens = self._queued, [], 0
-        if items:
-            self._write_context(items)
+        queued, self._queued, self._queued_tokens = self._queued, [], 0
+        if queued:
+            self._write_context(queued)
 
     @torch.inference_mode()
-    def _write_context(self, items: list[tuple[list[int], int, torch.Tensor]]) -> None:
-        feats = torch.cat([f for _, _, f in items])
-        positions = torch.tensor([p for _, lo, f in items for p in range(lo, lo + f.shape[0])], device=self.device)
-        rows = self.model.context_kv(feats, positions)                       # [layers, T, dim]
-        index = torch.tensor([slot for slots, _, _ in items for slot in slots], device=self.device)
-        if len(items) > 1 and index.unique().numel() < index.numel():      # a slot written twice: the last wins
+    def _write_context(self, queued: list[ContextRows]) -> None:
+        feats = queued[0].features if len(queued) == 1 else torch.cat([q.features for q in queued])
+        positions = torch.tensor([p for q in queued for p in q.positions], device=self.device)
+        rows = self.model.context_kv(feats.to(self.device), positions)     # [layers, T, dim]
+        index = torch.tensor([slot for q in queued for slot in q.slots], device=self.device)
+        if len(queued) > 1 and index.unique().numel() < index.numel():    # a slot written twice: the last wins
             order = torch.arange(index.numel(), device=index.device)
             last = torch.full((int(index.max()) + 1,), -1, dtype=torch.long, device=index.device)
             keep = last.scatter_reduce(0, index, order, "amax")[index] == order

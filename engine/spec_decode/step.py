@@ -19,7 +19,7 @@ from engine.core.request import Request, RequestStatus
 from engine.sampler import SamplingState
 from engine.spec_decode.adaptive import AcceptanceTracker, CostCorrection, StepCosts, choose_drafts
 from engine.spec_decode.config import SpeculativeConfig
-from engine.spec_decode.proposer import DraftRequest, DSparkProposer
+from engine.spec_decode.proposer import ContextRows, DraftRequest, DSparkProposer
 from engine.spec_decode.stats import SpecDecodeStats
 from engine.spec_decode.verify import VerifyResult, verify
 
@@ -62,9 +62,10 @@ class SpecDecodeStep:
         self.cache.trim(req, req.num_computed_tokens)
         return checked
 
-    def write_context(self, context: list[tuple[list[int], int, torch.Tensor]]) -> None:
+    def write_context(self, context: ContextRows | None) -> None:
         """Draft context rows of the tokens verified this step (before commit publishes or frees blocks)."""
-        self.proposer.write_context(context)
+        if context is not None:
+            self.proposer.write_rows(context)
 
     def propose(self, candidates: list[Request], verify_s: float | None, step_started: float | None = None) -> None:
         """Draft the next block of every request that speculates now; record draft and verify times.
@@ -205,11 +206,12 @@ class SpecDecodeStep:
 
         Bounded by its remaining output (a verify step emits up to drafts+1 tokens), the context
         length, and the draft's `max_model_len` (longer sequences decode without speculation)."""
+        num_tokens = req.num_tokens
         if not req.draft_context_ready or req.status != RequestStatus.RUNNING \
-                or req.num_tokens != req.num_computed_tokens + 1:
+                or num_tokens != req.num_computed_tokens + 1:
             return 0
         n = self.spec.num_speculative_tokens
         assert n is not None and self.spec.max_model_len is not None      # resolved at engine start
-        if req.num_tokens + n > self.spec.max_model_len:
+        if num_tokens + n > self.spec.max_model_len:
             return 0
-        return max(0, min(n, req.max_tokens - len(req.output_token_ids) - 1, self.max_model_len - req.num_tokens))
+        return max(0, min(n, req.max_tokens - len(req.output_token_ids) - 1, self.max_model_len - num_tokens))

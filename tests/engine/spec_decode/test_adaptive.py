@@ -335,3 +335,19 @@ def test_queued_context_rows_land_as_immediate_writes_would(tiny_dir, draft7):
         torch.testing.assert_close(queued[j], again[j], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(queued[j], immediate[j], rtol=1e-5, atol=1e-5)
     assert not torch.allclose(queued[0], proposer.model.context_kv(first, torch.arange(3))[0].to(queued[0].dtype))
+
+
+def test_step_context_rows_keep_the_features_tensor_when_every_row_is_kept():
+    """A decode step's kept rows are all of the forward's features, in order: queued as that tensor
+    (no per-request slices or copy); a verify step keeps some rows of each request: those, in order.
+    Slots follow each request's block table (block_size 4 here)."""
+    import torch
+
+    from engine.core.engine import _context_rows
+    features = torch.arange(12.0).view(6, 2)
+    whole = _context_rows([([7], 2, 0, 1), ([3, 9], 5, 1, 1), ([1], 0, 2, 4)], features, 4)
+    assert whole.features is features
+    assert whole.slots == [7 * 4 + 2, 9 * 4 + 1, 4, 5, 6, 7] and whole.positions == [2, 5, 0, 1, 2, 3]
+    verified = _context_rows([([2, 8], 3, 0, 2), ([6], 1, 3, 1)], features, 4)  # rows 0-1 and 3 kept of 6
+    assert torch.equal(verified.features, features[[0, 1, 3]])
+    assert verified.slots == [2 * 4 + 3, 8 * 4 + 0, 6 * 4 + 1] and verified.positions == [3, 4, 1]
