@@ -104,23 +104,6 @@ class StepBatch:
     context: ContextRows | None = None
 
 
-def _context_rows(kept: list[tuple[list[int], int, int, int]], features: torch.Tensor, block_size: int) -> ContextRows:
-    """The draft context of a step's kept tokens: (blocks, first position, first feature row, rows) per
-    request. When the kept rows are all of `features` in order (a decode step without verification)
-    the tensor is taken as it is: no slice or copy per request."""
-    slots, positions = [], []
-    for blocks, pos, _, n in kept:
-        for p in range(pos, pos + n):
-            slots.append(blocks[p // block_size] * block_size + p % block_size)
-            positions.append(p)
-    whole, row = True, 0
-    for _, _, offset, n in kept:
-        whole, row = whole and offset == row, row + n
-    if whole and row == features.shape[0]:
-        return ContextRows(slots, positions, features)
-    return ContextRows(slots, positions, torch.cat([features[offset: offset + n] for _, _, offset, n in kept]))
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, parallel=None) -> None:    # parallel: a DP rank's handle (dp_rank.py)
         config.validate()
@@ -299,7 +282,7 @@ class LLMEngine:
             # the prefill worker drew this token's noise from the same seed: skip that draw, so a
             # seeded request samples the same tokens disaggregated as on one engine
             torch.empty(self.model.config.text_config.vocab_size).exponential_(generator=req.generator)
-        return self._append_token(req, state.first_token_id, state.first_logprob, state.first_top_logprobs)
+        return self._append_tokens(req, [state.first_token_id], [state.first_logprob], [state.first_top_logprobs])
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request wherever it is and free what it holds. Unknown ids return None."""
@@ -399,7 +382,7 @@ class LLMEngine:
             if result.features is not None and consumed:
                 kept.append((req.blocks, s.num_computed_before, offset, consumed))
         if result.features is not None and kept:
-            batch.context = _context_rows(kept, result.features, self.config.block_size)
+            batch.context = ContextRows.of_step(kept, result.features, self.config.block_size)
         return batch
 
     def _finish_scored_only(self, batch: StepBatch) -> list[RequestOutput]:
@@ -430,9 +413,6 @@ class LLMEngine:
                 zip(batch.sampling, sampled.token_ids, sampled.logprobs, sampled.top_logprobs, strict=False)]
 
     # ---- outputs ----------------------------------------------------------------------------------
-    def _append_token(self, req: Request, token: int, logprob: float, top) -> RequestOutput:
-        return self._append_tokens(req, [token], [logprob], [top])
-
     def _append_tokens(self, req: Request, tokens: list[int], logprobs: list[float], tops: list) -> RequestOutput:
         """Append tokens in order until one stops the request; one output for all of them."""
         new_text, added = "", []

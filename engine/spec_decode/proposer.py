@@ -60,6 +60,23 @@ class ContextRows:
         positions = [p for _, pos, f in items for p in range(pos, pos + f.shape[0])]
         return cls(slots, positions, items[0][2] if len(items) == 1 else torch.cat([f for _, _, f in items]))
 
+    @classmethod
+    def of_step(cls, kept: list[tuple[list[int], int, int, int]], features: torch.Tensor,
+                block_size: int) -> ContextRows:
+        """An engine step's kept tokens: (blocks, first position, first feature row, rows) per request.
+        When they are all of `features` in order (a decode step without verification) the tensor is
+        taken as it is: no slice or copy per request."""
+        slots: list[int] = []
+        positions: list[int] = []
+        whole, row = True, 0
+        for blocks, pos, offset, n in kept:
+            slots += [blocks[p // block_size] * block_size + p % block_size for p in range(pos, pos + n)]
+            positions += range(pos, pos + n)
+            whole, row = whole and offset == row, row + n
+        if whole and row == features.shape[0]:
+            return cls(slots, positions, features)
+        return cls(slots, positions, torch.cat([features[offset: offset + n] for _, _, offset, n in kept]))
+
 
 @dataclass
 class DraftBlock:
