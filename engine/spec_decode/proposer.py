@@ -16,6 +16,7 @@ leaves the pages exactly as immediate writes would, even when a block is freed a
 """
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 
@@ -55,10 +56,10 @@ class ContextRows:
         items = [it for it in items if it[2].shape[0]]
         if not items:
             return None
-        slots = [blocks[p // block_size] * block_size + p % block_size
-                 for blocks, pos, f in items for p in range(pos, pos + f.shape[0])]
-        positions = [p for _, pos, f in items for p in range(pos, pos + f.shape[0])]
-        return cls(slots, positions, items[0][2] if len(items) == 1 else torch.cat([f for _, _, f in items]))
+        features = items[0][2] if len(items) == 1 else torch.cat([f for _, _, f in items])
+        starts = itertools.accumulate((f.shape[0] for _, _, f in items), initial=0)
+        return cls.of_step([(b, pos, start, f.shape[0]) for (b, pos, f), start in zip(items, starts, strict=False)],
+                           features, block_size)
 
     @classmethod
     def of_step(cls, kept: list[tuple[list[int], int, int, int]], features: torch.Tensor,

@@ -351,3 +351,7 @@ def test_step_context_rows_keep_the_features_tensor_when_every_row_is_kept():
     verified = ContextRows.of_step([([2, 8], 3, 0, 2), ([6], 1, 3, 1)], features, 4)  # rows 0-1 and 3 kept of 6
     assert torch.equal(verified.features, features[[0, 1, 3]])
     assert verified.slots == [2 * 4 + 3, 8 * 4 + 0, 6 * 4 + 1] and verified.positions == [3, 4, 1]
+    items = ContextRows.of([([2, 8], 3, features[0:2]), ([5], 0, features[:0]), ([6], 1, features[3:4])], 4)
+    assert items is not None and torch.equal(items.features, verified.features)       # the per-request form
+    assert (items.slots, items.positions) == (verified.slots, verified.positions)
+    assert ContextRows.of([([5], 0, features[:0])], 4) is None
