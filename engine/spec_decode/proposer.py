@@ -145,7 +145,7 @@ class DSparkProposer:
     def _write_context(self, queued: list[ContextRows]) -> None:
         feats = queued[0].features if len(queued) == 1 else torch.cat([q.features for q in queued])
         positions = torch.tensor([p for q in queued for p in q.positions], device=self.device)
-        rows = self.model.context_kv(feats.to(self.device), positions)     # [layers, T, dim]
+        rows = self.model.context_kv(feats, positions)                      # [layers, T, dim]
         index = torch.tensor([slot for q in queued for slot in q.slots], device=self.device)
         if len(queued) > 1 and index.unique().numel() < index.numel():    # a slot written twice: the last wins
             order = torch.arange(index.numel(), device=index.device)
