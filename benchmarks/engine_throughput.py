@@ -39,6 +39,7 @@ VARIANTS: dict[str, dict[str, str | None]] = {
     # libgomp's own waits (spin, then sleep), every forward on all threads
     "spin": {"KIMI_PD_OPENMP_DEFAULTS": "0", "OMP_WAIT_POLICY": None, "KIMI_PD_ONE_THREAD_BELOW_TOKENS": "0"},
     "one-thread": {"OMP_NUM_THREADS": "1"},
+    "row-major": {"KIMI_PD_CPU_GEMM": "onednn"},                       # oneDNN on the weights as stored, unpacked
 }
 COMPETITOR_TIMEOUT_S = 120.0     # a competitor kills itself after this, even if we die first
 

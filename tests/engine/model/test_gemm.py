@@ -1,6 +1,7 @@
 """engine/model/gemm.py: the CPU linears on oneDNN agree with aten's, and fall back where they must."""
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from engine.model import gemm
 from engine.model.gemm import Linear, linear
 
 ROOT = Path(__file__).resolve().parents[3]
-ONEDNN = gemm.BACKEND == "onednn"
+ONEDNN = gemm.BACKEND != "aten"
 
 
 BIG = gemm.ONEDNN_MIN_WEIGHT_ELEMENTS // 256          # rows of a [BIG, 256] weight: just on oneDNN
@@ -80,15 +81,59 @@ def test_float32_inference_runs_on_onednn(monkeypatch):
         assert len(calls) == 1
 
 
+PACKED = gemm.BACKEND == "onednn-packed"
+
+
+@pytest.mark.skipif(not PACKED, reason="float linears do not run on packed oneDNN weights here")
+def test_packed_weights_give_the_row_major_product_and_a_row_alone_its_row_in_a_batch():
+    gen = torch.Generator().manual_seed(1)
+    w, x = torch.randn(2 * BIG, 256, generator=gen), torch.randn(16, 256, generator=gen)
+    row_major = torch.ops.mkldnn._linear_pointwise
+    with torch.inference_mode():
+        batch = linear(x, w)
+        for rows in (2, 3, 8, 16):                          # bitwise the product on the weight as stored
+            assert torch.equal(linear(x[:rows], w), row_major(x[:rows], w, None, "none", [], ""))
+        for i in (0, 5, 15):                                 # batch-invariant: one row alone == its row
+            assert torch.equal(linear(x[i:i + 1], w), batch[i:i + 1])
+
+
+@pytest.mark.skipif(not PACKED, reason="float linears do not run on packed oneDNN weights here")
+def test_a_weight_is_packed_once_repacked_when_written_and_forgotten_when_freed(monkeypatch):
+    packs: list[tuple] = []
+    real = torch.ops.mkldnn._reorder_linear_weight
+
+    def spy(*args):
+        packs.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", spy)
+    layer = Linear(256, BIG)
+    x = torch.randn(3, 256)
+    with torch.no_grad():
+        for _ in range(3):
+            before = layer(x)
+        assert len(packs) == 1
+        layer.weight.mul_(2.0)                              # an in-place load bumps the version: repack
+        after = layer(x)
+    assert len(packs) == 2
+    torch.testing.assert_close(after, F.linear(x, layer.weight.detach(), layer.bias.detach()), rtol=1e-5, atol=1e-4)
+    assert not torch.allclose(after, before)
+    held = len(gemm._PACKED)
+    del layer
+    gc.collect()
+    assert len(gemm._PACKED) == held - 1
+
+
 def _backend_in_child(value: str) -> subprocess.CompletedProcess:
     env = {**os.environ, gemm.BACKEND_ENV: value, "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "-c", "from engine.model import gemm; print(gemm.BACKEND)"],
                           env=env, capture_output=True, text=True, timeout=120)
 
 
-def test_the_operator_can_keep_aten():
-    done = _backend_in_child("aten")
-    assert done.returncode == 0 and done.stdout.strip() == "aten"
+@pytest.mark.parametrize("value", ["aten", "onednn"] + (["onednn-packed"] if ONEDNN else []))
+def test_the_operator_chooses_the_backend(value):
+    done = _backend_in_child(value)
+    assert done.returncode == 0 and done.stdout.strip() == value
 
 
 def test_an_unknown_backend_stops_start_up():
