@@ -7,8 +7,11 @@ Protocol: one JSON object a line each way; `{"op": "quit"}` ends it.
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from engine.core.cache_manager import bytes_per_slot
@@ -40,8 +43,9 @@ def measure_bandwidth(max_threads: int, nbytes: int = 256 << 20, repeats: int = 
     return 2 * nbytes / min(times)
 
 
-def weight_bytes_per_step(engine: LLMEngine, batch: int) -> int:
-    """Dense weights + routed experts the batch can touch (at most batch * top_k per MoE layer)."""
+def weight_bytes_per_step(engine: LLMEngine, batch: int, experts_per_layer: float | None = None) -> int:
+    """Dense weights + the routed experts a step reads per MoE layer: `experts_per_layer` (as routed,
+    from `routed_experts`) or, when not given, the most the batch can touch (batch * top_k, at most all)."""
     cfg, model = engine.model.config.text_config, engine.model.language_model
     expert_bytes, dense = 0, 0
     for name, p in model.named_parameters():
@@ -52,8 +56,30 @@ def weight_bytes_per_step(engine: LLMEngine, batch: int) -> int:
             dense += n
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     per_expert = expert_bytes / max(1, cfg.num_experts * moe_layers)
-    touched = min(cfg.num_experts, batch * cfg.num_experts_per_token)
+    touched = (min(cfg.num_experts, batch * cfg.num_experts_per_token) if experts_per_layer is None
+               else experts_per_layer)
     return int(dense + per_expert * touched * moe_layers)
+
+
+@contextmanager
+def routed_experts(rows: int) -> Iterator[list[int]]:
+    """Distinct routed experts of each MoE layer call on `rows` tokens, counted after the block (the
+    calls only keep a reference to their expert ids, so the timed steps pay next to nothing)."""
+    from engine.model.moe import LatentMoE
+    seen: list[Any] = []
+    counts: list[int] = []
+    real = LatentMoE._routed_dispatch
+
+    def recording(self, h, weights, ids):
+        seen.append(ids)
+        return real(self, h, weights, ids)
+
+    LatentMoE._routed_dispatch = recording          # type: ignore[method-assign]
+    try:
+        yield counts
+    finally:
+        LatentMoE._routed_dispatch = real          # type: ignore[method-assign]
+        counts.extend(len(set(ids.reshape(-1).tolist())) for ids in seen if ids.shape[0] == rows)
 
 
 def state_bytes_per_step(engine: LLMEngine, batch: int, context: int) -> int:
@@ -68,6 +94,13 @@ def decode(engine: LLMEngine, req: dict[str, Any]) -> float:
     """Median decode step seconds with `batch` sequences of `prompt_tokens` running."""
     prompts = [[(7 * i + j) % 1000 for j in range(req["prompt_tokens"])] for i in range(req["batch"])]
     return measured_decode_step(engine, prompts, req["steps"])
+
+
+def decode_answer(engine: LLMEngine, req: dict[str, Any]) -> dict[str, Any]:
+    """The median step and the routed experts its MoE layers read (mean distinct per layer and step)."""
+    with routed_experts(req["batch"]) as counts:
+        step = decode(engine, req)
+    return {"step_s": step, "experts_per_layer": statistics.fmean(counts) if counts else None}
 
 
 def ttft(engine: LLMEngine, prompt_tokens: int) -> dict[str, Any]:
@@ -88,11 +121,11 @@ def ttft(engine: LLMEngine, prompt_tokens: int) -> dict[str, Any]:
 def answer(engine: LLMEngine, req: dict[str, Any], tp: int) -> dict[str, Any]:
     op = req["op"]
     if op == "decode":
-        return {"step_s": decode(engine, req)}
+        return decode_answer(engine, req)
     if op == "bandwidth":
         return {"bytes_per_s": measure_bandwidth(process_threads())}
     if op == "bytes":      # TP: every rank reads its own 1/N of the sharded weights, so N x rank 0's
-        return {"bytes": weight_bytes_per_step(engine, req["batch"]) * tp
+        return {"bytes": weight_bytes_per_step(engine, req["batch"], req.get("experts_per_layer")) * tp
                 + state_bytes_per_step(engine, req["batch"], req["prompt_tokens"])}
     if op == "ttft":
         return ttft(engine, req["prompt_tokens"])

@@ -122,6 +122,8 @@ def measure(children: list[Child], args: argparse.Namespace, raw: dict[str, Any]
                     for b in args.batch_sizes:
                         r = child.ask(op="decode", batch=b, steps=args.steps, prompt_tokens=args.prompt_tokens)
                         raw["steps"].setdefault((child.name, n, b), []).append(r["step_s"])
+                        if r.get("experts_per_layer") is not None:
+                            raw["experts"].setdefault((child.name, b), []).append(r["experts_per_layer"])
     return args.rounds
 
 
@@ -135,17 +137,25 @@ def rows(children: list[Child], raw: dict[str, Any], args: argparse.Namespace) -
     for child in children:
         quiet_bw = host_bw[0] if 0 in args.competitors else None
         for b in args.batch_sizes:
-            moved = child.ask(op="bytes", batch=b, prompt_tokens=args.prompt_tokens)["bytes"]
+            # bytes as routed: the experts the measured steps' MoE layers chose (mean distinct per layer);
+            # `bound` counts every expert the batch could touch (batch x top_k): what runs before 3 Dec
+            # 2026 reported, an overcount once the batch's tokens share experts
+            experts = raw["experts"].get((child.name, b))
+            routed = statistics.fmean(experts) if experts else None
+            moved = child.ask(op="bytes", batch=b, prompt_tokens=args.prompt_tokens, experts_per_layer=routed)["bytes"]
+            bound = child.ask(op="bytes", batch=b, prompt_tokens=args.prompt_tokens)["bytes"]
             quiet_step = statistics.median(raw["steps"][(child.name, 0, b)]) if quiet_bw else None
             for n in args.competitors:
                 step = statistics.median(raw["steps"][(child.name, n, b)])
                 bw = host_bw[n]
                 row = {"variant": child.name, "competitors": n, "batch": b, "decode_step_ms": step * 1e3,
                        "step_ms_rounds": [s * 1e3 for s in raw["steps"][(child.name, n, b)]],
-                       "output_tokens_per_s": b / step, "bytes_per_step": moved,
-                       "bandwidth_bytes_per_s": bw, "roofline_fraction": moved / step / bw}
+                       "output_tokens_per_s": b / step, "bytes_per_step": moved, "experts_per_moe_layer": routed,
+                       "bytes_per_step_bound": bound, "bandwidth_bytes_per_s": bw,
+                       "roofline_fraction": moved / step / bw, "roofline_fraction_bound": bound / step / bw}
                 if quiet_bw and quiet_step:   # against the host's quiet roofline: a competitor moves no bytes
                     row["roofline_fraction_of_quiet_bandwidth"] = moved / step / quiet_bw
+                    row["roofline_fraction_bound_of_quiet_bandwidth"] = bound / step / quiet_bw
                     row["kept_of_quiet"] = quiet_step / step
                 out.append(row)
     return out
@@ -153,13 +163,17 @@ def rows(children: list[Child], raw: dict[str, Any], args: argparse.Namespace) -
 
 def summary(result: dict[str, Any]) -> str:
     lines = [f"load average {result['loadavg_start']} -> {result['loadavg_end']}", "",
-             "| variant | competitors | batch | ms/step | roofline (same condition) | of quiet roofline "
-             "| kept of quiet |",
-             "|---|---|---|---|---|---|---|"]
+             "| variant | competitors | batch | ms/step | experts read per MoE layer | roofline (same condition) "
+             "| of quiet roofline | of quiet, every touchable expert counted | kept of quiet |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    nan = float("nan")
     for r in result["decode"]:
-        of_quiet = r.get("roofline_fraction_of_quiet_bandwidth", float("nan"))
+        experts = r.get("experts_per_moe_layer")
         lines.append(f"| {r['variant']} | {r['competitors']} | {r['batch']} | {r['decode_step_ms']:.1f} | "
-                     f"{r['roofline_fraction']:.3f} | {of_quiet:.3f} | {r.get('kept_of_quiet', float('nan')):.2f} |")
+                     f"{'-' if experts is None else f'{experts:.1f}'} | {r['roofline_fraction']:.3f} | "
+                     f"{r.get('roofline_fraction_of_quiet_bandwidth', nan):.3f} | "
+                     f"{r.get('roofline_fraction_bound_of_quiet_bandwidth', nan):.3f} | "
+                     f"{r.get('kept_of_quiet', nan):.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -206,7 +220,7 @@ def main() -> None:
     try:
         children = [Child(name, engine_cfg) for name in args.variants]
         result["variants"] = {c.name: c.hello for c in children}
-        raw: dict[str, Any] = {"steps": {}, "bandwidth": {}}
+        raw: dict[str, Any] = {"steps": {}, "bandwidth": {}, "experts": {}}
         result["rounds"] = measure(children, args, raw, time.monotonic() + args.max_seconds)
         result["decode"] = rows(children, raw, args)
         if args.ttft_prompt_tokens:
