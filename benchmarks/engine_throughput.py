@@ -2,8 +2,10 @@
 
 Run: `python -m benchmarks.engine_throughput [--preset small] [--batch-sizes 1 8]` (about 2 minutes on a
 quiet 2-core host). For each batch size B it times decode steps with B running sequences; bytes moved
-per step = weights read (dense + the experts the batch can touch) + MLA latents read + KDA state read
-and written; over the copy bandwidth that is the fraction of the memory roofline a step reaches.
+per step = weights read (dense + the routed experts the measured steps chose, mean distinct per MoE
+layer) + MLA latents read + KDA state read and written; over the copy bandwidth that is the fraction of
+the memory roofline a step reaches. `roofline_fraction_bound` counts every expert the batch could touch
+(batch x top_k, at most all), as runs before 3 Dec 2026 did: an overcount once tokens share experts.
 
 Each OpenMP variant (`--variants`: the engine's default, libgomp's spinning default as before, one
 thread) is its own engine process (benchmarks/engine_step_child.py), since libgomp reads its settings
