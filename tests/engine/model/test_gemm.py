@@ -64,16 +64,22 @@ def test_other_dtypes_run_on_aten(monkeypatch):
     assert calls == []
 
 
-@pytest.mark.skipif(not ONEDNN, reason="this torch has no oneDNN linear")
-def test_float32_inference_runs_on_onednn(monkeypatch):
+def _count_calls(monkeypatch, op: str) -> list[tuple]:
+    """The argument tuples of every call to `torch.ops.mkldnn.<op>` from now on (the op still runs)."""
     calls: list[tuple] = []
-    real = torch.ops.mkldnn._linear_pointwise
+    real = getattr(torch.ops.mkldnn, op)
 
     def spy(*args):
         calls.append(args)
         return real(*args)
 
-    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    monkeypatch.setattr(torch.ops.mkldnn, op, spy)
+    return calls
+
+
+@pytest.mark.skipif(not ONEDNN, reason="this torch has no oneDNN linear")
+def test_float32_inference_runs_on_onednn(monkeypatch):
+    calls = _count_calls(monkeypatch, "_linear_pointwise")
     with torch.inference_mode():
         linear(torch.randn(2, 256), torch.randn(BIG, 256))
         assert len(calls) == 1
@@ -99,14 +105,7 @@ def test_packed_weights_give_the_row_major_product_and_a_row_alone_its_row_in_a_
 
 @pytest.mark.skipif(not PACKED, reason="float linears do not run on packed oneDNN weights here")
 def test_a_weight_is_packed_once_repacked_when_written_and_forgotten_when_freed(monkeypatch):
-    packs: list[tuple] = []
-    real = torch.ops.mkldnn._reorder_linear_weight
-
-    def spy(*args):
-        packs.append(args)
-        return real(*args)
-
-    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", spy)
+    packs = _count_calls(monkeypatch, "_reorder_linear_weight")
     layer = Linear(256, BIG)
     x = torch.randn(3, 256)
     with torch.no_grad():
