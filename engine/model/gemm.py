@@ -17,7 +17,7 @@ oneDNN reads a weight faster in its own blocked layout than row-major: each such
 copy (`torch.ops.mkldnn._reorder_linear_weight`, laid out for 8 rows) the first time it is used and
 keeps it while the weight's storage and version are unchanged. On this host one to sixteen rows ran
 1.3-1.7x faster (2080x1024 fp32: one row 395 -> 264 us, eight 612 -> 387 us), and a decode step of the
-small preset 1.5x faster at batch 8 (benchmarks/results/engine_throughput.md). The packed product is
+small preset 1.2-1.5x faster at batch 8 (benchmarks/results/engine_throughput.md). The packed product is
 bitwise the plain one from two rows up, and batch-invariant: a row's result does not depend on the
 rows beside it (with the plain weight one row takes another kernel). The price is a second copy of
 every float weight on oneDNN (the row-major one stays: checkpoints, sharding, state dicts read it).
@@ -40,17 +40,18 @@ BACKEND_ENV = "KIMI_PD_CPU_GEMM"
 BACKENDS = ("onednn-packed", "onednn", "aten")
 
 
-def _onednn_works() -> bool:
-    """True when this torch has oneDNN's linear op and it agrees with aten on a small product."""
+def _onednn_works(packed: bool) -> bool:
+    """True when this torch has oneDNN's linear op (and, if `packed`, its weight packing) and it agrees
+    with aten on a small product."""
     if not torch.backends.mkldnn.is_available():
         return False
     try:
         x, w = torch.ones(2, 8), torch.arange(32, dtype=torch.float32).reshape(4, 8)
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS)
+        weights = (w, torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS)) if packed else (w,)
         return all(torch.equal(torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], ""), F.linear(x, w))
-                   for weight in (w, packed))
+                   for weight in weights)
     except (RuntimeError, AttributeError) as exc:       # op missing or not built for this CPU
-        log.warning("oneDNN linear unavailable (%s); float linears run on aten", exc)
+        log.warning("oneDNN %s unavailable (%s)", "weight packing" if packed else "linear", exc)
         return False
 
 
@@ -58,7 +59,11 @@ def _chosen_backend() -> str:
     wanted = os.environ.get(BACKEND_ENV, BACKENDS[0]).strip().lower() or BACKENDS[0]
     if wanted not in BACKENDS:
         raise ValueError(f"{BACKEND_ENV}={wanted!r}: expected one of {', '.join(BACKENDS)}")
-    return wanted if wanted != "aten" and _onednn_works() else "aten"
+    if wanted == "aten":
+        return wanted
+    if _onednn_works(packed=wanted == "onednn-packed"):
+        return wanted
+    return "onednn" if wanted == "onednn-packed" and _onednn_works(packed=False) else "aten"
 
 
 PACK_ROWS = 8                  # the row count oneDNN lays a packed weight out for (1-16 rows all gain)
