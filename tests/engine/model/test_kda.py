@@ -4,8 +4,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model import kda_ops
-from engine.model.kda_ops import causal_conv_step, causal_conv_with_state, kda_chunked, kda_gate, kda_recurrent
+from engine.model.kda_ops import (
+    causal_conv_step,
+    causal_conv_steps,
+    causal_conv_with_state,
+    kda_chunked,
+    kda_gate,
+    kda_recurrent,
+    kda_recurrent_states,
+)
 from engine.model.layers import l2norm
 from tests.engine.oracles import fla_attnres_naive, fla_gate_functions, fla_kda_naive, kda_float64_loop
 
@@ -115,7 +122,7 @@ def test_verification_forms_equal_token_by_token_decoding_bitwise(dtype, batch):
         y, conv = causal_conv_step(x[:, t], weight, conv)
         ys.append(y)
         conv_states.append(conv)
-    y_all, conv_all = kda_ops.causal_conv_steps(x, weight, conv0)
+    y_all, conv_all = causal_conv_steps(x, weight, conv0)
     assert torch.equal(y_all, torch.stack(ys, dim=1)) and torch.equal(conv_all, torch.stack(conv_states, dim=1))
 
     def rand(*shape):
@@ -128,7 +135,7 @@ def test_verification_forms_equal_token_by_token_decoding_bitwise(dtype, batch):
         o, s = kda_recurrent(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1], beta[:, t:t + 1], s, SCALE)
         o_steps.append(o[:, 0])
         states.append(s)
-    o_all, states_all = kda_ops.kda_recurrent_states(q, k, v, g, beta, s0, SCALE)
+    o_all, states_all = kda_recurrent_states(q, k, v, g, beta, s0, SCALE)
     assert torch.equal(o_all, torch.stack(o_steps, dim=1))
     assert torch.equal(states_all, torch.stack(states))
 
