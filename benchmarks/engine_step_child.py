@@ -43,6 +43,28 @@ def measure_bandwidth(max_threads: int, nbytes: int = 256 << 20, repeats: int = 
     return 2 * nbytes / min(times)
 
 
+def measure_read_bandwidth(max_threads: int, nbytes: int = 256 << 20, repeats: int = 5) -> dict[str, float]:
+    """Bytes/s of reading a large tensor (a sum: no write stream), best of `repeats`, on one thread and
+    on `max_threads`. A decode step mostly reads, and the engine runs small forwards (batch 1 and 8 of the
+    small preset) on one thread: `one_thread` is what such a step could stream at most. Restores the
+    thread count."""
+    import torch
+    was = torch.get_num_threads()
+    src = torch.ones(nbytes // 4)
+    best: dict[int, float] = {}
+    try:
+        for threads in sorted({1, max_threads}):
+            torch.set_num_threads(threads)
+            src.sum()
+            for _ in range(repeats):
+                start = time.perf_counter()
+                src.sum()
+                best[threads] = max(best.get(threads, 0.0), nbytes / (time.perf_counter() - start))
+    finally:
+        torch.set_num_threads(was)
+    return {"one_thread": best[1], "all_threads": best[max(best)]}
+
+
 def weight_bytes_per_step(engine: LLMEngine, batch: int, experts_per_layer: float | None = None) -> int:
     """Dense weights + the routed experts a step reads per MoE layer: `experts_per_layer` (as routed,
     from `routed_experts`) or, when not given, the most the batch can touch (batch * top_k, at most all)."""
@@ -123,7 +145,8 @@ def answer(engine: LLMEngine, req: dict[str, Any], tp: int) -> dict[str, Any]:
     if op == "decode":
         return decode_answer(engine, req)
     if op == "bandwidth":
-        return {"bytes_per_s": measure_bandwidth(process_threads())}
+        return {"bytes_per_s": measure_bandwidth(process_threads()),
+                "read_bytes_per_s": measure_read_bandwidth(process_threads())}
     if op == "bytes":      # TP: every rank reads its own 1/N of the sharded weights, so N x rank 0's
         return {"bytes": weight_bytes_per_step(engine, req["batch"], req.get("experts_per_layer")) * tp
                 + state_bytes_per_step(engine, req["batch"], req["prompt_tokens"])}

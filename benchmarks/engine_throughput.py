@@ -120,7 +120,10 @@ def measure(children: list[Child], args: argparse.Namespace, raw: dict[str, Any]
             with competitors(n):
                 order = children[rnd % len(children):] + children[:rnd % len(children)]
                 for child in order:
-                    raw["bandwidth"].setdefault((child.name, n), []).append(child.ask(op="bandwidth")["bytes_per_s"])
+                    probe = child.ask(op="bandwidth")
+                    raw["bandwidth"].setdefault((child.name, n), []).append(probe["bytes_per_s"])
+                    raw["read_one_thread"].setdefault((child.name, n), []).append(
+                        probe["read_bytes_per_s"]["one_thread"])
                     for b in args.batch_sizes:
                         r = child.ask(op="decode", batch=b, steps=args.steps, prompt_tokens=args.prompt_tokens)
                         raw["steps"].setdefault((child.name, n, b), []).append(r["step_s"])
@@ -135,6 +138,9 @@ def rows(children: list[Child], raw: dict[str, Any], args: argparse.Namespace) -
     # the host's bandwidth in a condition is the best any variant's probe saw in it (every probe tries
     # one thread and all), so every variant is divided by the same roofline
     host_bw = {n: max(bw for (_, m), bws in raw["bandwidth"].items() if m == n for bw in bws)
+               for n in args.competitors}
+    # what one thread streams when it only reads: the ceiling of a step the engine runs on one thread
+    read_1t = {n: max(bw for (_, m), bws in raw["read_one_thread"].items() if m == n for bw in bws)
                for n in args.competitors}
     for child in children:
         quiet_bw = host_bw[0] if 0 in args.competitors else None
@@ -154,7 +160,9 @@ def rows(children: list[Child], raw: dict[str, Any], args: argparse.Namespace) -
                        "step_ms_rounds": [s * 1e3 for s in raw["steps"][(child.name, n, b)]],
                        "output_tokens_per_s": b / step, "bytes_per_step": moved, "experts_per_moe_layer": routed,
                        "bytes_per_step_bound": bound, "bandwidth_bytes_per_s": bw,
-                       "roofline_fraction": moved / step / bw, "roofline_fraction_bound": bound / step / bw}
+                       "roofline_fraction": moved / step / bw, "roofline_fraction_bound": bound / step / bw,
+                       "read_one_thread_bytes_per_s": read_1t[n],
+                       "fraction_of_one_thread_read": moved / step / read_1t[n]}
                 if quiet_bw and quiet_step:   # against the host's quiet roofline: a competitor moves no bytes
                     row["roofline_fraction_of_quiet_bandwidth"] = moved / step / quiet_bw
                     row["roofline_fraction_bound_of_quiet_bandwidth"] = bound / step / quiet_bw
@@ -166,8 +174,9 @@ def rows(children: list[Child], raw: dict[str, Any], args: argparse.Namespace) -
 def summary(result: dict[str, Any]) -> str:
     lines = [f"load average {result['loadavg_start']} -> {result['loadavg_end']}", "",
              "| variant | competitors | batch | ms/step | experts read per MoE layer | roofline (same condition) "
-             "| of quiet roofline | of quiet, every touchable expert counted | kept of quiet |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| of quiet roofline | of quiet, every touchable expert counted | kept of quiet "
+             "| of one thread's read rate (same condition) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     nan = float("nan")
     for r in result["decode"]:
         experts = r.get("experts_per_moe_layer")
@@ -175,7 +184,7 @@ def summary(result: dict[str, Any]) -> str:
                      f"{'-' if experts is None else f'{experts:.1f}'} | {r['roofline_fraction']:.3f} | "
                      f"{r.get('roofline_fraction_of_quiet_bandwidth', nan):.3f} | "
                      f"{r.get('roofline_fraction_bound_of_quiet_bandwidth', nan):.3f} | "
-                     f"{r.get('kept_of_quiet', nan):.2f} |")
+                     f"{r.get('kept_of_quiet', nan):.2f} | {r.get('fraction_of_one_thread_read', nan):.3f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -222,7 +231,7 @@ def main() -> None:
     try:
         children = [Child(name, engine_cfg) for name in args.variants]
         result["variants"] = {c.name: c.hello for c in children}
-        raw: dict[str, Any] = {"steps": {}, "bandwidth": {}, "experts": {}}
+        raw: dict[str, Any] = {"steps": {}, "bandwidth": {}, "read_one_thread": {}, "experts": {}}
         result["rounds"] = measure(children, args, raw, time.monotonic() + args.max_seconds)
         result["decode"] = rows(children, raw, args)
         if args.ttft_prompt_tokens:

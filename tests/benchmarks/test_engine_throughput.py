@@ -1,7 +1,13 @@
-"""benchmarks/engine_step_child.py: a decode step's bytes count the routed experts its MoE layers read."""
+"""benchmarks/engine_step_child.py and engine_throughput.py: a decode step's bytes count the routed experts its
+MoE layers read; the fractions divide by the best probe of their condition."""
 from __future__ import annotations
 
-from benchmarks.engine_step_child import decode_answer, routed_experts, weight_bytes_per_step
+import argparse
+
+import torch
+
+from benchmarks.engine_step_child import decode_answer, measure_read_bandwidth, routed_experts, weight_bytes_per_step
+from benchmarks.engine_throughput import rows
 from engine.core.engine import EngineConfig, LLMEngine
 
 
@@ -23,3 +29,35 @@ def test_bytes_count_the_experts_the_batch_was_routed_to(tiny_dir):
         assert counts and set(counts) == {cfg.num_experts_per_token}
     finally:
         engine.close()
+
+
+def test_read_probe_reports_one_thread_and_all_and_restores_the_count():
+    was = torch.get_num_threads()
+    got = measure_read_bandwidth(max(2, was), nbytes=8 << 20, repeats=2)
+    assert got["one_thread"] > 0 and got["all_threads"] > 0
+    assert torch.get_num_threads() == was
+
+
+class _FakeChild:
+    def __init__(self, name: str, moved: int) -> None:
+        self.name, self.moved = name, moved
+
+    def ask(self, **req):
+        assert req["op"] == "bytes"
+        return {"bytes": self.moved if req.get("experts_per_layer") is not None else 2 * self.moved}
+
+
+def test_rows_divide_by_the_best_one_thread_read_rate_of_the_condition():
+    args = argparse.Namespace(competitors=[0, 1], batch_sizes=[1], prompt_tokens=8)
+    a, b = _FakeChild("a", 1000), _FakeChild("b", 1000)
+    raw = {"steps": {(c, n, 1): [0.5, 0.5, 0.7] for c in "ab" for n in (0, 1)},
+           "bandwidth": {("a", 0): [8000.0], ("b", 0): [10000.0], ("a", 1): [5000.0], ("b", 1): [4000.0]},
+           "read_one_thread": {("a", 0): [3000.0], ("b", 0): [4000.0], ("a", 1): [2000.0], ("b", 1): [1000.0]},
+           "experts": {(c, 1): [4.0] for c in "ab"}}
+    got = {(r["variant"], r["competitors"]): r for r in rows([a, b], raw, args)}
+    quiet, busy = got[("a", 0)], got[("a", 1)]
+    # every variant of a condition is divided by the best probe any variant saw in it
+    assert quiet["read_one_thread_bytes_per_s"] == 4000.0 and busy["read_one_thread_bytes_per_s"] == 2000.0
+    assert quiet["fraction_of_one_thread_read"] == 1000 / 0.5 / 4000.0
+    assert busy["fraction_of_one_thread_read"] == 1000 / 0.5 / 2000.0
+    assert quiet["roofline_fraction"] == 1000 / 0.5 / 10000.0
