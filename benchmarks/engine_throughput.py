@@ -122,8 +122,8 @@ def measure(children: list[Child], args: argparse.Namespace, raw: dict[str, Any]
                 for child in order:
                     probe = child.ask(op="bandwidth")
                     raw["bandwidth"].setdefault((child.name, n), []).append(probe["bytes_per_s"])
-                    raw["read_one_thread"].setdefault((child.name, n), []).append(
-                        probe["read_bytes_per_s"]["one_thread"])
+                    for threads, rate in probe["read_bytes_per_s"].items():
+                        raw[f"read_{threads}"].setdefault((child.name, n), []).append(rate)
                     for b in args.batch_sizes:
                         r = child.ask(op="decode", batch=b, steps=args.steps, prompt_tokens=args.prompt_tokens)
                         raw["steps"].setdefault((child.name, n, b), []).append(r["step_s"])
@@ -140,8 +140,8 @@ def rows(children: list[Child], raw: dict[str, Any], args: argparse.Namespace) -
     host_bw = {n: max(bw for (_, m), bws in raw["bandwidth"].items() if m == n for bw in bws)
                for n in args.competitors}
     # what one thread streams when it only reads: the ceiling of a step the engine runs on one thread
-    read_1t = {n: max(bw for (_, m), bws in raw["read_one_thread"].items() if m == n for bw in bws)
-               for n in args.competitors}
+    read_1t, read_all = ({n: max(bw for (_, m), bws in raw[key].items() if m == n for bw in bws)
+                          for n in args.competitors} for key in ("read_one_thread", "read_all_threads"))
     for child in children:
         quiet_bw = host_bw[0] if 0 in args.competitors else None
         for b in args.batch_sizes:
@@ -161,7 +161,7 @@ def rows(children: list[Child], raw: dict[str, Any], args: argparse.Namespace) -
                        "output_tokens_per_s": b / step, "bytes_per_step": moved, "experts_per_moe_layer": routed,
                        "bytes_per_step_bound": bound, "bandwidth_bytes_per_s": bw,
                        "roofline_fraction": moved / step / bw, "roofline_fraction_bound": bound / step / bw,
-                       "read_one_thread_bytes_per_s": read_1t[n],
+                       "read_one_thread_bytes_per_s": read_1t[n], "read_all_threads_bytes_per_s": read_all[n],
                        "fraction_of_one_thread_read": moved / step / read_1t[n]}
                 if quiet_bw and quiet_step:   # against the host's quiet roofline: a competitor moves no bytes
                     row["roofline_fraction_of_quiet_bandwidth"] = moved / step / quiet_bw
@@ -231,7 +231,8 @@ def main() -> None:
     try:
         children = [Child(name, engine_cfg) for name in args.variants]
         result["variants"] = {c.name: c.hello for c in children}
-        raw: dict[str, Any] = {"steps": {}, "bandwidth": {}, "read_one_thread": {}, "experts": {}}
+        raw: dict[str, Any] = {"steps": {}, "bandwidth": {}, "read_one_thread": {}, "read_all_threads": {},
+                               "experts": {}}
         result["rounds"] = measure(children, args, raw, time.monotonic() + args.max_seconds)
         result["decode"] = rows(children, raw, args)
         if args.ttft_prompt_tokens:

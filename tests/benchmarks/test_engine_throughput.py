@@ -53,11 +53,13 @@ def test_rows_divide_by_the_best_one_thread_read_rate_of_the_condition():
     raw = {"steps": {(c, n, 1): [0.5, 0.5, 0.7] for c in "ab" for n in (0, 1)},
            "bandwidth": {("a", 0): [8000.0], ("b", 0): [10000.0], ("a", 1): [5000.0], ("b", 1): [4000.0]},
            "read_one_thread": {("a", 0): [3000.0], ("b", 0): [4000.0], ("a", 1): [2000.0], ("b", 1): [1000.0]},
+           "read_all_threads": {("a", 0): [5000.0], ("b", 0): [6000.0], ("a", 1): [3000.0], ("b", 1): [3500.0]},
            "experts": {(c, 1): [4.0] for c in "ab"}}
     got = {(r["variant"], r["competitors"]): r for r in rows([a, b], raw, args)}
     quiet, busy = got[("a", 0)], got[("a", 1)]
     # every variant of a condition is divided by the best probe any variant saw in it
     assert quiet["read_one_thread_bytes_per_s"] == 4000.0 and busy["read_one_thread_bytes_per_s"] == 2000.0
+    assert quiet["read_all_threads_bytes_per_s"] == 6000.0 and busy["read_all_threads_bytes_per_s"] == 3500.0
     assert quiet["fraction_of_one_thread_read"] == 1000 / 0.5 / 4000.0
     assert busy["fraction_of_one_thread_read"] == 1000 / 0.5 / 2000.0
     assert quiet["roofline_fraction"] == 1000 / 0.5 / 10000.0
