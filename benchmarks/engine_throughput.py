@@ -132,16 +132,21 @@ def measure(children: list[Child], args: argparse.Namespace, raw: dict[str, Any]
     return args.rounds
 
 
+def best_per_condition(probes: dict[tuple[str, int], list[float]], competitors: list[int]) -> dict[int, float]:
+    """The best rate any variant's probe saw with `n` competitors, per `n`: every variant of a condition
+    is divided by the same figure."""
+    return {n: max(rate for (_, m), rates in probes.items() if m == n for rate in rates) for n in competitors}
+
+
 def rows(children: list[Child], raw: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
     """Per variant, competitors and batch: median step over rounds and its roofline fractions."""
     out = []
     # the host's bandwidth in a condition is the best any variant's probe saw in it (every probe tries
     # one thread and all), so every variant is divided by the same roofline
-    host_bw = {n: max(bw for (_, m), bws in raw["bandwidth"].items() if m == n for bw in bws)
-               for n in args.competitors}
+    host_bw = best_per_condition(raw["bandwidth"], args.competitors)
     # what one thread streams when it only reads: the ceiling of a step the engine runs on one thread
-    read_1t, read_all = ({n: max(bw for (_, m), bws in raw[key].items() if m == n for bw in bws)
-                          for n in args.competitors} for key in ("read_one_thread", "read_all_threads"))
+    read_1t = best_per_condition(raw["read_one_thread"], args.competitors)
+    read_all = best_per_condition(raw["read_all_threads"], args.competitors)
     for child in children:
         quiet_bw = host_bw[0] if 0 in args.competitors else None
         for b in args.batch_sizes:
