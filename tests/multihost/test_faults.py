@@ -119,7 +119,8 @@ def test_capped_kv_link_ttft_grows_by_the_transfer_and_short_prompts_go_decode_o
     """At SLOW_CAP a long prompt's TTFT grows by about the extra pull time the decode worker reports; a
     transfer-aware router that saw such pulls computes a short prompt on the decode worker instead."""
     with transfer_aware_router(fleet) as aware:
-        fast, pull_fast, _ = ttft(fleet, fleet.url("lb"), "fast " + LONG_PROMPT)
+        # The best of three uncapped runs: one slow outlier here (a busy CI host) would shrink the growth.
+        fast, pull_fast, _ = min(ttft(fleet, fleet.url("lb"), f"fast {i} " + LONG_PROMPT) for i in range(3))
         for name in fleet.role_hosts("prefill"):
             fleet.net.cap(name, SLOW_CAP, burst="16kb")
         try:
