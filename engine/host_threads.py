@@ -55,7 +55,8 @@ def apply_openmp_defaults(env: MutableMapping[str, str] | None = None,
 def openmp_settings(env: Mapping[str, str] | None = None) -> dict[str, str | None]:
     """What this process runs with (for logs and benchmark results)."""
     env = os.environ if env is None else env
-    return {k: env.get(k) for k in ("OMP_NUM_THREADS", *WAIT_KNOBS, OPT_OUT, SMALL_FORWARD_ENV, "KIMI_PD_CPU_GEMM")}
+    return {k: env.get(k) for k in ("OMP_NUM_THREADS", *WAIT_KNOBS, OPT_OUT, SMALL_FORWARD_ENV, "KIMI_PD_CPU_GEMM",
+                                 "KIMI_PD_CPU_ROWDOT")}
 
 
 # ---- intra-op threads per forward ---------------------------------------------------------------

