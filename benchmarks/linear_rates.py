@@ -3,8 +3,8 @@
 Run: `python -m benchmarks.linear_rates [--shapes 2080x1024 768x512 ...] [--rows 1 2 4 8]` (about 1 minute).
 For every weight shape (default: the small preset's decode linears) it makes enough distinct weights to
 overflow the last-level cache, then times one product per weight in turn, best of `--repeats` passes:
-  - `rowdot`: the compiled one- and two-row kernel (engine/model/rowdot.py), any row count here;
-  - `onednn_packed`: oneDNN's inner product on its blocked copy of the weight (the engine's default above two rows);
+  - `rowdot`: the compiled kernel (engine/model/rowdot.py; the engine uses it up to three rows), any row count here;
+  - `onednn_packed`: oneDNN's inner product on its blocked copy of the weight (the engine's default above three rows);
   - `onednn`: oneDNN on the row-major weight; `aten`: `F.linear` (MKL);
   - `sum`: a streaming sum of the same weights, the read rate one thread gets, as the ceiling.
 Writes `benchmarks/results/linear_rates.json` (GB/s of weight read and us per call, the load average)

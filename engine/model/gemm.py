@@ -24,7 +24,7 @@ every float weight on oneDNN (the row-major one stays: checkpoints, sharding, st
 `KIMI_PD_CPU_GEMM` (read once, when this module loads): `onednn-packed` (default), `onednn` (oneDNN on
 the row-major weights, no second copy) or `aten` (MKL everywhere).
 
-One and two rows of such a product skip all of these for `rowdot` (a compiled kernel that streams the
+Up to three rows of such a product skip all of these for `rowdot` (a compiled kernel that streams the
 weight at up to twice oneDNN's rate here; engine/model/rowdot.py), where it could be built and runs.
 """
 from __future__ import annotations
@@ -118,7 +118,7 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`: one or two rows on the rowdot kernel, more on oneDNN, where those are
+    """`F.linear(x, weight, bias)`: up to `rowdot.MAX_ROWS` rows on the rowdot kernel, more on oneDNN, where those are
     faster (see the module docstring and engine/model/rowdot.py)."""
     if (x.dtype == torch.float32 and x.dim() >= 1 and x.shape[-1] == weight.shape[-1] and _large_float_weight(weight)
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad

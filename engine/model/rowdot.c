@@ -1,6 +1,6 @@
-/* Float32 products of one or two input rows with a row-major weight: y = x W^T (+ b).
+/* Float32 products of a few input rows with a row-major weight: y = x W^T (+ b).
  *
- * Why: at one or two rows a decode step's linears only stream their weight, and on the project's AMD
+ * Why: at one to three rows a decode step's linears only stream their weight, and on the project's AMD
  * host oneDNN (packed or not), MKL and OpenBLAS read it at 9-22 GB/s where a plain sum reads 20-27 GB/s.
  * This kernel reads each weight row once, front to back, which is what the hardware prefetcher follows
  * best (engine/model/rowdot.py, benchmarks/results/engine_throughput.md).

@@ -1,12 +1,13 @@
-"""One- and two-row float32 linears on a small hand-written kernel (`rowdot.c`), built at first use.
+"""Float32 linears of one to three rows on a small hand-written kernel (`rowdot.c`), built at first use.
 
 Why: a batch-1 decode step is a chain of GEMVs over weights that do not stay in cache, so its time is the
 rate at which a linear streams its weight. On this project's AMD host (one thread, weights out of cache)
 oneDNN's packed inner product read the small preset's decode weights at 10-16 GB/s, row-major oneDNN and
 MKL at 9-22 (OpenBLAS no faster), where a streaming sum of the same tensors reads 20-27 GB/s.
 `rowdot.c` reads each weight row once, front to back: 18-26 GB/s on one row (90-99 % of the sum,
-1.4-1.7x packed oneDNN), 1.0-1.8x packed on two. From four rows on it loses (it does not tile for reuse),
-so `gemm.linear` uses it for at most `MAX_ROWS` rows and oneDNN above. Figures: `python -m
+1.4-1.7x packed oneDNN), 1.0-1.8x packed on two, mostly 1.2-1.7x on three. From four rows on it loses
+on the large weights (it does not tile for reuse), so `gemm.linear` uses it for at most `MAX_ROWS` rows
+and oneDNN above (the cut at three decoded batch 4 and 8 1.08-1.13x faster than a cut at two). Figures: `python -m
 benchmarks.linear_rates` and benchmarks/results/engine_throughput.md ("rowdot").
 
 What it costs: a C compiler on the host at first use (a fraction of a second; the library is cached per
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 ENABLE_ENV = "KIMI_PD_CPU_ROWDOT"
 CACHE_ENV = "KIMI_PD_KERNEL_CACHE"
 SOURCE = Path(__file__).with_name("rowdot.c")
-MAX_ROWS = 2                        # one and two rows gain 1.5-2.8x; four rows are at par, eight lose 2x
+MAX_ROWS = 3                        # 1-3 rows gain (one 1.4-1.7x); four are mixed, eight lose about 2x
 CFLAGS = ("-O3", "-shared", "-fPIC", "-std=c11")
 COMPILE_TIMEOUT_S = 120.0
 
@@ -132,7 +133,7 @@ def _agrees(kernel: Kernel) -> bool:
 def kernel() -> Kernel | None:
     """The kernel, built and checked once per process; None (and one log line) where it cannot run."""
     if not enabled():
-        log.info("rowdot kernel off (%s=0): one- and two-row linears stay on oneDNN/MKL", ENABLE_ENV)
+        log.info("rowdot kernel off (%s=0): linears of one to three rows stay on oneDNN/MKL", ENABLE_ENV)
         return None
     if platform.machine() not in ("x86_64", "AMD64") or platform.system() != "Linux":
         log.info("rowdot kernel not built: it is written for x86-64 Linux (this is %s %s)",
@@ -141,7 +142,7 @@ def kernel() -> Kernel | None:
     try:
         k = Kernel(build())
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        log.warning("rowdot kernel unavailable, one- and two-row linears stay on oneDNN/MKL: %s", exc)
+        log.warning("rowdot kernel unavailable, linears of one to three rows stay on oneDNN/MKL: %s", exc)
         return None
     if not k.supported():
         log.info("rowdot kernel not used: this CPU lacks AVX-512F")

@@ -1,5 +1,5 @@
-"""engine/model/rowdot.py: the one- and two-row kernel agrees with F.linear, sums a row the same way
-whatever rows are beside it, is what `gemm.linear` runs one or two rows on, and steps aside cleanly."""
+"""engine/model/rowdot.py: the kernel agrees with F.linear, sums a row the same way whatever rows are
+beside it, is what `gemm.linear` runs up to `MAX_ROWS` rows on, and steps aside cleanly."""
 from __future__ import annotations
 
 import os
@@ -42,7 +42,7 @@ def test_a_row_is_bitwise_the_same_alone_and_beside_others():
 
 
 @needs_kernel
-def test_linear_runs_one_and_two_rows_on_the_kernel_and_more_elsewhere(monkeypatch):
+def test_linear_runs_a_few_rows_on_the_kernel_and_more_elsewhere(monkeypatch):
     calls: list[tuple[int, ...]] = []
     real = rowdot.Kernel.__call__
 
@@ -54,14 +54,15 @@ def test_linear_runs_one_and_two_rows_on_the_kernel_and_more_elsewhere(monkeypat
     big = gemm.ONEDNN_MIN_WEIGHT_ELEMENTS // 256
     w, b = torch.randn(big, 256), torch.randn(big)
     with torch.inference_mode():
-        for shape in [(256,), (1, 256), (2, 256), (1, 2, 256), (3, 256), (8, 256)]:
+        most = rowdot.MAX_ROWS
+        for shape in [(256,), (1, 256), (most, 256), (1, most, 256), (most + 1, 256), (8, 256)]:
             x = torch.randn(*shape)
             got = gemm.linear(x, w, b)
             assert got.shape == (*shape[:-1], big)
             torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
         gemm.linear(torch.randn(1, 256), torch.randn(big - 1, 256))      # a small weight: aten's
         gemm.linear(torch.randn(2, 512)[:, ::2], w)                      # a strided input, copied for the kernel
-    assert calls == [(1, 256), (1, 256), (2, 256), (2, 256), (2, 256)]
+    assert calls == [(1, 256), (1, 256), (most, 256), (most, 256), (2, 256)]
     x = torch.randn(1, 256, requires_grad=True)                         # autograd needs aten's product
     gemm.linear(x, w).sum().backward()
     assert x.grad is not None and len(calls) == 5
