@@ -89,8 +89,8 @@ def _large_float_weight(weight: torch.Tensor) -> bool:
 
 
 def uses_onednn(weight: torch.Tensor) -> bool:
-    """Whether a float32 product with this weight runs on oneDNN (inside inference, from three rows up
-    where the rowdot kernel runs; see `linear`)."""
+    """Whether a float32 product with this weight runs on oneDNN (inside inference, above the rows the
+    rowdot kernel takes; see `linear`)."""
     return _ONEDNN and _large_float_weight(weight)
 
 
