@@ -24,8 +24,11 @@ every float weight on oneDNN (the row-major one stays: checkpoints, sharding, st
 `KIMI_PD_CPU_GEMM` (read once, when this module loads): `onednn-packed` (default), `onednn` (oneDNN on
 the row-major weights, no second copy) or `aten` (MKL everywhere).
 
-Up to three rows of such a product skip all of these for `rowdot` (a compiled kernel that streams the
-weight at up to twice oneDNN's rate here; engine/model/rowdot.py), where it could be built and runs.
+Up to three rows of such a product, in a forward on one thread, skip all of these for `rowdot` (a
+compiled one-thread kernel that streams the weight at up to twice oneDNN's rate here;
+engine/model/rowdot.py), where it could be built and runs. A forward on more threads keeps oneDNN's
+threaded product: the engine runs small forwards on one thread on small hosts (engine/host_threads.py),
+and larger hosts were not measured.
 """
 from __future__ import annotations
 
@@ -123,7 +126,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if (x.dtype == torch.float32 and x.dim() >= 1 and x.shape[-1] == weight.shape[-1] and _large_float_weight(weight)
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                                   or (bias is not None and bias.requires_grad)))):
-        if _rowdot_fits(x, weight, bias) and (kernel := rowdot.kernel()) is not None:
+        if _rowdot_fits(x, weight, bias) and torch.get_num_threads() == 1 and (kernel := rowdot.kernel()) is not None:
             rows = kernel(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias)
             return rows.reshape(*x.shape[:-1], weight.shape[0])
         if _ONEDNN:

@@ -7,7 +7,8 @@ MKL at 9-22 (OpenBLAS no faster), where a streaming sum of the same tensors read
 `rowdot.c` reads each weight row once, front to back: 18-26 GB/s on one row (90-99 % of the sum,
 1.4-1.7x packed oneDNN), 1.0-1.8x packed on two, mostly 1.2-1.7x on three. From four rows on it loses
 on the large weights (it does not tile for reuse), so `gemm.linear` uses it for at most `MAX_ROWS` rows
-and oneDNN above (the cut at three decoded batch 4 and 8 1.08-1.13x faster than a cut at two). Figures: `python -m
+in forwards on one thread, and oneDNN otherwise (the cut at three decoded batch 4 and 8 1.08-1.13x
+faster than a cut at two; a threaded forward keeps oneDNN's threaded product). Figures: `python -m
 benchmarks.linear_rates` and benchmarks/results/engine_throughput.md ("rowdot").
 
 What it costs: a C compiler on the host at first use (a fraction of a second; the library is cached per

@@ -77,8 +77,17 @@ def _count_calls(monkeypatch, op: str) -> list[tuple]:
     return calls
 
 
+@pytest.fixture
+def one_thread():
+    """A forward on one thread, as the engine runs small ones: where the rowdot kernel takes a few rows."""
+    was = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(was)
+
+
 @pytest.mark.skipif(not ONEDNN, reason="this torch has no oneDNN linear")
-def test_float32_inference_runs_on_onednn(monkeypatch):
+def test_float32_inference_runs_on_onednn(monkeypatch, one_thread):
     calls = _count_calls(monkeypatch, "_linear_pointwise")
     with torch.inference_mode():
         linear(torch.randn(rowdot.MAX_ROWS + 1, 256), torch.randn(BIG, 256))
@@ -93,7 +102,7 @@ PACKED = gemm.BACKEND == "onednn-packed"
 
 
 @pytest.mark.skipif(not PACKED, reason="float linears do not run on packed oneDNN weights here")
-def test_packed_weights_give_the_row_major_product_and_rows_their_rows_in_a_batch():
+def test_packed_weights_give_the_row_major_product_and_rows_their_rows_in_a_batch(one_thread):
     gen = torch.Generator().manual_seed(1)
     w, x = torch.randn(2 * BIG, 256, generator=gen), torch.randn(16, 256, generator=gen)
     row_major = torch.ops.mkldnn._linear_pointwise
