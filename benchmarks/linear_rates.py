@@ -33,10 +33,6 @@ SMALL_PRESET_SHAPES = ["2080x1024", "2120x1024", "1024x768", "1024x512", "768x51
 CACHE_BYTES = 256 << 20        # weights made per shape: at least this many bytes, far past any L3
 
 
-def loadavg() -> list[float]:
-    return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
-
-
 def best_seconds(weights: list[Any], call: Callable[[Any], object], repeats: int) -> float:
     """Best mean seconds per call over `repeats` passes, each pass one call per weight in turn."""
     for w in weights:
@@ -106,10 +102,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)           # the engine runs decode-sized forwards on one thread (engine/host_threads.py)
     shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes]
-    doc: dict[str, Any] = {"loadavg_start": loadavg(), "cpus": os.cpu_count(), "threads": 1,
+    doc: dict[str, Any] = {"loadavg_start": list(os.getloadavg()), "cpus": os.cpu_count(), "threads": 1,
                            "rowdot": rowdot.kernel() is not None}
     doc["results"] = [measure((out, n), args.rows, args.repeats) for out, n in shapes]
-    doc["loadavg_end"] = loadavg()
+    doc["loadavg_end"] = list(os.getloadavg())
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=2))
     print(f"load average {doc['loadavg_start']} -> {doc['loadavg_end']}\n")

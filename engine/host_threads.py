@@ -28,9 +28,14 @@ OPT_OUT = "KIMI_PD_OPENMP_DEFAULTS"
 WAIT_KNOBS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
+def switched_off(env: Mapping[str, str], name: str) -> bool:
+    """Whether the engine's on-by-default switch `name` is set to 0 / false / no / off in `env`."""
+    return env.get(name, "1").strip().lower() in ("0", "false", "no", "off")
+
+
 def openmp_defaults(env: Mapping[str, str]) -> dict[str, str]:
     """The variables to add to `env` (empty when opted out or when the operator set a wait knob)."""
-    if env.get(OPT_OUT, "1").strip().lower() in ("0", "false", "no", "off"):
+    if switched_off(env, OPT_OUT):
         return {}
     if any(knob in env for knob in WAIT_KNOBS):
         return {}

@@ -15,8 +15,8 @@ What it costs: a C compiler on the host at first use (a fraction of a second; th
 source and compiler in `$KIMI_PD_KERNEL_CACHE`, default `~/.cache/kimi-pd/kernels`; the CPU image builds
 it in, deploy/docker/Dockerfile), and a CPU with AVX-512F. Without either, or with `KIMI_PD_CPU_ROWDOT=0`,
 the linears stay on oneDNN/MKL as before and one log line says why. A row alone is bitwise the same row
-in a pair (the kernel sums every dot in one order), but not the row oneDNN gives in a batch of three or
-more: the two differ in rounding only.
+beside one or two others (the kernel sums every dot in one order), but not the row oneDNN gives in a
+batch of four or more: the two differ in rounding only.
 """
 from __future__ import annotations
 
@@ -34,6 +34,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from engine.host_threads import switched_off
+
 log = logging.getLogger(__name__)
 
 ENABLE_ENV = "KIMI_PD_CPU_ROWDOT"
@@ -42,11 +44,6 @@ SOURCE = Path(__file__).with_name("rowdot.c")
 MAX_ROWS = 3                        # 1-3 rows gain (one 1.4-1.7x); four are mixed, eight lose about 2x
 CFLAGS = ("-O3", "-shared", "-fPIC", "-std=c11")
 COMPILE_TIMEOUT_S = 120.0
-
-
-def enabled(env: dict[str, str] | None = None) -> bool:
-    value = (os.environ if env is None else env).get(ENABLE_ENV, "1").strip().lower()
-    return value not in ("0", "false", "no", "off")
 
 
 def cache_dir() -> Path:
@@ -133,7 +130,7 @@ def _agrees(kernel: Kernel) -> bool:
 @functools.cache
 def kernel() -> Kernel | None:
     """The kernel, built and checked once per process; None (and one log line) where it cannot run."""
-    if not enabled():
+    if switched_off(os.environ, ENABLE_ENV):
         log.info("rowdot kernel off (%s=0): linears of one to three rows stay on oneDNN/MKL", ENABLE_ENV)
         return None
     if platform.machine() not in ("x86_64", "AMD64") or platform.system() != "Linux":

@@ -23,6 +23,16 @@ def tiny_model(options: ModelOptions | None = None, dtype=torch.float32, seed: i
     return model.to(dtype).eval()
 
 
+@pytest.fixture
+def one_thread():
+    """A forward on one intra-op thread, as the engine runs small ones (engine/host_threads.py); the count
+    is restored after the test, which may change it again."""
+    was = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(was)
+
+
 @pytest.fixture(scope="session")
 def tiny_config():
     return preset_config("tiny")

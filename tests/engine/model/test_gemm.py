@@ -77,15 +77,6 @@ def _count_calls(monkeypatch, op: str) -> list[tuple]:
     return calls
 
 
-@pytest.fixture
-def one_thread():
-    """A forward on one thread, as the engine runs small ones: where the rowdot kernel takes a few rows."""
-    was = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(was)
-
-
 @pytest.mark.skipif(not ONEDNN, reason="this torch has no oneDNN linear")
 def test_float32_inference_runs_on_onednn(monkeypatch, one_thread):
     calls = _count_calls(monkeypatch, "_linear_pointwise")

@@ -41,18 +41,9 @@ def test_a_row_is_bitwise_the_same_alone_and_beside_others():
     assert torch.equal(KERNEL(x[1:3], w), together[1:3])
 
 
-@pytest.fixture
-def threads():
-    """Sets torch's intra-op thread count for a test (the engine's runner does so per forward), then restores it."""
-    was = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(was)
-
-
 @needs_kernel
-def test_linear_runs_a_few_rows_on_the_kernel_and_more_elsewhere(monkeypatch, threads):
+def test_linear_runs_a_few_rows_on_the_kernel_and_more_elsewhere(monkeypatch, one_thread):
     """In a forward on one thread (the engine's small forwards); a threaded forward keeps oneDNN's."""
-    threads(1)
     calls: list[tuple[int, ...]] = []
     real = rowdot.Kernel.__call__
 
@@ -73,7 +64,7 @@ def test_linear_runs_a_few_rows_on_the_kernel_and_more_elsewhere(monkeypatch, th
         gemm.linear(torch.randn(1, 256), torch.randn(big - 1, 256))      # a small weight: aten's
         gemm.linear(torch.randn(2, 512)[:, ::2], w)                      # a strided input, copied for the kernel
     assert calls == [(1, 256), (1, 256), (most, 256), (most, 256), (2, 256)]
-    threads(2)
+    torch.set_num_threads(2)
     with torch.inference_mode():
         x = torch.randn(1, 256)
         torch.testing.assert_close(gemm.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
