@@ -135,6 +135,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def grouped_kernel(x: torch.Tensor, weights: list[torch.Tensor]) -> rowdot.Kernel | None:
+    """The rowdot kernel when `linear` would run each of `weights` on it for up to `rowdot.MAX_ROWS` rows
+    of `x` (float32 inference on one thread, every weight large and row-major), else None: the MoE
+    dispatch then runs its chosen experts' products in one kernel call (`Kernel.grouped`), bitwise what
+    one `linear` call per expert gives."""
+    if (x.dtype != torch.float32 or x.device.type != "cpu" or torch.get_num_threads() != 1
+            or (torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)))
+            or not all(_large_float_weight(w) for w in weights)):
+        return None
+    return rowdot.kernel()
+
+
 class Linear(nn.Linear):
     """`nn.Linear` (same parameters, same state dict) whose product is `linear`."""
 

@@ -1,13 +1,15 @@
 """Latent MoE with a biased sigmoid router and shared experts (docs/model.md, Latent MoE)."""
 from __future__ import annotations
 
+import itertools
 import typing
 
 import torch
 from torch import nn
 
+from engine.model import rowdot
 from engine.model.fused import EXPERT_GEMMS_ATTR, FUSED_ATTR, fuse_linears, fused_gemm_max_rows, project
-from engine.model.gemm import Linear, linear
+from engine.model.gemm import Linear, grouped_kernel, linear
 from engine.model.layers import RMSNorm, SiTUMLP, cast, situ, upcast
 from shared.model_config import TextConfig
 
@@ -177,10 +179,14 @@ class LatentMoE(nn.Module):
         if not chosen:
             return torch.zeros(h.shape, dtype=upcast(h).dtype, device=h.device)
         row = h.contiguous()
-        gate_up = _cat([linear(row, gemms[e - local.start][0]) for e, _ in chosen])
+        w13s = [gemms[e - local.start][0] for e, _ in chosen]
+        w2s = [gemms[e - local.start][3] for e, _ in chosen]
+        kernel = grouped_kernel(row, w13s + w2s)
+        gate_up = kernel.same_row(row, w13s) if kernel is not None else _cat([linear(row, w) for w in w13s])
         gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
         act = situ(gate, up, self.beta, self.linear_beta)
-        out = _cat([linear(a, gemms[e - local.start][3]) for a, (e, _) in zip(act.split(1), chosen, strict=False)])
+        out = (kernel.grouped(act.contiguous(), w2s, [1] * len(w2s)) if kernel is not None
+               else _cat([linear(a, w2) for a, w2 in zip(act.split(1), w2s, strict=True)]))
         # a sum over rows adds them in order, bitwise as the scatter does (test_decode_fast_paths)
         return (upcast(out) * weights[0, [slot for _, slot in chosen]].unsqueeze(1)).sum(0, keepdim=True)
 
@@ -201,11 +207,15 @@ class LatentMoE(nn.Module):
     def _float_experts(self, rows: torch.Tensor, counts: list[int], local: range, gemms: list) -> torch.Tensor:
         """`_any_experts` for fused float experts, calling their GEMMs directly: the same products
         (w1|w3 fused up to `fused_gemm_max_rows` rows, as `FusedProjections` does) and the same SiTU."""
+        sizes = [counts[e] for e in local]
+        gemms = gemms[:len(sizes)]             # gemms[i] is local expert local.start + i
+        used = [g for g, n in zip(gemms, sizes, strict=True) if n]
+        kernel = grouped_kernel(rows, [g[0] for g in used] + [g[3] for g in used])
+        if kernel is not None:           # the groups of up to MAX_ROWS rows in one call, as `linear` runs them
+            return self._float_experts_grouped(kernel, rows.contiguous(), sizes, gemms)
         parts, runs, pos = [], [], 0
-        for i, e in enumerate(local):
-            n = counts[e]
+        for n, (w13, w1, w3, w2, max_rows) in zip(sizes, gemms, strict=True):
             if n:
-                w13, w1, w3, w2, max_rows = gemms[i]
                 r = rows[pos: pos + n]
                 parts.append(linear(r, w13) if n <= max_rows
                              else torch.cat([linear(r, w1), linear(r, w3)], dim=-1))
@@ -215,6 +225,24 @@ class LatentMoE(nn.Module):
         inter = gate_up.shape[-1] // 2
         act = situ(gate_up[:, :inter], gate_up[:, inter:], self.beta, self.linear_beta)
         return _cat([linear(act[lo:hi], w2) for w2, lo, hi in runs])
+
+    def _float_experts_grouped(self, kernel, rows: torch.Tensor, sizes: list[int], gemms: list) -> torch.Tensor:
+        """`_float_experts` with every expert of up to `rowdot.MAX_ROWS` rows in one kernel call per weight
+        kind; an expert with more rows takes `linear` as there (bitwise the same products)."""
+        gate_up = kernel.grouped(rows, [g[0] for g in gemms], sizes, rowdot.MAX_ROWS)
+        bounds = list(itertools.accumulate(sizes, initial=0))
+        big = [(i, bounds[i], bounds[i + 1]) for i, n in enumerate(sizes) if n > rowdot.MAX_ROWS]
+        for i, lo, hi in big:
+            w13, w1, w3, _, max_rows = gemms[i]
+            r = rows[lo:hi]
+            gate_up[lo:hi] = (linear(r, w13) if hi - lo <= max_rows
+                              else torch.cat([linear(r, w1), linear(r, w3)], dim=-1))
+        inter = gate_up.shape[-1] // 2
+        act = situ(gate_up[:, :inter], gate_up[:, inter:], self.beta, self.linear_beta).contiguous()
+        out = kernel.grouped(act, [g[3] for g in gemms], sizes, rowdot.MAX_ROWS)
+        for i, lo, hi in big:
+            out[lo:hi] = linear(act[lo:hi], gemms[i][3])
+        return out
 
     def _routed_dense(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Every local expert on every token, weighted by a dense [T, E] routing matrix (zero where not chosen)."""

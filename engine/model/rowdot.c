@@ -67,3 +67,12 @@ AVX512 void rowdot(const float *weight, const float *x, const float *bias, float
             one_row(w, x + r * n, n, b, y + r * out + o, out);
     }
 }
+
+/* Several products of one shape in one call (a MoE layer's chosen experts): for j < jobs,
+ * y_j = x_j W_j^T with W_j [out, n], x_j [rows_j, n], y_j [rows_j, out], each as `rowdot` computes it,
+ * so bitwise the same as one `rowdot` call per job. The pointers come as integers (one ctypes array each). */
+AVX512 void rowdot_jobs(long jobs, const long *weights, const long *xs, const long *ys, const long *rows,
+                        long out, long n) {
+    for (long j = 0; j < jobs; j++)
+        rowdot((const float *)weights[j], (const float *)xs[j], 0, (float *)ys[j], out, n, rows[j]);
+}

@@ -11,6 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.model import gemm, rowdot
+from engine.model import moe as moe_module
 from engine.model.forward_batch import ForwardBatch, HybridCacheTensors, SequenceSlice
 from engine.model.kda import KimiDeltaAttention, _decode_slots
 from engine.model.kda_ops import kda_recurrent, kda_recurrent_step_
@@ -82,6 +84,36 @@ def test_one_token_moe_equals_sorted_dispatch(expert_range):
         weights, ids = route(logits, moe.gate.e_score_correction_bias, 4, moe.renormalize, moe.scaling)
         fast = moe._routed_dispatch(h, weights, ids)
         assert torch.equal(fast, moe._sorted_dispatch(h, weights, ids))
+
+
+@pytest.mark.skipif(rowdot.kernel() is None, reason="the rowdot kernel does not run here (no cc or AVX-512F)")
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_moe_experts_in_one_kernel_call_equal_one_linear_per_expert(monkeypatch, one_thread, tokens):
+    """The chosen experts' products in one rowdot call per weight kind (`gemm.grouped_kernel`) give
+    bitwise what one `linear` per expert gives: one token (4 experts), and 8 tokens routed so that one
+    expert takes all 8 rows (more than `rowdot.MAX_ROWS`: that group stays on `linear`)."""
+    monkeypatch.setattr(gemm, "ONEDNN_MIN_WEIGHT_ELEMENTS", 1)       # the tiny experts count as large
+    model = tiny_model()
+    model.fuse_linears()
+    moe = next(m for m in model.modules() if isinstance(m, LatentMoE))
+    gen = torch.Generator().manual_seed(13)
+    latent, experts = moe.routed_expert_down_proj.weight.shape[0], len(moe.experts)
+    grouped_calls = []
+    real_run, real_kernel = rowdot.Kernel._run, moe_module.grouped_kernel
+    monkeypatch.setattr(rowdot.Kernel, "_run", lambda self, *a: grouped_calls.append(a[2]) or real_run(self, *a))
+    use_kernel = True
+    monkeypatch.setattr(moe_module, "grouped_kernel", lambda x, w: real_kernel(x, w) if use_kernel else None)
+    with torch.inference_mode():
+        for _ in range(10):
+            h = torch.randn(tokens, latent, generator=gen)
+            logits = torch.randn(tokens, experts, generator=gen)
+            logits[:, 0] += 10.0                          # every token picks expert 0
+            weights, ids = route(logits, moe.gate.e_score_correction_bias, 4, moe.renormalize, moe.scaling)
+            use_kernel = True
+            grouped = moe._routed_dispatch(h, weights, ids)
+            use_kernel = False
+            assert torch.equal(grouped, moe._routed_dispatch(h, weights, ids))
+    assert len(grouped_calls) == 20                          # two kernel calls a layer call: w1|w3, then w2
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -42,6 +42,26 @@ def test_a_row_is_bitwise_the_same_alone_and_beside_others():
 
 
 @needs_kernel
+def test_grouped_products_are_bitwise_one_call_per_group():
+    """One call for a MoE layer's chosen experts: each group as its own call computes it; a group over
+    `max_rows` is left to the caller (the rows around it are still right)."""
+    gen = torch.Generator().manual_seed(5)
+    weights = [torch.randn(48, 83, generator=gen) for _ in range(5)]
+    counts = [2, 0, 1, 4, 3]
+    x = torch.randn(sum(counts), 83, generator=gen)
+    got = KERNEL.grouped(x, weights, counts, max_rows=3)
+    pos = 0
+    for w, n in zip(weights, counts, strict=True):
+        if 0 < n <= 3:
+            assert torch.equal(got[pos:pos + n], KERNEL(x[pos:pos + n], w))
+        pos += n
+    assert torch.equal(KERNEL.grouped(x, weights, counts)[3:7], KERNEL(x[3:7], weights[3]))   # no limit: all
+    row = x[:1]
+    same = KERNEL.same_row(row, weights)
+    assert all(torch.equal(same[g:g + 1], KERNEL(row, w)) for g, w in enumerate(weights))
+
+
+@needs_kernel
 def test_linear_runs_a_few_rows_on_the_kernel_and_more_elsewhere(monkeypatch, one_thread):
     """In a forward on one thread (the engine's small forwards); a threaded forward keeps oneDNN's."""
     calls: list[tuple[int, ...]] = []
