@@ -3,8 +3,9 @@
 Run: `python -m benchmarks.linear_rates [--shapes 2080x1024 768x512 ...] [--rows 1 2 4 8]` (about 1 minute).
 For every weight shape (default: the small preset's decode linears) it makes enough distinct weights to
 overflow the last-level cache, then times one product per weight in turn, best of `--repeats` passes:
-  - `rowdot`: the compiled kernel (engine/model/rowdot.py; the engine uses it up to three rows), any row count here;
-  - `onednn_packed`: oneDNN's inner product on its blocked copy of the weight (the engine's default above three rows);
+  - `rowdot`: the row-major kernel (engine/model/rowdot.py; the engine uses it for one row), any row count here;
+  - `panels`: the panel kernel on its packed copy (the engine's choice for 2-16 rows);
+  - `onednn_packed`: oneDNN's inner product on its blocked copy of the weight (the engine's choice above 16 rows);
   - `onednn`: oneDNN on the row-major weight; `aten`: `F.linear` (MKL);
   - `sum`: a streaming sum of the same weights, the read rate one thread gets, as the ceiling.
 Writes `benchmarks/results/linear_rates.json` (GB/s of weight read and us per call, the load average)
@@ -47,7 +48,8 @@ def best_seconds(weights: list[Any], call: Callable[[Any], object], repeats: int
 
 
 def products(x: torch.Tensor, weights: list[torch.Tensor], packed: list[torch.Tensor],
-             kernel: rowdot.Kernel | None) -> dict[str, tuple[list[torch.Tensor], Callable[[Any], object]]]:
+             kernel: rowdot.Kernel | None, panels: list[torch.Tensor]
+             ) -> dict[str, tuple[list[torch.Tensor], Callable[[Any], object]]]:
     """name -> (the weights it runs on, one product of `x` with one of them)."""
     pointwise = torch.ops.mkldnn._linear_pointwise
     calls: dict[str, tuple[list[torch.Tensor], Callable[[Any], object]]] = {
@@ -57,6 +59,8 @@ def products(x: torch.Tensor, weights: list[torch.Tensor], packed: list[torch.Te
     }
     if kernel is not None:
         calls["rowdot"] = (weights, lambda w: kernel(x, w))
+        out = weights[0].shape[0]
+        calls["panels"] = (panels, lambda p: kernel.panels(x, p, out))
     return calls
 
 
@@ -68,12 +72,14 @@ def measure(shape: tuple[int, int], rows_list: list[int], repeats: int) -> dict[
     weights = [torch.randn(out, n, generator=gen) for _ in range(count)]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS) for w in weights]
     kernel = rowdot.kernel()
+    panels = [kernel.pack(w) for w in weights] if kernel is not None else []
     result: dict[str, Any] = {"shape": [out, n], "weights": count, "rows": {}}
     result["sum_gb_per_s"] = nbytes / best_seconds(weights, lambda w: w.sum(), repeats) / 1e9
     with torch.inference_mode():
         for rows in rows_list:
             cell = {}
-            for name, (ws, call) in products(torch.randn(rows, n, generator=gen), weights, packed, kernel).items():
+            x = torch.randn(rows, n, generator=gen)
+            for name, (ws, call) in products(x, weights, packed, kernel, panels).items():
                 s = best_seconds(ws, call, repeats)
                 cell[name] = {"us": s * 1e6, "gb_per_s": nbytes / s / 1e9}
             result["rows"][str(rows)] = cell
@@ -81,13 +87,14 @@ def measure(shape: tuple[int, int], rows_list: list[int], repeats: int) -> dict[
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    names = ["rowdot", "onednn_packed", "onednn", "aten"]
-    lines = ["| weight | rows | " + " | ".join(f"{n} GB/s" for n in names) + " | sum GB/s | rowdot / packed |",
+    names = ["rowdot", "panels", "onednn_packed", "onednn", "aten"]
+    lines = ["| weight | rows | " + " | ".join(f"{n} GB/s" for n in names) + " | sum GB/s | best kernel / packed |",
              "|---|---|" + "---|" * (len(names) + 2)]
     for r in results:
         for rows, cell in r["rows"].items():
             rates = [f"{cell[n]['gb_per_s']:.1f}" if n in cell else "-" for n in names]
-            ratio = (f"{cell['onednn_packed']['us'] / cell['rowdot']['us']:.2f}x" if "rowdot" in cell else "-")
+            ratio = (f"{cell['onednn_packed']['us'] / min(cell['rowdot']['us'], cell['panels']['us']):.2f}x"
+                     if "rowdot" in cell else "-")
             lines.append(f"| {r['shape'][0]}x{r['shape'][1]} | {rows} | " + " | ".join(rates)
                          + f" | {r['sum_gb_per_s']:.1f} | {ratio} |")
     return "\n".join(lines)

@@ -24,17 +24,18 @@ every float weight on oneDNN (the row-major one stays: checkpoints, sharding, st
 `KIMI_PD_CPU_GEMM` (read once, when this module loads): `onednn-packed` (default), `onednn` (oneDNN on
 the row-major weights, no second copy) or `aten` (MKL everywhere).
 
-Up to three rows of such a product, in a forward on one thread, skip all of these for `rowdot` (a
-compiled one-thread kernel that streams the weight at up to twice oneDNN's rate here;
-engine/model/rowdot.py), where it could be built and runs. A forward on more threads keeps oneDNN's
-threaded product: the engine runs small forwards on one thread on small hosts (engine/host_threads.py),
-and larger hosts were not measured.
+Up to sixteen rows of such a product, in a forward on one thread, skip all of these for the rowdot
+kernels (compiled one-thread kernels that stream the weight at up to twice oneDNN's rate here: one row
+on the weight as stored, 2-16 rows on a panel copy of it, `panel_weight`; engine/model/rowdot.py), where
+they could be built and run. A forward on more threads keeps oneDNN's threaded product: the engine runs
+small forwards on one thread on small hosts (engine/host_threads.py), and larger hosts were not measured.
 """
 from __future__ import annotations
 
 import logging
 import os
 import weakref
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -98,36 +99,51 @@ def uses_onednn(weight: torch.Tensor) -> bool:
 
 
 def _rowdot_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    return (x.numel() <= rowdot.MAX_ROWS * weight.shape[1] and x.device.type == "cpu"
+    return (x.numel() <= rowdot.linear_max_rows() * weight.shape[1] and x.device.type == "cpu"
             and (bias is None or (bias.dtype == torch.float32 and bias.device.type == "cpu" and bias.dim() == 1
                                   and bias.is_contiguous() and bias.shape[0] == weight.shape[0])))
 
 
-_PACKED: dict[int, tuple[tuple[int, int], torch.Tensor]] = {}    # id(weight) -> ((storage, version), packed)
+# id(weight) -> ((storage, version), copy): oneDNN's packed copies, and the rowdot kernel's panel copies
+_PACKED: dict[int, tuple[tuple[int, int], torch.Tensor]] = {}
+_PANELS: dict[int, tuple[tuple[int, int], torch.Tensor]] = {}
 
 
-def packed_weight(weight: torch.Tensor) -> torch.Tensor:
-    """oneDNN's blocked copy of `weight`, made on first use and kept while the weight lives and its storage
-    and version hold (an in-place load or `.data` swap repacks). Kept beside the weight, not on it, so
-    modules still pickle and deep-copy as before. Inference tensors have no version counter: one written
-    in place in inference mode keeps its packed copy (the engine never writes weights after loading)."""
+def _kept_copy(cache: dict[int, tuple[tuple[int, int], torch.Tensor]], weight: torch.Tensor,
+               make: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """`make(weight)`, made on first use and kept while the weight lives and its storage and version hold
+    (an in-place load or `.data` swap remakes it). Kept beside the weight, not on it, so modules still
+    pickle and deep-copy as before. Inference tensors have no version counter: one written in place in
+    inference mode keeps its copy (the engine never writes weights after loading)."""
     key = (weight.data_ptr(), -1 if weight.is_inference() else weight._version)
-    held = _PACKED.get(id(weight))
+    held = cache.get(id(weight))
     if held is None or held[0] != key:
         if held is None:
-            weakref.finalize(weight, _PACKED.pop, id(weight), None)
-        held = _PACKED[id(weight)] = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS))
+            weakref.finalize(weight, cache.pop, id(weight), None)
+        held = cache[id(weight)] = (key, make(weight.detach()))
     return held[1]
 
 
+def packed_weight(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's blocked copy of `weight` (`_kept_copy`)."""
+    return _kept_copy(_PACKED, weight, lambda w: torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS))
+
+
+def panel_weight(weight: torch.Tensor, kernel: rowdot.Kernel) -> torch.Tensor:
+    """The rowdot kernel's panel copy of `weight` (`_kept_copy`)."""
+    return _kept_copy(_PANELS, weight, kernel.pack)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`: up to `rowdot.MAX_ROWS` rows on the rowdot kernel, more on oneDNN, where those are
-    faster (see the module docstring and engine/model/rowdot.py)."""
+    """`F.linear(x, weight, bias)`: one row on the rowdot kernel, up to `rowdot.PANEL_MAX_ROWS` on its
+    panels, more on oneDNN, where those are faster (see the module docstring and engine/model/rowdot.py)."""
     if (x.dtype == torch.float32 and x.dim() >= 1 and x.shape[-1] == weight.shape[-1] and _large_float_weight(weight)
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                                   or (bias is not None and bias.requires_grad)))):
         if _rowdot_fits(x, weight, bias) and torch.get_num_threads() == 1 and (kernel := rowdot.kernel()) is not None:
-            rows = kernel(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias)
+            x2 = x.reshape(-1, x.shape[-1]).contiguous()
+            rows = (kernel.panels(x2, panel_weight(weight, kernel), weight.shape[0], bias)
+                    if x2.shape[0] > rowdot.row_major_max_rows() else kernel(x2, weight, bias))
             return rows.reshape(*x.shape[:-1], weight.shape[0])
         if _ONEDNN:
             return torch.ops.mkldnn._linear_pointwise(x, packed_weight(weight) if PACKED else weight, bias,
@@ -136,7 +152,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def grouped_kernel(x: torch.Tensor, weights: list[torch.Tensor]) -> rowdot.Kernel | None:
-    """The rowdot kernel when `linear` would run each of `weights` on it for up to `rowdot.MAX_ROWS` rows
+    """The rowdot kernel when `linear` would run each of `weights` on it for a few rows
     of `x` (float32 inference on one thread, every weight large and row-major), else None: the MoE
     dispatch then runs its chosen experts' products in one kernel call (`Kernel.grouped`), bitwise what
     one `linear` call per expert gives."""

@@ -211,7 +211,7 @@ class LatentMoE(nn.Module):
         gemms = gemms[:len(sizes)]             # gemms[i] is local expert local.start + i
         used = [g for g, n in zip(gemms, sizes, strict=True) if n]
         kernel = grouped_kernel(rows, [g[0] for g in used] + [g[3] for g in used])
-        if kernel is not None:           # the groups of up to MAX_ROWS rows in one call, as `linear` runs them
+        if kernel is not None:           # the groups `linear` runs on the row-major kernel, in one call
             return self._float_experts_grouped(kernel, rows.contiguous(), sizes, gemms)
         parts, runs, pos = [], [], 0
         for n, (w13, w1, w3, w2, max_rows) in zip(sizes, gemms, strict=True):
@@ -227,11 +227,12 @@ class LatentMoE(nn.Module):
         return _cat([linear(act[lo:hi], w2) for w2, lo, hi in runs])
 
     def _float_experts_grouped(self, kernel, rows: torch.Tensor, sizes: list[int], gemms: list) -> torch.Tensor:
-        """`_float_experts` with every expert of up to `rowdot.MAX_ROWS` rows in one kernel call per weight
-        kind; an expert with more rows takes `linear` as there (bitwise the same products)."""
-        gate_up = kernel.grouped(rows, [g[0] for g in gemms], sizes, rowdot.MAX_ROWS)
+        """`_float_experts` with every expert of the rows `linear` runs on the row-major kernel in one kernel
+        call per weight kind; an expert with more rows takes `linear` as there (bitwise the same products)."""
+        most = rowdot.row_major_max_rows()
+        gate_up = kernel.grouped(rows, [g[0] for g in gemms], sizes, most)
         bounds = list(itertools.accumulate(sizes, initial=0))
-        big = [(i, bounds[i], bounds[i + 1]) for i, n in enumerate(sizes) if n > rowdot.MAX_ROWS]
+        big = [(i, bounds[i], bounds[i + 1]) for i, n in enumerate(sizes) if n > most]
         for i, lo, hi in big:
             w13, w1, w3, _, max_rows = gemms[i]
             r = rows[lo:hi]
@@ -239,7 +240,7 @@ class LatentMoE(nn.Module):
                               else torch.cat([linear(r, w1), linear(r, w3)], dim=-1))
         inter = gate_up.shape[-1] // 2
         act = situ(gate_up[:, :inter], gate_up[:, inter:], self.beta, self.linear_beta).contiguous()
-        out = kernel.grouped(act, [g[3] for g in gemms], sizes, rowdot.MAX_ROWS)
+        out = kernel.grouped(act, [g[3] for g in gemms], sizes, most)
         for i, lo, hi in big:
             out[lo:hi] = linear(act[lo:hi], gemms[i][3])
         return out

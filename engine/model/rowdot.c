@@ -76,3 +76,77 @@ AVX512 void rowdot_jobs(long jobs, const long *weights, const long *xs, const lo
     for (long j = 0; j < jobs; j++)
         rowdot((const float *)weights[j], (const float *)xs[j], 0, (float *)ys[j], out, n, rows[j]);
 }
+
+/* Products of 4 to 16 rows, where `rowdot` re-reads each weight row once per pair of input rows and
+ * falls behind. The weight is first laid out in panels of PANEL outputs (`panel_pack`): panel p holds
+ * W[p*PANEL + j, i] at [i][j], so for each input index i the PANEL weights it meets are contiguous, and a
+ * pass over a panel streams it front to back while each input value is broadcast against them. Up to
+ * eight rows share one pass (16 accumulators); more rows take more passes over the same panel, which
+ * is then in L2.
+ *
+ * Every output is one fused multiply-add chain over i = 0 .. n-1 from zero, then + bias: the same for
+ * any row count, so a row alone is bitwise that row in a batch. */
+#define PANEL 32
+
+/* w [out, n] row-major -> packed [ceil(out / PANEL)][n][PANEL], outputs past `out` zero */
+void panel_pack(const float *w, float *packed, long out, long n) {
+    const long panels = (out + PANEL - 1) / PANEL;
+    for (long p = 0; p < panels; p++)
+        for (long i = 0; i < n; i++)
+            for (long j = 0; j < PANEL; j++) {
+                const long o = p * PANEL + j;
+                packed[(p * n + i) * PANEL + j] = o < out ? w[o * n + i] : 0.0f;
+            }
+}
+
+/* y[q * ldy + j] = sum_i panel[i][j] * x[q * n + i] for q < rows (rows <= 8, a constant after inlining) */
+AVX512 static inline void panel_rows(const float *panel, const float *x, long n, int rows, float *y, long ldy) {
+    __m512 lo[8], hi[8];
+    for (int q = 0; q < 8; q++)
+        lo[q] = hi[q] = _mm512_setzero_ps();
+    for (long i = 0; i < n; i++) {
+        const __m512 w0 = _mm512_loadu_ps(panel + i * PANEL), w1 = _mm512_loadu_ps(panel + i * PANEL + 16);
+        for (int q = 0; q < rows; q++) {
+            const __m512 xq = _mm512_set1_ps(x[q * n + i]);
+            lo[q] = _mm512_fmadd_ps(w0, xq, lo[q]);
+            hi[q] = _mm512_fmadd_ps(w1, xq, hi[q]);
+        }
+    }
+    for (int q = 0; q < rows; q++) {
+        _mm512_storeu_ps(y + q * ldy, lo[q]);
+        _mm512_storeu_ps(y + q * ldy + 16, hi[q]);
+    }
+}
+
+#define PANEL_ROWS(R) \
+    AVX512 static void panel_##R(const float *panel, const float *x, long n, float *y, long ldy) { \
+        panel_rows(panel, x, n, R, y, ldy); \
+    }
+PANEL_ROWS(1) PANEL_ROWS(2) PANEL_ROWS(3) PANEL_ROWS(4) PANEL_ROWS(5) PANEL_ROWS(6) PANEL_ROWS(7) PANEL_ROWS(8)
+
+typedef void (*panel_fn)(const float *, const float *, long, float *, long);
+static const panel_fn PANEL_FNS[9] = {0, panel_1, panel_2, panel_3, panel_4, panel_5, panel_6, panel_7, panel_8};
+
+/* packed from panel_pack, x [rows, n], bias [out] or NULL, y [rows, out]; all contiguous float32 */
+AVX512 void paneldot(const float *packed, const float *x, const float *bias, float *y, long out, long n, long rows) {
+    const long panels = (out + PANEL - 1) / PANEL;
+    float tail[8 * PANEL];
+    for (long p = 0; p < panels; p++) {
+        const float *panel = packed + p * n * PANEL;
+        const long o0 = p * PANEL, width = out - o0 < PANEL ? out - o0 : PANEL;
+        for (long r = 0; r < rows; r += 8) {
+            const long take = rows - r < 8 ? rows - r : 8;
+            float *dst = width == PANEL ? y + r * out + o0 : tail;
+            const long ld = width == PANEL ? out : PANEL;
+            PANEL_FNS[take](panel, x + r * n, n, dst, ld);
+            for (long q = 0; q < take; q++)
+                for (long j = 0; j < width; j++) {
+                    float *cell = y + (r + q) * out + o0 + j;
+                    if (width < PANEL)
+                        *cell = tail[q * PANEL + j];
+                    if (bias)
+                        *cell += bias[o0 + j];
+                }
+        }
+    }
+}

@@ -1,26 +1,40 @@
-"""Float32 linears of one to three rows on a small hand-written kernel (`rowdot.c`), built at first use.
+"""Float32 linears of 1 to 16 rows on two small hand-written kernels (`rowdot.c`), built at first use.
 
-Why: a batch-1 decode step is a chain of GEMVs over weights that do not stay in cache, so its time is the
-rate at which a linear streams its weight. On this project's AMD host (one thread, weights out of cache)
-oneDNN's packed inner product read the small preset's decode weights at 10-16 GB/s, row-major oneDNN and
-MKL at 9-22 (OpenBLAS no faster), where a streaming sum of the same tensors reads 20-27 GB/s.
-`rowdot.c` reads each weight row once, front to back: 18-26 GB/s on one row (90-99 % of the sum,
-1.4-1.7x packed oneDNN), 1.0-1.8x packed on two, mostly 1.2-1.7x on three. From four rows on it loses
-on the large weights (it does not tile for reuse), so `gemm.linear` uses it for at most `MAX_ROWS` rows
-in forwards on one thread, and oneDNN otherwise (the cut at three decoded batch 4 and 8 1.08-1.13x
-faster than a cut at two; a threaded forward keeps oneDNN's threaded product). Figures: `python -m
-benchmarks.linear_rates` and benchmarks/results/engine_throughput.md ("rowdot").
+Why: a decode step is a chain of GEMVs and few-row GEMMs over weights that do not stay in cache, so its
+time is the rate at which a linear streams its weight. On this project's AMD host (one thread, weights
+out of cache) oneDNN's packed inner product read the small preset's decode weights at 10-18 GB/s, row-major
+oneDNN and MKL at 4-22 (OpenBLAS no faster), where a streaming sum of the same tensors reads 20-27 GB/s.
 
-A MoE layer's chosen experts take one call per weight kind (`Kernel.grouped`, `Kernel.same_row`:
-every chosen expert's w1|w3, then every w2), each product bitwise what its own call gives; at batch 1 of
-the small preset that cut a step by 1.08x, at batch 8 by 1.05x (in-process A/B, 3 Dec 2026).
+- **One row: the row-major kernel** (`rowdot`, `Kernel.__call__`) reads each weight row once, front to
+  back: 18-26 GB/s (90-99 % of the sum, 1.4-2.0x packed oneDNN), and needs no copy of the weight. It re-reads
+  a weight row for every pair of input rows, so from three rows on it falls behind.
+- **Two to sixteen rows: the panel kernel** (`paneldot`, `Kernel.panels`) reads a copy of the weight laid
+  out in panels of 32 outputs (`Kernel.pack`, made once per weight by `gemm.panel_weight`): for each input
+  index the 32 weights it meets are contiguous, so a panel streams front to back while each input value
+  is broadcast against it, up to eight rows a pass. 20-27 GB/s on two to four rows, 12-22 on eight
+  (1.0-2.2x packed oneDNN), about even with it on sixteen, where one core's multiply-adds, not memory,
+  are the limit (`python -m benchmarks.linear_rates --rows 1 2 3 4 8 16`). Decode steps of the small
+  preset ran 1.11x (batch 2), 1.13x (4), 1.10-1.15x (8) and 1.08x (16) faster than with the row-major
+  kernel up to three rows and oneDNN above (in-process A/B, 3 Dec 2026).
+- **A MoE layer's chosen experts** take one row-major call per weight kind (`Kernel.grouped`,
+  `Kernel.same_row`: every chosen expert's w1|w3, then every w2) for experts of as many rows as
+  `linear` would run there (`row_major_max_rows`), each product bitwise what its own call gives
+  (batch 1 1.08x, batch 8 1.05x, in-process A/B).
+
+`gemm.linear` uses them in forwards on one thread (the engine runs small forwards on one thread on
+small hosts, engine/host_threads.py; a threaded forward keeps oneDNN's threaded product, larger hosts
+were not measured), for float32 weights of at least 128K elements.
 
 What it costs: a C compiler on the host at first use (a fraction of a second; the library is cached per
 source and compiler in `$KIMI_PD_KERNEL_CACHE`, default `~/.cache/kimi-pd/kernels`; the CPU image builds
-it in, deploy/docker/Dockerfile), and a CPU with AVX-512F. Without either, or with `KIMI_PD_CPU_ROWDOT=0`,
-the linears stay on oneDNN/MKL as before and one log line says why. A row alone is bitwise the same row
-beside one or two others (the kernel sums every dot in one order), but not the row oneDNN gives in a
-batch of four or more: the two differ in rounding only.
+it in, deploy/docker/Dockerfile), a CPU with AVX-512F, and the panel copy of every large weight that a
+forward of 2-16 rows meets (as oneDNN's packed copy is kept for the larger ones: up to three copies of a
+weight in all). Without a compiler or AVX-512F, or with `KIMI_PD_CPU_ROWDOT=0`, the linears stay on
+oneDNN/MKL as before and one log line says why; `KIMI_PD_CPU_PANELS=0` keeps the row-major kernel for
+one to three rows and oneDNN above (the engine before the panels). Rounding: the row-major kernel sums
+every dot in one order, so a row alone is bitwise that row beside one or two others; the panel kernel
+sums every output as one multiply-add chain, so any of its rows is bitwise the same in a batch of 2 to
+16 (or more); the two kernels and oneDNN differ from each other in rounding only.
 """
 from __future__ import annotations
 
@@ -43,9 +57,23 @@ from engine.host_threads import switched_off
 log = logging.getLogger(__name__)
 
 ENABLE_ENV = "KIMI_PD_CPU_ROWDOT"
+PANELS_ENV = "KIMI_PD_CPU_PANELS"      # 0: 1-3 rows on the row-major kernel, more on oneDNN (before the panels)
 CACHE_ENV = "KIMI_PD_KERNEL_CACHE"
 SOURCE = Path(__file__).with_name("rowdot.c")
-MAX_ROWS = 3                        # 1-3 rows gain (one 1.4-1.7x); four are mixed, eight lose about 2x
+PANEL = 32                          # outputs per panel (rowdot.c)
+PANEL_MAX_ROWS = 16                 # rows `linear` sends to the panels: 2-8 gain, 16 about even with packed oneDNN
+ROW_MAJOR_MAX_ROWS = 3              # without the panels: rows on the row-major kernel (1-3 gain, eight lose 2x)
+PANELS = not switched_off(os.environ, PANELS_ENV)
+
+
+def row_major_max_rows() -> int:
+    """Rows `gemm.linear` (and a MoE expert's group) run on the row-major kernel."""
+    return 1 if PANELS else ROW_MAJOR_MAX_ROWS
+
+
+def linear_max_rows() -> int:
+    """Rows `gemm.linear` sends to either kernel; more go to oneDNN."""
+    return PANEL_MAX_ROWS if PANELS else ROW_MAJOR_MAX_ROWS
 CFLAGS = ("-O3", "-shared", "-fPIC", "-std=c11")
 COMPILE_TIMEOUT_S = 120.0
 
@@ -113,6 +141,10 @@ class Kernel:
         jobs.restype = None
         jobs.argtypes = [ctypes.c_long] + [ctypes.c_void_p] * 4 + [ctypes.c_long] * 2
         self._jobs = jobs
+        self._lib.panel_pack.restype = None
+        self._lib.panel_pack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2
+        self._lib.paneldot.restype = None
+        self._lib.paneldot.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3
 
     def supported(self) -> bool:
         return bool(self._lib.rowdot_supported())
@@ -123,6 +155,21 @@ class Kernel:
         y = torch.empty(rows, out, dtype=torch.float32)
         self._fn(weight.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
                  out, n, rows)
+        return y
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """`weight` [out, n] in the panel layout `panels` reads (a new tensor, outputs padded to PANEL)."""
+        out, n = weight.shape
+        packed = torch.empty((out + PANEL - 1) // PANEL * PANEL * n, dtype=torch.float32)
+        self._lib.panel_pack(weight.data_ptr(), packed.data_ptr(), out, n)
+        return packed
+
+    def panels(self, x: torch.Tensor, packed: torch.Tensor, out: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """`x` [rows, n] times the weight `pack` laid out (`out` outputs): y [rows, out]."""
+        rows, n = x.shape
+        y = torch.empty(rows, out, dtype=torch.float32)
+        self._lib.paneldot(packed.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+                           out, n, rows)
         return y
 
     def grouped(self, x: torch.Tensor, weights: list[torch.Tensor], counts: list[int],

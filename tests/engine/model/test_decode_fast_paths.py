@@ -91,7 +91,7 @@ def test_one_token_moe_equals_sorted_dispatch(expert_range):
 def test_moe_experts_in_one_kernel_call_equal_one_linear_per_expert(monkeypatch, one_thread, tokens):
     """The chosen experts' products in one rowdot call per weight kind (`gemm.grouped_kernel`) give
     bitwise what one `linear` per expert gives: one token (4 experts), and 8 tokens routed so that one
-    expert takes all 8 rows (more than `rowdot.MAX_ROWS`: that group stays on `linear`)."""
+    expert takes all 8 rows (more than `rowdot.row_major_max_rows()`: that group stays on `linear`)."""
     monkeypatch.setattr(gemm, "ONEDNN_MIN_WEIGHT_ELEMENTS", 1)       # the tiny experts count as large
     model = tiny_model()
     model.fuse_linears()

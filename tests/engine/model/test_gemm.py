@@ -37,7 +37,7 @@ def test_linear_matches_aten(shape, out, bias):
 def test_fused_row_views_and_transposed_weights():
     """A fused tensor's member is a row view (oneDNN takes it); a transposed view goes to aten."""
     fused = torch.randn(3 * BIG, 256)
-    x = torch.randn(rowdot.MAX_ROWS + 1, 256)          # rows for oneDNN (fewer run on the rowdot kernel)
+    x = torch.randn(rowdot.linear_max_rows() + 1, 256)          # rows for oneDNN (fewer run on the rowdot kernel)
     with torch.inference_mode():
         torch.testing.assert_close(linear(x, fused[BIG:2 * BIG]), F.linear(x, fused[BIG:2 * BIG]), atol=1e-4, rtol=1e-5)
         transposed = torch.randn(256, BIG).t()                  # [BIG, 256], not row-major
@@ -81,11 +81,11 @@ def _count_calls(monkeypatch, op: str) -> list[tuple]:
 def test_float32_inference_runs_on_onednn(monkeypatch, one_thread):
     calls = _count_calls(monkeypatch, "_linear_pointwise")
     with torch.inference_mode():
-        linear(torch.randn(rowdot.MAX_ROWS + 1, 256), torch.randn(BIG, 256))
+        linear(torch.randn(rowdot.linear_max_rows() + 1, 256), torch.randn(BIG, 256))
         assert len(calls) == 1
-        linear(torch.randn(rowdot.MAX_ROWS + 1, 256), torch.randn(BIG - 1, 256))   # a small weight stays on MKL
+        linear(torch.randn(rowdot.linear_max_rows() + 1, 256), torch.randn(BIG - 1, 256))   # small: MKL
         assert len(calls) == 1
-        linear(torch.randn(rowdot.MAX_ROWS, 256), torch.randn(BIG, 256))
+        linear(torch.randn(rowdot.linear_max_rows(), 256), torch.randn(BIG, 256))
         assert len(calls) == (1 if rowdot.kernel() else 2)             # a few rows: the rowdot kernel
 
 
@@ -95,35 +95,46 @@ PACKED = gemm.BACKEND == "onednn-packed"
 @pytest.mark.skipif(not PACKED, reason="float linears do not run on packed oneDNN weights here")
 def test_packed_weights_give_the_row_major_product_and_rows_their_rows_in_a_batch(one_thread):
     gen = torch.Generator().manual_seed(1)
-    w, x = torch.randn(2 * BIG, 256, generator=gen), torch.randn(16, 256, generator=gen)
+    low = rowdot.linear_max_rows() + 1 if rowdot.kernel() else 1      # fewer rows run on the rowdot kernels
+    w, x = torch.randn(2 * BIG, 256, generator=gen), torch.randn(low + 16, 256, generator=gen)
     row_major = torch.ops.mkldnn._linear_pointwise
-    low = rowdot.MAX_ROWS + 1 if rowdot.kernel() else 1            # fewer rows run on the rowdot kernel
     with torch.inference_mode():
         batch = linear(x, w)
-        for rows in sorted({max(low, 2), 8, 16}):            # bitwise the product on the weight as stored
+        for rows in sorted({max(low, 2), low + 7, low + 16}):   # bitwise the product on the weight as stored
             assert torch.equal(linear(x[:rows], w), row_major(x[:rows], w, None, "none", [], ""))
-        for i in (0, 5, 16 - low):                           # batch-invariant: a row's value is its row's
+        for i in (0, 5, 16):                                 # batch-invariant: a row's value is its row's
             assert torch.equal(linear(x[i:i + low], w), batch[i:i + low])
 
 
-@pytest.mark.skipif(not PACKED, reason="float linears do not run on packed oneDNN weights here")
-def test_a_weight_is_packed_once_repacked_when_written_and_forgotten_when_freed(monkeypatch):
-    packs = _count_calls(monkeypatch, "_reorder_linear_weight")
+@pytest.mark.parametrize("copy", ["onednn-packed", "panels"])
+def test_a_weight_copy_is_made_once_remade_when_written_and_forgotten_when_freed(monkeypatch, one_thread, copy):
+    """oneDNN's packed copy (more rows than the kernels take) and the panel kernel's copy (2-16 rows)."""
+    if copy == "onednn-packed" and not PACKED:
+        pytest.skip("float linears do not run on packed oneDNN weights here")
+    if copy == "panels" and not (rowdot.kernel() and rowdot.PANELS):
+        pytest.skip("the rowdot panel kernel does not run here")
+    if copy == "onednn-packed":
+        packs, cache = _count_calls(monkeypatch, "_reorder_linear_weight"), gemm._PACKED
+        rows = rowdot.linear_max_rows() + 1
+    else:
+        packs, cache, rows = [], gemm._PANELS, 4
+        real = rowdot.Kernel.pack
+        monkeypatch.setattr(rowdot.Kernel, "pack", lambda self, w: packs.append(w) or real(self, w))
     layer = Linear(256, BIG)
-    x = torch.randn(rowdot.MAX_ROWS + 1, 256)          # rows for oneDNN (fewer run on the rowdot kernel)
+    x = torch.randn(rows, 256)
     with torch.no_grad():
         for _ in range(3):
             before = layer(x)
         assert len(packs) == 1
-        layer.weight.mul_(2.0)                              # an in-place load bumps the version: repack
+        layer.weight.mul_(2.0)                              # an in-place load bumps the version: a new copy
         after = layer(x)
     assert len(packs) == 2
     torch.testing.assert_close(after, F.linear(x, layer.weight.detach(), layer.bias.detach()), rtol=1e-5, atol=1e-4)
     assert not torch.allclose(after, before)
-    held = len(gemm._PACKED)
+    held = len(cache)
     del layer
     gc.collect()
-    assert len(gemm._PACKED) == held - 1
+    assert len(cache) == held - 1
 
 
 def _backend_in_child(value: str) -> subprocess.CompletedProcess:

@@ -1,5 +1,6 @@
-"""engine/model/rowdot.py: the kernel agrees with F.linear, sums a row the same way whatever rows are
-beside it, is what `gemm.linear` runs up to `MAX_ROWS` rows on, and steps aside cleanly."""
+"""engine/model/rowdot.py: both kernels (row-major, panels) and the grouped calls agree with F.linear, sum a
+row the same way whatever rows are beside it, are what `gemm.linear` runs up to sixteen rows on, and step
+aside cleanly."""
 from __future__ import annotations
 
 import os
@@ -62,36 +63,71 @@ def test_grouped_products_are_bitwise_one_call_per_group():
 
 
 @needs_kernel
-def test_linear_runs_a_few_rows_on_the_kernel_and_more_elsewhere(monkeypatch, one_thread):
-    """In a forward on one thread (the engine's small forwards); a threaded forward keeps oneDNN's."""
-    calls: list[tuple[int, ...]] = []
-    real = rowdot.Kernel.__call__
+@pytest.mark.parametrize("n", [1, 17, 1000])
+@pytest.mark.parametrize("out", [1, 32, 33, 100])
+@pytest.mark.parametrize("rows", [1, 5, 8, 17])
+@pytest.mark.parametrize("bias", [False, True])
+def test_panel_kernel_matches_f_linear(n, out, rows, bias):
+    """Outputs that fill panels exactly, leave a partial last panel, or fit in one; one pass of up to eight
+    rows, and more passes over the same panel."""
+    gen = torch.Generator().manual_seed(n * 1000 + out * 10 + rows)
+    x, w = torch.randn(rows, n, generator=gen), torch.randn(out, n, generator=gen)
+    b = torch.randn(out, generator=gen) if bias else None
+    got = KERNEL.panels(x, KERNEL.pack(w), out, b)
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5 * n ** 0.5)
 
-    def spy(self, x, weight, bias=None):
-        calls.append(tuple(x.shape))
-        return real(self, x, weight, bias)
 
-    monkeypatch.setattr(rowdot.Kernel, "__call__", spy)
+@needs_kernel
+def test_a_panel_row_is_bitwise_the_same_in_any_batch():
+    gen = torch.Generator().manual_seed(4)
+    x, w, b = torch.randn(17, 300, generator=gen), torch.randn(70, 300, generator=gen), torch.randn(70, generator=gen)
+    packed = KERNEL.pack(w)
+    together = KERNEL.panels(x, packed, 70, b)
+    for lo, hi in [(0, 1), (3, 4), (2, 5), (1, 9), (8, 16), (16, 17)]:
+        assert torch.equal(KERNEL.panels(x[lo:hi], packed, 70, b), together[lo:hi])
+
+
+def _spy(monkeypatch, name: str, calls: list) -> None:
+    real = getattr(rowdot.Kernel, name)
+
+    def spy(self, x, *rest):
+        calls.append((name, tuple(x.shape)))
+        return real(self, x, *rest)
+
+    monkeypatch.setattr(rowdot.Kernel, name, spy)
+
+
+@needs_kernel
+@pytest.mark.parametrize("panels", [True, False], ids=["panels", "panels-off"])
+def test_linear_runs_up_to_sixteen_rows_on_the_kernels_and_more_elsewhere(monkeypatch, one_thread, panels):
+    """In a forward on one thread (the engine's small forwards): one row on the row-major kernel, 2-16 on the
+    panels (with the panels off: 1-3 rows on the row-major kernel); a threaded forward keeps oneDNN's."""
+    monkeypatch.setattr(rowdot, "PANELS", panels)
+    calls: list[tuple[str, tuple[int, ...]]] = []
+    _spy(monkeypatch, "__call__", calls)
+    _spy(monkeypatch, "panels", calls)
     big = gemm.ONEDNN_MIN_WEIGHT_ELEMENTS // 256
     w, b = torch.randn(big, 256), torch.randn(big)
+    most = rowdot.linear_max_rows()
+    many = "panels" if panels else "__call__"
     with torch.inference_mode():
-        most = rowdot.MAX_ROWS
-        for shape in [(256,), (1, 256), (most, 256), (1, most, 256), (most + 1, 256), (8, 256)]:
+        for shape in [(256,), (1, 256), (2, 256), (most, 256), (1, most, 256), (most + 1, 256), (32, 256)]:
             x = torch.randn(*shape)
             got = gemm.linear(x, w, b)
             assert got.shape == (*shape[:-1], big)
             torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
         gemm.linear(torch.randn(1, 256), torch.randn(big - 1, 256))      # a small weight: aten's
         gemm.linear(torch.randn(2, 512)[:, ::2], w)                      # a strided input, copied for the kernel
-    assert calls == [(1, 256), (1, 256), (most, 256), (most, 256), (2, 256)]
+    assert calls == [("__call__", (1, 256)), ("__call__", (1, 256)), (many, (2, 256)), (many, (most, 256)),
+                     (many, (most, 256)), (many, (2, 256))]
     torch.set_num_threads(2)
     with torch.inference_mode():
-        x = torch.randn(1, 256)
+        x = torch.randn(2, 256)
         torch.testing.assert_close(gemm.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
-    assert len(calls) == 5
+    assert len(calls) == 6
     x = torch.randn(1, 256, requires_grad=True)                         # autograd needs aten's product
     gemm.linear(x, w).sum().backward()
-    assert x.grad is not None and len(calls) == 5
+    assert x.grad is not None and len(calls) == 6
 
 
 def _in_child(code: str, **env: str) -> subprocess.CompletedProcess:
