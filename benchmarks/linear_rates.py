@@ -1,6 +1,6 @@
 """How fast each float32 product streams its weight at decode's row counts, one thread, weights out of cache.
 
-Run: `python -m benchmarks.linear_rates [--shapes 2080x1024 768x512 ...] [--rows 1 2 4 8]` (about 1 minute).
+Run: `python -m benchmarks.linear_rates [--shapes 2080x1024 768x512 ...] [--rows 1 2 3 4 8 16]` (about 2 minutes).
 For every weight shape (default: the small preset's decode linears) it makes enough distinct weights to
 overflow the last-level cache, then times one product per weight in turn, best of `--repeats` passes:
   - `rowdot`: the row-major kernel (engine/model/rowdot.py; the engine uses it for one row), any row count here;
@@ -103,7 +103,7 @@ def table(results: list[dict[str, Any]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=SMALL_PRESET_SHAPES, help="OUTxIN weight shapes")
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 8, 16])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default="benchmarks/results/linear_rates.json")
     args = parser.parse_args()
