@@ -77,15 +77,15 @@ AVX512 void rowdot_jobs(long jobs, const long *weights, const long *xs, const lo
         rowdot((const float *)weights[j], (const float *)xs[j], 0, (float *)ys[j], out, n, rows[j]);
 }
 
-/* Products of 4 to 16 rows, where `rowdot` re-reads each weight row once per pair of input rows and
- * falls behind. The weight is first laid out in panels of PANEL outputs (`panel_pack`): panel p holds
+/* Products of 2 to 16 rows, where `rowdot` re-reads each weight row once per pair of input rows and
+ * falls behind from three rows on. The weight is first laid out in panels of PANEL outputs (`panel_pack`): panel p holds
  * W[p*PANEL + j, i] at [i][j], so for each input index i the PANEL weights it meets are contiguous, and a
  * pass over a panel streams it front to back while each input value is broadcast against them. Up to
  * eight rows share one pass (16 accumulators); more rows take more passes over the same panel, which
  * is then in L2.
  *
  * Every output is one fused multiply-add chain over i = 0 .. n-1 from zero, then + bias: the same for
- * any row count, so a row alone is bitwise that row in a batch. */
+ * any row count, so a row is bitwise the same in any batch these panels run. */
 #define PANEL 32
 
 /* w [out, n] row-major -> packed [ceil(out / PANEL)][n][PANEL], outputs past `out` zero */

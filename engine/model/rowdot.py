@@ -60,6 +60,8 @@ ENABLE_ENV = "KIMI_PD_CPU_ROWDOT"
 PANELS_ENV = "KIMI_PD_CPU_PANELS"      # 0: 1-3 rows on the row-major kernel, more on oneDNN (before the panels)
 CACHE_ENV = "KIMI_PD_KERNEL_CACHE"
 SOURCE = Path(__file__).with_name("rowdot.c")
+CFLAGS = ("-O3", "-shared", "-fPIC", "-std=c11")
+COMPILE_TIMEOUT_S = 120.0
 PANEL = 32                          # outputs per panel (rowdot.c)
 PANEL_MAX_ROWS = 16                 # rows `linear` sends to the panels: 2-8 gain, 16 about even with packed oneDNN
 ROW_MAJOR_MAX_ROWS = 3              # without the panels: rows on the row-major kernel (1-3 gain, eight lose 2x)
@@ -74,8 +76,6 @@ def row_major_max_rows() -> int:
 def linear_max_rows() -> int:
     """Rows `gemm.linear` sends to either kernel; more go to oneDNN."""
     return PANEL_MAX_ROWS if PANELS else ROW_MAJOR_MAX_ROWS
-CFLAGS = ("-O3", "-shared", "-fPIC", "-std=c11")
-COMPILE_TIMEOUT_S = 120.0
 
 
 def cache_dir() -> Path:
