@@ -134,13 +134,24 @@ def panel_weight(weight: torch.Tensor, kernel: rowdot.Kernel) -> torch.Tensor:
     return _kept_copy(_PANELS, weight, kernel.pack)
 
 
+def _float_inference(x: torch.Tensor, weights: tuple[torch.Tensor, ...] | list[torch.Tensor],
+                     bias: torch.Tensor | None = None) -> bool:
+    """A float32 product outside autograd with weights this module takes (large, row-major, on the CPU)."""
+    return (x.dtype == torch.float32 and all(_large_float_weight(w) for w in weights)
+            and not (torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)
+                                                  or (bias is not None and bias.requires_grad))))
+
+
+def _one_thread_kernel() -> rowdot.Kernel | None:
+    """The rowdot kernels, in a forward on one thread (a threaded one keeps oneDNN's threaded product)."""
+    return rowdot.kernel() if torch.get_num_threads() == 1 else None
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`: one row on the rowdot kernel, up to `rowdot.PANEL_MAX_ROWS` on its
     panels, more on oneDNN, where those are faster (see the module docstring and engine/model/rowdot.py)."""
-    if (x.dtype == torch.float32 and x.dim() >= 1 and x.shape[-1] == weight.shape[-1] and _large_float_weight(weight)
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                                  or (bias is not None and bias.requires_grad)))):
-        if _rowdot_fits(x, weight, bias) and torch.get_num_threads() == 1 and (kernel := rowdot.kernel()) is not None:
+    if x.dim() >= 1 and x.shape[-1] == weight.shape[-1] and _float_inference(x, (weight,), bias):
+        if _rowdot_fits(x, weight, bias) and (kernel := _one_thread_kernel()) is not None:
             x2 = x.reshape(-1, x.shape[-1]).contiguous()
             rows = (kernel.panels(x2, panel_weight(weight, kernel), weight.shape[0], bias)
                     if x2.shape[0] > rowdot.row_major_max_rows() else kernel(x2, weight, bias))
@@ -152,15 +163,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def grouped_kernel(x: torch.Tensor, weights: list[torch.Tensor]) -> rowdot.Kernel | None:
-    """The rowdot kernel when `linear` would run each of `weights` on it for a few rows
-    of `x` (float32 inference on one thread, every weight large and row-major), else None: the MoE
-    dispatch then runs its chosen experts' products in one kernel call (`Kernel.grouped`), bitwise what
-    one `linear` call per expert gives."""
-    if (x.dtype != torch.float32 or x.device.type != "cpu" or torch.get_num_threads() != 1
-            or (torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)))
-            or not all(_large_float_weight(w) for w in weights)):
-        return None
-    return rowdot.kernel()
+    """The rowdot kernel when `linear` would run each of `weights` on it for a few rows of `x`, else None:
+    the MoE dispatch then runs its chosen experts' products in one kernel call (`Kernel.grouped`),
+    bitwise what one `linear` call per expert gives."""
+    return _one_thread_kernel() if x.device.type == "cpu" and _float_inference(x, weights) else None
 
 
 class Linear(nn.Linear):

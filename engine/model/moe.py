@@ -214,12 +214,10 @@ class LatentMoE(nn.Module):
         if kernel is not None:           # the groups `linear` runs on the row-major kernel, in one call
             return self._float_experts_grouped(kernel, rows.contiguous(), sizes, gemms)
         parts, runs, pos = [], [], 0
-        for n, (w13, w1, w3, w2, max_rows) in zip(sizes, gemms, strict=True):
+        for n, expert in zip(sizes, gemms, strict=True):
             if n:
-                r = rows[pos: pos + n]
-                parts.append(linear(r, w13) if n <= max_rows
-                             else torch.cat([linear(r, w1), linear(r, w3)], dim=-1))
-                runs.append((w2, pos, pos + n))
+                parts.append(_fused_gate_up(rows[pos: pos + n], expert))
+                runs.append((expert[3], pos, pos + n))
                 pos += n
         gate_up = _cat(parts)
         inter = gate_up.shape[-1] // 2
@@ -234,10 +232,7 @@ class LatentMoE(nn.Module):
         bounds = list(itertools.accumulate(sizes, initial=0))
         big = [(i, bounds[i], bounds[i + 1]) for i, n in enumerate(sizes) if n > most]
         for i, lo, hi in big:
-            w13, w1, w3, _, max_rows = gemms[i]
-            r = rows[lo:hi]
-            gate_up[lo:hi] = (linear(r, w13) if hi - lo <= max_rows
-                              else torch.cat([linear(r, w1), linear(r, w3)], dim=-1))
+            gate_up[lo:hi] = _fused_gate_up(rows[lo:hi], gemms[i])
         inter = gate_up.shape[-1] // 2
         act = situ(gate_up[:, :inter], gate_up[:, inter:], self.beta, self.linear_beta).contiguous()
         out = kernel.grouped(act, [g[3] for g in gemms], sizes, most)
@@ -255,6 +250,13 @@ class LatentMoE(nn.Module):
             # where, not a product: an unchosen expert's output never reaches the sum, whatever its value
             y = y + torch.where(w != 0, upcast(self._expert(e, h)) * w, 0.0)
         return y
+
+
+def _fused_gate_up(rows: torch.Tensor, expert: tuple) -> torch.Tensor:
+    """One fused float expert's w1|w3 on its rows: one GEMM up to the rows it beats its members at
+    (`fused_gemm_max_rows`), w1 and w3 apart above."""
+    w13, w1, w3, _, max_rows = expert
+    return linear(rows, w13) if rows.shape[0] <= max_rows else torch.cat([linear(rows, w1), linear(rows, w3)], dim=-1)
 
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -88,6 +88,8 @@ AVX512 void rowdot_jobs(long jobs, const long *weights, const long *xs, const lo
  * any row count, so a row is bitwise the same in any batch these panels run. */
 #define PANEL 32
 
+long panel_width(void) { return PANEL; }     /* what rowdot.py sizes a packed weight by */
+
 /* w [out, n] row-major -> packed [ceil(out / PANEL)][n][PANEL], outputs past `out` zero */
 void panel_pack(const float *w, float *packed, long out, long n) {
     const long panels = (out + PANEL - 1) / PANEL;

@@ -62,7 +62,6 @@ CACHE_ENV = "KIMI_PD_KERNEL_CACHE"
 SOURCE = Path(__file__).with_name("rowdot.c")
 CFLAGS = ("-O3", "-shared", "-fPIC", "-std=c11")
 COMPILE_TIMEOUT_S = 120.0
-PANEL = 32                          # outputs per panel (rowdot.c)
 PANEL_MAX_ROWS = 16                 # rows `linear` sends to the panels: 2-8 gain, 16 about even with packed oneDNN
 ROW_MAJOR_MAX_ROWS = 3              # without the panels: rows on the row-major kernel (1-3 gain, eight lose 2x)
 PANELS = not switched_off(os.environ, PANELS_ENV)
@@ -145,6 +144,8 @@ class Kernel:
         self._lib.panel_pack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_long] * 2
         self._lib.paneldot.restype = None
         self._lib.paneldot.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3
+        self._lib.panel_width.restype = ctypes.c_long
+        self.panel = int(self._lib.panel_width())          # outputs per panel, as rowdot.c lays them out
 
     def supported(self) -> bool:
         return bool(self._lib.rowdot_supported())
@@ -158,9 +159,10 @@ class Kernel:
         return y
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        """`weight` [out, n] in the panel layout `panels` reads (a new tensor, outputs padded to PANEL)."""
+        """`weight` [out, n] (contiguous float32) in the panel layout `panels` reads: a new tensor, the
+        outputs padded to a whole panel."""
         out, n = weight.shape
-        packed = torch.empty((out + PANEL - 1) // PANEL * PANEL * n, dtype=torch.float32)
+        packed = torch.empty(-(-out // self.panel) * self.panel * n, dtype=torch.float32)
         self._lib.panel_pack(weight.data_ptr(), packed.data_ptr(), out, n)
         return packed
 
@@ -203,22 +205,23 @@ class Kernel:
 
 
 def _agrees(kernel: Kernel) -> bool:
-    """The kernel matches F.linear on a product with a ragged width and a bias (a wrong build or ABI
-    would show here, before any model output depends on it)."""
+    """Each entry (row-major, grouped, panels) matches F.linear on a product with a ragged width and a
+    bias (a wrong build or ABI would show here, before any model output depends on it)."""
     gen = torch.Generator().manual_seed(0)
     w, x, b = (torch.randn(37, 83, generator=gen), torch.randn(2, 83, generator=gen),
                torch.randn(37, generator=gen))
     w2 = torch.randn(37, 83, generator=gen)
-    grouped = kernel.grouped(x, [w, w2], [1, 1])
-    return (torch.allclose(kernel(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
-            and torch.allclose(grouped, torch.cat([F.linear(x[:1], w), F.linear(x[1:], w2)]), rtol=1e-5, atol=1e-5))
+    checks = [(kernel(x, w, b), F.linear(x, w, b)),
+              (kernel.grouped(x, [w, w2], [1, 1]), torch.cat([F.linear(x[:1], w), F.linear(x[1:], w2)])),
+              (kernel.panels(x, kernel.pack(w), w.shape[0], b), F.linear(x, w, b))]   # 37: a partial panel
+    return all(torch.allclose(got, want, rtol=1e-5, atol=1e-5) for got, want in checks)
 
 
 @functools.cache
 def kernel() -> Kernel | None:
     """The kernel, built and checked once per process; None (and one log line) where it cannot run."""
     if switched_off(os.environ, ENABLE_ENV):
-        log.info("rowdot kernel off (%s=0): linears of one to three rows stay on oneDNN/MKL", ENABLE_ENV)
+        log.info("rowdot kernel off (%s=0): linears of one to sixteen rows stay on oneDNN/MKL", ENABLE_ENV)
         return None
     if platform.machine() not in ("x86_64", "AMD64") or platform.system() != "Linux":
         log.info("rowdot kernel not built: it is written for x86-64 Linux (this is %s %s)",
@@ -227,7 +230,7 @@ def kernel() -> Kernel | None:
     try:
         k = Kernel(build())
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        log.warning("rowdot kernel unavailable, linears of one to three rows stay on oneDNN/MKL: %s", exc)
+        log.warning("rowdot kernel unavailable, linears of one to sixteen rows stay on oneDNN/MKL: %s", exc)
         return None
     if not k.supported():
         log.info("rowdot kernel not used: this CPU lacks AVX-512F")
