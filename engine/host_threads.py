@@ -61,7 +61,7 @@ def openmp_settings(env: Mapping[str, str] | None = None) -> dict[str, str | Non
     """What this process runs with (for logs and benchmark results)."""
     env = os.environ if env is None else env
     return {k: env.get(k) for k in ("OMP_NUM_THREADS", *WAIT_KNOBS, OPT_OUT, SMALL_FORWARD_ENV, "KIMI_PD_CPU_GEMM",
-                                 "KIMI_PD_CPU_ROWDOT")}
+                                 "KIMI_PD_CPU_ROWDOT", "KIMI_PD_CPU_PANELS", "KIMI_PD_CPU_DECODE_OPS")}
 
 
 # ---- intra-op threads per forward ---------------------------------------------------------------

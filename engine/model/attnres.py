@@ -4,8 +4,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.model import decode_ops
 from engine.model.gemm import Linear
 from engine.model.layers import NormWeight, cast, inference_cached, rms_norm, upcast
+
+# Rows up to which the C form runs (decode and verification steps); prefill keeps torch's threaded ops.
+C_MAX_ROWS = 256
 
 
 def attn_res(sources: list[torch.Tensor], proj_weight: torch.Tensor, norm_weight: torch.Tensor,
@@ -14,8 +18,13 @@ def attn_res(sources: list[torch.Tensor], proj_weight: torch.Tensor, norm_weight
 
     Keys are the sources RMS-normalised WITHOUT weight; the pseudo-query is norm.w * proj.w (pass
     `query`, from `site_query`, to skip recomputing it); the output is the softmax-weighted sum of
-    the UN-normalised sources, cast to the sources' dtype.
+    the UN-normalised sources, cast to the sources' dtype. Float32 steps of at most C_MAX_ROWS rows
+    run it in one C call (engine/model/decode_ops.py), equal to this form to rounding.
     """
+    if query is not None and len(sources[0]) <= C_MAX_ROWS:
+        ops = decode_ops.usable(query, *sources)
+        if ops is not None and all(s.is_contiguous() for s in sources) and query.is_contiguous():
+            return ops.attn_res(sources, query, eps)
     v = upcast(torch.stack(sources, dim=1))                                   # [T, n, D]
     keys = rms_norm(v, None, eps)           # v * rsqrt(mean(v^2) + eps), one call in fp32/fp64
     if query is None:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.model import choices
+from engine.model import choices, decode_ops
 from engine.model.forward_batch import ForwardBatch, HybridCacheTensors, SequenceSlice, StaticDecode
 from engine.model.fused import fuse_linears, project
 from engine.model.gemm import Linear
@@ -77,12 +77,11 @@ class KimiDeltaAttention(nn.Module):
         """x: [N, D] normalised layer input of every new token; updates each slice's KDA state in place."""
         h, k = self.num_heads, self.head_dim
         qkv, f_a, b, gate = project(self, x, self._input_linears(), (3, 1, 1, 1))  # qkv [N, 3HK] pre-conv
-        g = kda_gate(self.f_b_proj(f_a).view(-1, h, k), self.head_a_log(), self.dt_bias, self.lower_bound)
-        beta = torch.sigmoid(upcast(b))
+        f_b = self.f_b_proj(f_a)
         if batch.decode is not None:
-            out = self._decode_static(qkv, g, beta, batch, batch.decode)
+            out = self._decode_static(qkv, *self._gates(f_b, b), batch, batch.decode)
         else:
-            out = self._forward_slices(qkv, g, beta, batch)
+            out = self._forward_slices(qkv, f_b, b, batch)
         gate = gate.view(-1, h, k)
         y = upcast(rms_norm(out, self.o_norm.weight, self.eps)) * torch.sigmoid(upcast(gate))
         return self.o_proj(cast(y, x.dtype).reshape(x.shape[0], h * k))
@@ -96,27 +95,72 @@ class KimiDeltaAttention(nn.Module):
         """q/k/v/f_a/b/g as one GEMM per weight kind (engine/model/fused.py); after any sharding."""
         fuse_linears(self, self._input_linears(), (3, 1, 1, 1))
 
-    def _forward_slices(self, qkv, g, beta, batch: ForwardBatch) -> torch.Tensor:
+    def _gates(self, f_b: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-decay g [N, H, K], beta [N, H]) from the gate projection's output and the beta logits."""
+        g = kda_gate(f_b.view(-1, self.num_heads, self.head_dim), self.head_a_log(), self.dt_bias, self.lower_bound)
+        return g, torch.sigmoid(upcast(b))
+
+    def _forward_slices(self, qkv, f_b, b, batch: ForwardBatch) -> torch.Tensor:
         h, k = self.num_heads, self.head_dim
-        cache, conv_w = batch.cache, self.conv_weight()
+        cache = batch.cache
+        conv_store, rec_store = cache.kda_conv[self.layer_id], cache.kda_recurrent[self.layer_id]
         for s in batch.slices:
             if s.reset_kda_state:
-                cache.kda_conv[self.layer_id][s.kda_slot].zero_()
-                cache.kda_recurrent[self.layer_id][s.kda_slot].zero_()
+                conv_store[s.kda_slot].zero_()
+                rec_store[s.kda_slot].zero_()
         decode = [i for i, s in enumerate(batch.slices) if s.num_new_tokens == 1 and not s.snapshots]
-        if len(decode) == qkv.shape[0]:                   # a pure decode batch: row i is slice i
-            return self._decode_rows(qkv, g, beta, conv_w, batch, _decode_slots(decode, batch, qkv.device))
-        out = qkv.new_empty(qkv.shape[0], h, k, dtype=upcast(qkv).dtype)
-        if decode:
-            self._decode_step(decode, qkv, g, beta, conv_w, batch, out)
         verify = [i for i, s in enumerate(batch.slices) if s.spec_slots]
-        if verify:
-            self._verify_steps(verify, qkv, g, beta, conv_w, batch, out)
+        ops = decode_ops.usable(qkv, f_b, conv_store, rec_store) if k <= decode_ops.MAX_HEAD_DIM else None
+        if ops is not None and len(decode) == qkv.shape[0]:       # a pure decode batch: row i is slice i
+            return self._decode_in_c(ops, qkv, f_b, b, batch, decode, 1)
+        out = qkv.new_empty(qkv.shape[0], h, k, dtype=upcast(qkv).dtype)
+        if ops is not None:
+            for idx, tokens in [(decode, 1), *_by_length(verify, batch)]:
+                if idx:
+                    rows = _token_rows(idx, tokens, batch, qkv.device)
+                    out[rows] = self._decode_in_c(ops, qkv[rows], f_b[rows], b[rows], batch, idx, tokens)
+            done = set(decode) | set(verify)
+            if all(i in done or not s.num_new_tokens for i, s in enumerate(batch.slices)):
+                return out
+        g, beta = self._gates(f_b, b)
+        conv_w = self.conv_weight()
+        if ops is None:
+            if len(decode) == qkv.shape[0]:
+                return self._decode_rows(qkv, g, beta, conv_w, batch, _decode_slots(decode, batch, qkv.device))
+            if decode:
+                self._decode_step(decode, qkv, g, beta, conv_w, batch, out)
+            if verify:
+                self._verify_steps(verify, qkv, g, beta, conv_w, batch, out)
         decode_set = set(decode) | set(verify)
         for i, s in enumerate(batch.slices):
             if i not in decode_set and s.num_new_tokens:
                 self._sequence(s, batch.token_offsets[i], qkv, g, beta, conv_w, cache, out)
         return out
+
+    def _decode_in_c(self, ops: decode_ops.DecodeOps, qkv, f_b, b, batch: ForwardBatch, idx: list[int],
+                     tokens: int) -> torch.Tensor:
+        """The slices `idx`, `tokens` new tokens each (rows slice by slice), through `kda_decode`: plain
+        decoding (one token) and speculative verification (the state after each token but the last also
+        kept in the slice's per-position slots), both updating the cache in place."""
+        slots, spec = _c_slots(idx, tokens, batch)
+        lower = self.lower_bound
+        raw = f_b if lower is not None else kda_gate(
+            f_b.view(-1, self.num_heads, self.head_dim), self.head_a_log(), self.dt_bias, None).view(f_b.shape)
+        return ops.kda_decode(qkv, raw.contiguous(), upcast(b).contiguous(), self._conv_kernel_t(),
+                              self._head_decay_rate() if lower is not None else None, self.dt_bias, lower,
+                              batch.cache.kda_conv[self.layer_id], batch.cache.kda_recurrent[self.layer_id],
+                              slots, spec, self.head_dim ** -0.5)
+
+    def _conv_kernel_t(self) -> torch.Tensor:
+        """The conv kernels as `kda_decode` reads them, [W, 3HK] (kept for inference)."""
+        kernels = [m.weight for m in (self.q_conv1d, self.k_conv1d, self.v_conv1d)]
+        return inference_cached(self, "_conv_kernel_t_cache", kernels,
+                                lambda: self.conv_weight().t().contiguous().float())
+
+    def _head_decay_rate(self) -> torch.Tensor:
+        """exp(A_log) per head, float32 (kept for inference)."""
+        return inference_cached(self, "_decay_rate_cache", (self.A_log,),
+                                lambda: upcast(self.head_a_log()).exp().float().contiguous())
 
     def _decode_static(self, qkv, g, beta, batch: ForwardBatch, d: StaticDecode) -> torch.Tensor:
         """A capture-safe decode step (`StaticDecode`): every row one token; a fresh row's state is
@@ -222,6 +266,34 @@ class KimiDeltaAttention(nn.Module):
             o, s = kda_recurrent(q[None], k[None], v[None], g[None], beta[None], state[None], scale)
             return o[0], s[0]
         return kda_chunked(q, k, v, g, beta, state, scale, opts.chunk_size)
+
+
+def _by_length(idx: list[int], batch: ForwardBatch) -> list[tuple[list[int], int]]:
+    """The verifying slices `idx` grouped by their number of new tokens."""
+    groups: dict[int, list[int]] = {}
+    for i in idx:
+        groups.setdefault(batch.slices[i].num_new_tokens, []).append(i)
+    return [(group, tokens) for tokens, group in groups.items()]
+
+
+def _token_rows(idx: list[int], tokens: int, batch: ForwardBatch, device: torch.device) -> torch.Tensor:
+    """The rows of the slices `idx`' new tokens, slice by slice: [len(idx) * tokens]."""
+    starts = torch.tensor([batch.token_offsets[i] for i in idx], device=device)
+    return (starts[:, None] + torch.arange(tokens, device=device)).reshape(-1)
+
+
+def _c_slots(idx: list[int], tokens: int, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(KDA slots [B], per-position slots [B, tokens-1] or None) of the slices `idx`, as int64 tensors:
+    the same for every KDA layer of a forward, so built once per batch."""
+    memo = batch.__dict__.setdefault("_kda_c_slots", {})
+    key = (tuple(idx), tokens)
+    hit = memo.get(key)
+    if hit is None:
+        slots = torch.tensor([batch.slices[i].kda_slot for i in idx], dtype=torch.int64)
+        spec = (torch.tensor([batch.slices[i].spec_slots for i in idx], dtype=torch.int64).reshape(len(idx), tokens - 1)
+                if tokens > 1 else None)
+        hit = memo[key] = (slots, spec)
+    return hit
 
 
 def _decode_slots(idx: list[int], batch: ForwardBatch, device: torch.device) -> torch.Tensor | slice:

@@ -7,7 +7,7 @@ import typing
 import torch
 from torch import nn
 
-from engine.model import rowdot
+from engine.model import decode_ops, rowdot
 from engine.model.fused import EXPERT_GEMMS_ATTR, FUSED_ATTR, fuse_linears, fused_gemm_max_rows, project
 from engine.model.gemm import Linear, grouped_kernel, linear
 from engine.model.layers import RMSNorm, SiTUMLP, cast, situ, upcast
@@ -18,8 +18,13 @@ def route(logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int, renor
           scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Sigmoid router, noaux_tc: the bias only picks experts, weights come from the unbiased scores.
 
-    logits: [T, E] fp32. Returns (weights [T, k] fp32, expert ids [T, k] int64).
+    logits: [T, E] fp32. Returns (weights [T, k] fp32, expert ids [T, k] int64). Float32 inference runs
+    it in one C call (engine/model/decode_ops.py; the same choice, weights equal to rounding).
     """
+    if top_k <= logits.shape[-1] and logits.dim() == 2:
+        ops = decode_ops.usable(logits, correction_bias)
+        if ops is not None and correction_bias.is_contiguous():
+            return ops.route(logits, correction_bias, top_k, renormalize, scaling)
     scores = torch.sigmoid(upcast(logits))
     ids = torch.topk(scores + upcast(correction_bias), top_k, dim=-1).indices
     weights = scores.gather(-1, ids)

@@ -61,6 +61,7 @@ PANELS_ENV = "KIMI_PD_CPU_PANELS"      # 0: 1-3 rows on the row-major kernel, mo
 CACHE_ENV = "KIMI_PD_KERNEL_CACHE"
 SOURCE = Path(__file__).with_name("rowdot.c")
 CFLAGS = ("-O3", "-shared", "-fPIC", "-std=c11")
+LDLIBS = ("-lm",)                  # decode_ops.c calls expf/sqrtf
 COMPILE_TIMEOUT_S = 120.0
 PANEL_MAX_ROWS = 16                 # rows `linear` sends to the panels: 2-8 gain, 16 about even with packed oneDNN
 ROW_MAJOR_MAX_ROWS = 3              # without the panels: rows on the row-major kernel (1-3 gain, eight lose 2x)
@@ -93,28 +94,30 @@ def _digest(*parts: str) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
 
 
-def build(out_dir: Path | None = None) -> Path:
-    """The kernel's shared library, compiled unless one for this source and compiler is cached. Written
-    under a temporary name and renamed, so processes building at once never load a half-written file.
-    A host without a compiler takes a library built for this source by any compiler (an image builds it
-    while it has gcc and drops gcc after: deploy/docker/Dockerfile)."""
+def build(out_dir: Path | None = None, source: Path = SOURCE) -> Path:
+    """The shared library of `source` (this kernel's by default; engine/model/decode_ops.c too), compiled
+    unless one for this source and compiler is cached. Written under a temporary name and renamed, so
+    processes building at once never load a half-written file. A host without a compiler takes a library
+    built for this source by any compiler (an image builds it while it has gcc and drops gcc after:
+    deploy/docker/Dockerfile)."""
     out_dir = out_dir or cache_dir()
-    source = _digest(SOURCE.read_text(), *CFLAGS)
+    stem = source.stem
+    digest = _digest(source.read_text(), *CFLAGS, *LDLIBS)
     cc = _compiler()
     if cc is None:
-        built = sorted(out_dir.glob(f"rowdot-{source}-*.so"))
+        built = sorted(out_dir.glob(f"{stem}-{digest}-*.so"))
         if built:
             return built[0]
         raise RuntimeError(f"no C compiler (set CC or install gcc) and no library built for this source in {out_dir}")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    lib = out_dir / f"rowdot-{source}-{_digest(version)}.so"
+    lib = out_dir / f"{stem}-{digest}-{_digest(version)}.so"
     if lib.exists():
         return lib
     out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".rowdot-", suffix=".so")
+    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{stem}-", suffix=".so")
     os.close(fd)
     try:
-        done = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
+        done = subprocess.run([cc, *CFLAGS, "-o", tmp, str(source), *LDLIBS], capture_output=True, text=True,
                               timeout=COMPILE_TIMEOUT_S)
         if done.returncode != 0:
             raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-500:]}")
@@ -241,6 +244,8 @@ def kernel() -> Kernel | None:
     return k
 
 
-if __name__ == "__main__":            # `python -m engine.model.rowdot DIR`: build into DIR (an image's build step)
+if __name__ == "__main__":    # `python -m engine.model.rowdot DIR`: build both C libraries into DIR (an image's step)
     import sys
-    print(build(Path(sys.argv[1]) if len(sys.argv) > 1 else None))
+    target = Path(sys.argv[1]) if len(sys.argv) > 1 else None
+    print(build(target))
+    print(build(target, SOURCE.with_name("decode_ops.c")))

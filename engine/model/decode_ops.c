@@ -1,0 +1,185 @@
+/* One Kimi Delta Attention token per call site, whole: short conv, l2 norms, gate, delta rule, output.
+ *
+ * Why: in a float32 decode step on one CPU thread the recurrence of one KDA layer is about forty small
+ * torch operators (conv window, SiLU, two l2 norms, the gate's sigmoid, the state's decay, S^T k, the
+ * rank-one update, S^T q), each a dispatch of a few microseconds over a few kilobytes; here it is one
+ * pass per head over a state that stays in L1 (engine/model/decode_ops.py).
+ *
+ * The arithmetic is the recurrence of engine/model/kda_ops.py, token by token, in float32:
+ *   y = silu(sum_w state_w * conv_w + x * conv_last);  q, k = l2norm(q), l2norm(k);  q *= scale
+ *   g = lower * sigmoid(a_h * (raw + dt_bias))  (or the given log-decay);  beta = sigmoid(b)
+ *   S = exp(g) S;  S += beta k (v - S^T k)^T;  o = S^T q
+ * It differs from the torch form in rounding only (sums in another order), and every token of every
+ * caller (plain decoding, speculative verification) runs this same code, so a token's result does not
+ * depend on the path that ran it.
+ */
+#include <math.h>
+#include <string.h>
+
+#define HOT __attribute__((target("avx2,fma")))
+
+static inline float sigmoidf(float z) { return 1.0f / (1.0f + expf(-z)); }
+
+/* sum a[i] * b[i] in 16 lanes (a float sum in one chain would not vectorise: C keeps its order) */
+HOT static inline float dot(const float *a, const float *b, long n) {
+    float lane[16] = {0};
+    long i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int l = 0; l < 16; l++)
+            lane[l] += a[i + l] * b[i + l];
+    float s = 0.0f;
+    for (int l = 0; l < 16; l++)
+        s += lane[l];
+    for (; i < n; i++)
+        s += a[i] * b[i];
+    return s;
+}
+
+/* The conv of one token over channels [0, C): y = silu(window . kernel), then the window moves on.
+ * state [W-1][C] (oldest first), kernel_t [W][C] (the conv kernels transposed), x [C]. */
+HOT static void conv_token(float *state, const float *kernel_t, const float *x, float *y, long C, long W) {
+    for (long c = 0; c < C; c++) {
+        float s = 0.0f;
+        for (long w = 0; w < W - 1; w++)
+            s += state[w * C + c] * kernel_t[w * C + c];
+        s += x[c] * kernel_t[(W - 1) * C + c];
+        y[c] = s / (1.0f + expf(-s));
+    }
+    if (W > 1) {
+        memmove(state, state + C, (size_t)(W - 2) * C * sizeof(float));
+        memcpy(state + (W - 2) * C, x, (size_t)C * sizeof(float));
+    }
+}
+
+HOT static void l2norm(float *x, long n, float times) {
+    const float r = times / sqrtf(dot(x, x, n) + 1e-6f);
+    for (long i = 0; i < n; i++)
+        x[i] *= r;
+}
+
+/* One head's delta rule on S [K][V] in place; q already scaled; o [V] out. */
+HOT static void delta_rule(float *S, const float *q, const float *k, const float *v, const float *decay,
+                           float beta, float *o, float *mem, long K, long V) {
+    for (long j = 0; j < V; j++)
+        mem[j] = 0.0f;
+    for (long i = 0; i < K; i++) {
+        float *row = S + i * V;
+        const float d = decay[i], ki = k[i];
+        for (long j = 0; j < V; j++) {
+            row[j] *= d;
+            mem[j] += ki * row[j];
+        }
+    }
+    for (long j = 0; j < V; j++) {
+        mem[j] = beta * (v[j] - mem[j]);          /* delta */
+        o[j] = 0.0f;
+    }
+    for (long i = 0; i < K; i++) {
+        float *row = S + i * V;
+        const float ki = k[i], qi = q[i];
+        for (long j = 0; j < V; j++) {
+            row[j] += ki * mem[j];
+            o[j] += qi * row[j];
+        }
+    }
+}
+
+/* B sequences of T tokens each (T > 1: speculative verification). Row r = b * T + t of qkv [rows][qkv_step]
+ * holds the pre-conv q|k|v ([3][H][K]); raw [rows][H*K] the gate logits (or, with a_h == NULL, the
+ * log-decay itself); b_raw [rows][H] the beta logits. conv_store [slots][W-1][3HK] and rec_store
+ * [slots][H][K][V] are the cache, updated in place at slots[b]; after token t < T-1 the state is also
+ * copied to spec[b * (T-1) + t] (when spec is not NULL). out [rows][H][V]. */
+HOT void kda_decode(long B, long T, long H, long K, long V, long W,
+                    const float *qkv, long qkv_step, const float *kernel_t,
+                    const float *raw, const float *a_h, const float *dt_bias, float lower,
+                    const float *b_raw, float *conv_store, float *rec_store,
+                    const long *slots, const long *spec, float scale, float *out) {
+    const long C = 2 * H * K + H * V, state_size = H * K * V, conv_size = (W - 1) * C;
+    for (long b = 0; b < B; b++) {
+        float *conv = conv_store + slots[b] * conv_size;
+        float *rec = rec_store + slots[b] * state_size;
+        for (long t = 0; t < T; t++) {
+            const long r = b * T + t;
+            float mixed[C];
+            conv_token(conv, kernel_t, qkv + r * qkv_step, mixed, C, W);
+            for (long h = 0; h < H; h++) {
+                float *q = mixed + h * K, *k = mixed + H * K + h * K, *v = mixed + 2 * H * K + h * V;
+                float decay[K], mem[V];
+                l2norm(q, K, scale);
+                l2norm(k, K, 1.0f);
+                const float *gr = raw + r * H * K + h * K;
+                for (long i = 0; i < K; i++) {
+                    const float g = a_h ? lower * sigmoidf(a_h[h] * (gr[i] + dt_bias[h * K + i])) : gr[i];
+                    decay[i] = expf(g);
+                }
+                delta_rule(rec + h * K * V, q, k, v, decay, sigmoidf(b_raw[r * H + h]), out + r * H * V + h * V,
+                           mem, K, V);
+            }
+            if (spec && t < T - 1) {
+                const long s = spec[b * (T - 1) + t];
+                memcpy(conv_store + s * conv_size, conv, (size_t)conv_size * sizeof(float));
+                memcpy(rec_store + s * state_size, rec, (size_t)state_size * sizeof(float));
+            }
+        }
+    }
+}
+
+/* Block Attention Residuals for rows [T] of n sources (pointers to [T][D] float32 each, row stride D):
+ * per row, the softmax over sources of rms_normalised(source) . query, then the weighted sum of the
+ * un-normalised sources (engine/model/attnres.py, whose torch form it equals to rounding). */
+HOT void attn_res_rows(long n, const float *const *sources, long T, long D, const float *query, float eps,
+                       float *out) {
+    float logit[n];
+    for (long t = 0; t < T; t++) {
+        float top = -INFINITY;
+        for (long i = 0; i < n; i++) {
+            const float *v = sources[i] + t * D;
+            logit[i] = dot(v, query, D) / sqrtf(dot(v, v, D) / (float)D + eps);
+            top = logit[i] > top ? logit[i] : top;
+        }
+        float total = 0.0f;
+        for (long i = 0; i < n; i++) {
+            logit[i] = expf(logit[i] - top);
+            total += logit[i];
+        }
+        float *y = out + t * D;
+        for (long d = 0; d < D; d++)
+            y[d] = 0.0f;
+        for (long i = 0; i < n; i++) {
+            const float p = logit[i] / total, *v = sources[i] + t * D;
+            for (long d = 0; d < D; d++)
+                y[d] += p * v[d];
+        }
+    }
+}
+
+/* The MoE router's choice for rows [T] of logits (row stride `step`): sigmoid scores, the top_k of
+ * score + bias (ties to the lower expert), weights the unbiased scores of those, renormalised to sum 1
+ * when asked (k > 1), times `scaling` (engine/model/moe.py's `route`, equal to rounding). */
+void moe_route(long T, long E, const float *logits, long step, const float *bias, long top_k, int renormalize,
+               float scaling, float *weights, long *ids) {
+    float score[E], biased[E];
+    for (long t = 0; t < T; t++) {
+        for (long e = 0; e < E; e++) {
+            score[e] = sigmoidf(logits[t * step + e]);
+            biased[e] = score[e] + bias[e];
+        }
+        float total = 0.0f;
+        for (long j = 0; j < top_k; j++) {
+            long best = -1;
+            for (long e = 0; e < E; e++)
+                if (biased[e] != -INFINITY && (best < 0 || biased[e] > biased[best]))
+                    best = e;
+            biased[best] = -INFINITY;
+            ids[t * top_k + j] = best;
+            weights[t * top_k + j] = score[best];
+            total += score[best];
+        }
+        for (long j = 0; j < top_k; j++) {
+            float w = weights[t * top_k + j];
+            if (renormalize && top_k > 1)
+                w = w / (total + 1e-20f);
+            weights[t * top_k + j] = scaling == 1.0f ? w : w * scaling;
+        }
+    }
+}

@@ -1,0 +1,174 @@
+"""A KDA layer's per-token recurrence in one C call (`decode_ops.c`) for float32 decoding on the CPU.
+
+Why: at batch 1 a decode step of the small preset spent about 3.5 ms of its ~28 in the KDA layers'
+recurrent work outside the linears: about forty torch operators per layer (short conv, SiLU, l2 norms,
+gate, decay, delta rule), each a few microseconds of dispatch over a few kilobytes. `kda_decode` does a
+layer's tokens in one pass per head over the state in the cache, in place. The same library mixes a
+step's AttnRes sources (`attn_res`) and picks a MoE layer's experts (`route`), a few more small
+operators each (benchmarks/results/engine_throughput.md).
+
+It serves every token the recurrent decode form serves: plain decoding (one token per sequence, any
+slots) and speculative verification (T tokens per sequence, the state after each kept in the sequence's
+per-position slots), so a token's arithmetic never depends on which of the two ran it. Prefill keeps the
+chunked torch form. It differs from the torch recurrence in rounding only; the load-time check and
+tests/engine/model/test_decode_ops.py hold it to the torch form.
+
+Used where `rowdot.kernel()` can be (x86-64 Linux, a C compiler or a prebuilt library, not switched off)
+for float32 caches outside autograd, at any thread count; `KIMI_PD_CPU_DECODE_OPS=0` keeps the torch form (A/B runs).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import subprocess
+
+import torch
+
+from engine.host_threads import switched_off
+from engine.model import rowdot
+from engine.model.kda_ops import causal_conv_steps, kda_gate, kda_recurrent_states
+from engine.model.layers import l2norm
+
+log = logging.getLogger(__name__)
+
+ENABLE_ENV = "KIMI_PD_CPU_DECODE_OPS"
+SOURCE = rowdot.SOURCE.with_name("decode_ops.c")
+MAX_HEAD_DIM = 256                  # the C code keeps a head's vectors on the stack
+
+
+class DecodeOps:
+    """The loaded library."""
+
+    def __init__(self, path) -> None:
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        fn = lib.kda_decode
+        fn.restype = None
+        longs, pointers = [ctypes.c_long] * 6, [ctypes.c_void_p] * 5
+        fn.argtypes = [*longs, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                       ctypes.c_void_p, ctypes.c_float, *pointers, ctypes.c_float, ctypes.c_void_p]
+        self._kda = fn
+        mix = lib.attn_res_rows
+        mix.restype = None
+        mix.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
+                        ctypes.c_float, ctypes.c_void_p]
+        self._attn_res = mix
+        pick = lib.moe_route
+        pick.restype = None
+        pick.argtypes = ([ctypes.c_long] * 2 + [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
+                                                ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p])
+        self._route = pick
+
+    def route(self, logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool,
+              scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """`moe.route` of float32 logits [T, E] (rows may be strided) and bias [E]: (weights [T, k], ids [T, k])."""
+        rows, experts = logits.shape
+        if logits.stride(-1) != 1:
+            logits = logits.contiguous()
+        weights = torch.empty(rows, top_k, dtype=torch.float32)
+        ids = torch.empty(rows, top_k, dtype=torch.int64)
+        self._route(rows, experts, logits.data_ptr(), logits.stride(0), bias.data_ptr(), top_k, int(renormalize),
+                    scaling, weights.data_ptr(), ids.data_ptr())
+        return weights, ids
+
+    def attn_res(self, sources: list[torch.Tensor], query: torch.Tensor, eps: float) -> torch.Tensor:
+        """`attnres.attn_res` of contiguous float32 sources [T, D] and a float32 query [D]: y [T, D]."""
+        rows, dim = sources[0].shape
+        out = torch.empty(rows, dim, dtype=torch.float32)
+        pointers = (ctypes.c_void_p * len(sources))(*(s.data_ptr() for s in sources))
+        self._attn_res(len(sources), pointers, rows, dim, query.data_ptr(), eps, out.data_ptr())
+        return out
+
+    def kda_decode(self, qkv: torch.Tensor, raw_gate: torch.Tensor, b_raw: torch.Tensor, kernel_t: torch.Tensor,
+                   a_h: torch.Tensor | None, dt_bias: torch.Tensor, lower_bound: float | None,
+                   conv_store: torch.Tensor, rec_store: torch.Tensor, slots: torch.Tensor,
+                   spec: torch.Tensor | None, scale: float) -> torch.Tensor:
+        """B sequences of T tokens (rows b*T + t): qkv [B*T, 3HK] pre-conv (rows contiguous), raw_gate
+        [B*T, H*K] gate logits (or the log-decay when `a_h` is None), b_raw [B*T, H] beta logits,
+        kernel_t [W, 3HK] the conv kernels transposed, slots [B] int64, spec [B, T-1] int64 or None.
+        Updates the stores in place; returns o [B*T, H, V] float32."""
+        if qkv.stride(-1) != 1:
+            qkv = qkv.contiguous()
+        heads, k_dim, v_dim = rec_store.shape[1:]
+        rows = qkv.shape[0]
+        batch = slots.shape[0]
+        tokens = rows // batch
+        out = torch.empty(rows, heads, v_dim, dtype=torch.float32)
+        self._kda(batch, tokens, heads, k_dim, v_dim, kernel_t.shape[0],
+                  qkv.data_ptr(), qkv.stride(0), kernel_t.data_ptr(),
+                  raw_gate.data_ptr(), None if a_h is None else a_h.data_ptr(), dt_bias.data_ptr(),
+                  0.0 if lower_bound is None else lower_bound, b_raw.data_ptr(),
+                  conv_store.data_ptr(), rec_store.data_ptr(), slots.data_ptr(),
+                  None if spec is None else spec.data_ptr(), scale, out.data_ptr())
+        return out
+
+
+def torch_reference(qkv: torch.Tensor, raw_gate: torch.Tensor, b_raw: torch.Tensor, kernel: torch.Tensor,
+                    a_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None,
+                    conv: torch.Tensor, rec: torch.Tensor, scale: float) -> tuple[torch.Tensor, ...]:
+    """What `kda_decode` computes, in torch (engine/model/kda_ops.py) on [B, T, ...] inputs and the states
+    [B, ...]: (o [B, T, H, V], conv states [B, T, W-1, C], recurrent states [T, B, H, K, V])."""
+    batch, tokens = qkv.shape[:2]
+    heads, k_dim = rec.shape[1:3]
+    mixed, conv_states = causal_conv_steps(qkv, kernel, conv)
+    q, k, v = mixed.view(batch, tokens, 3, heads, k_dim).unbind(2)
+    g = kda_gate(raw_gate.view(batch, tokens, heads, k_dim), a_log, dt_bias, lower_bound)
+    o, rec_states = kda_recurrent_states(l2norm(q), l2norm(k), v, g, torch.sigmoid(b_raw), rec, scale)
+    return o, conv_states, rec_states
+
+
+def _agrees(ops: DecodeOps) -> bool:
+    """Two sequences of three tokens (verification, per-position states kept) against `torch_reference`,
+    on scattered slots: a wrong build or ABI shows here, before any model output depends on it."""
+    gen = torch.Generator().manual_seed(0)
+    batch, tokens, heads, k_dim, width = 2, 3, 2, 8, 4
+    channels = 3 * heads * k_dim
+    qkv = torch.randn(batch, tokens, channels, generator=gen)
+    raw = torch.randn(batch, tokens, heads * k_dim, generator=gen)
+    b_raw = torch.randn(batch, tokens, heads, generator=gen)
+    kernel = torch.randn(channels, width, generator=gen)
+    a_log, dt_bias = torch.randn(heads, generator=gen) * 0.1, torch.randn(heads * k_dim, generator=gen)
+    conv_store = torch.randn(9, width - 1, channels, generator=gen)
+    rec_store = torch.randn(9, heads, k_dim, k_dim, generator=gen) * 0.1
+    slots, spec = torch.tensor([5, 1]), torch.tensor([[2, 7], [0, 8]])
+    want_o, want_conv, want_rec = torch_reference(qkv, raw, b_raw, kernel, a_log, dt_bias, -5.0,
+                                                  conv_store[slots], rec_store[slots], 0.35)
+    got = ops.kda_decode(qkv.view(-1, channels), raw.view(-1, heads * k_dim), b_raw.view(-1, heads),
+                         kernel.t().contiguous(), a_log.exp(), dt_bias, -5.0, conv_store, rec_store, slots, spec, 0.35)
+    close = functools.partial(torch.allclose, rtol=1e-4, atol=1e-5)
+    return (close(got.view(batch, tokens, heads, k_dim), want_o)
+            and close(conv_store[slots], want_conv[:, -1]) and close(rec_store[slots], want_rec[-1])
+            and close(conv_store[spec.reshape(-1)], want_conv[:, :-1].reshape(-1, width - 1, channels))
+            and close(rec_store[spec.reshape(-1)], want_rec[:-1].transpose(0, 1).reshape(-1, heads, k_dim, k_dim)))
+
+
+@functools.cache
+def decode_ops() -> DecodeOps | None:
+    """The library, built and checked once per process; None (and one log line) where it is not used."""
+    if switched_off(os.environ, ENABLE_ENV):
+        log.info("KDA decode kernel off (%s=0): the recurrence stays on torch operators", ENABLE_ENV)
+        return None
+    if rowdot.kernel() is None:                  # same platform rules and switch as the linears' kernels
+        return None
+    try:
+        ops = DecodeOps(rowdot.build(source=SOURCE))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        log.warning("KDA decode kernel unavailable, the recurrence stays on torch operators: %s", exc)
+        return None
+    if not _agrees(ops):
+        log.warning("KDA decode kernel disagrees with the torch recurrence on its check; not used")
+        return None
+    return ops
+
+
+def usable(*tensors: torch.Tensor) -> DecodeOps | None:
+    """The library when these tensors can go to it: float32 CPU, outside autograd and compiling. Any
+    thread count: the C code runs on the calling thread, so a token takes it whatever the forward's
+    size (plain decoding and verification agree)."""
+    if torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return None
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
+        return None
+    return decode_ops()

@@ -1,0 +1,188 @@
+"""engine/model/decode_ops.py: the KDA recurrence and AttnRes mixing in C agree with their torch forms.
+
+- `kda_decode` == `torch_reference` (conv, l2 norms, gate, delta rule) for plain decoding and for
+  verification, with the per-position states, on scattered slots; both gate forms;
+- one T-token verification == T one-token calls, bitwise (plain decoding and verification run the same
+  per-token code, so a speculative step keeps plain decoding's values);
+- a KDA layer's forward over a mixed batch (decode, verification, prefill) == its torch path, outputs
+  and cache, to rounding;
+- `attn_res` in C == its torch form; the MoE router's choice in C == torch's (same experts, weights to rounding);
+- `KIMI_PD_CPU_DECODE_OPS=0` keeps the torch form (a child process).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine.model import attnres, decode_ops
+from engine.model import moe as moe_module
+from engine.model.forward_batch import ForwardBatch, HybridCacheTensors, SequenceSlice
+from engine.model.kda import KimiDeltaAttention
+from tests.engine.conftest import tiny_model
+
+needs_ops = pytest.mark.skipif(decode_ops.decode_ops() is None, reason="no C compiler / not x86-64 Linux with AVX-512F")
+close = dict(rtol=1e-4, atol=2e-5)
+
+
+def _inputs(batch: int, tokens: int, heads: int = 3, k_dim: int = 16, width: int = 4, slots: int = 12, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    channels = 3 * heads * k_dim
+    return dict(
+        qkv=torch.randn(batch, tokens, channels, generator=gen),
+        raw=torch.randn(batch, tokens, heads * k_dim, generator=gen),
+        b_raw=torch.randn(batch, tokens, heads, generator=gen),
+        kernel=torch.randn(channels, width, generator=gen),
+        a_log=torch.randn(heads, generator=gen) * 0.3,
+        dt_bias=torch.randn(heads * k_dim, generator=gen),
+        conv=torch.randn(slots, width - 1, channels, generator=gen),
+        rec=torch.randn(slots, heads, k_dim, k_dim, generator=gen) * 0.2,
+    )
+
+
+def _run_c(d: dict, slots: torch.Tensor, spec: torch.Tensor | None, lower: float | None, scale: float) -> torch.Tensor:
+    ops = decode_ops.decode_ops()
+    assert ops is not None
+    batch, tokens, channels = d["qkv"].shape
+    heads = d["b_raw"].shape[-1]
+    raw = d["raw"]
+    if lower is None:            # the softplus gate: the caller passes the log-decay itself
+        from engine.model.kda_ops import kda_gate
+        raw = kda_gate(raw.view(batch, tokens, heads, -1), d["a_log"], d["dt_bias"], None).reshape(raw.shape)
+    o = ops.kda_decode(d["qkv"].reshape(-1, channels), raw.reshape(batch * tokens, -1).contiguous(),
+                       d["b_raw"].reshape(-1, heads).contiguous(), d["kernel"].t().contiguous(),
+                       d["a_log"].exp() if lower is not None else None, d["dt_bias"], lower,
+                       d["conv"], d["rec"], slots, spec, scale)
+    return o.view(batch, tokens, heads, -1)
+
+
+@needs_ops
+@pytest.mark.parametrize("tokens", [1, 4])
+@pytest.mark.parametrize("lower", [-5.0, None])
+def test_kda_decode_equals_the_torch_recurrence(tokens, lower):
+    d = _inputs(batch=3, tokens=tokens)
+    slots = torch.tensor([7, 0, 4])
+    spec = torch.tensor([[1, 2, 3], [5, 6, 8], [9, 10, 11]])[:, :tokens - 1] if tokens > 1 else None
+    want_o, want_conv, want_rec = decode_ops.torch_reference(
+        d["qkv"], d["raw"], d["b_raw"], d["kernel"], d["a_log"], d["dt_bias"], lower,
+        d["conv"][slots], d["rec"][slots], 0.25)
+    written = set(slots.tolist()) | (set() if spec is None else set(spec.reshape(-1).tolist()))
+    untouched = [s for s in range(12) if s not in written]
+    before = d["conv"][untouched].clone(), d["rec"][untouched].clone()
+    got = _run_c(d, slots, spec, lower, 0.25)
+    torch.testing.assert_close(got, want_o, **close)
+    torch.testing.assert_close(d["conv"][slots], want_conv[:, -1], **close)
+    torch.testing.assert_close(d["rec"][slots], want_rec[-1], **close)
+    if spec is not None:
+        for t in range(tokens - 1):
+            torch.testing.assert_close(d["conv"][spec[:, t]], want_conv[:, t], **close)
+            torch.testing.assert_close(d["rec"][spec[:, t]], want_rec[t], **close)
+    assert torch.equal(d["conv"][untouched], before[0]) and torch.equal(d["rec"][untouched], before[1])
+
+
+@needs_ops
+def test_verification_equals_plain_decoding_token_by_token_bitwise():
+    tokens = 5
+    whole, stepwise = _inputs(batch=2, tokens=tokens), _inputs(batch=2, tokens=tokens)
+    slots = torch.tensor([3, 8])
+    spec = torch.tensor([[0, 1, 2, 4], [5, 6, 7, 9]])
+    o_whole = _run_c(whole, slots, spec, -5.0, 0.125)
+    for t in range(tokens):
+        step = dict(stepwise, qkv=stepwise["qkv"][:, t:t + 1].contiguous(), raw=stepwise["raw"][:, t:t + 1],
+                    b_raw=stepwise["b_raw"][:, t:t + 1])
+        o_t = _run_c(step, slots, None, -5.0, 0.125)
+        assert torch.equal(o_t[:, 0], o_whole[:, t])
+        if t < tokens - 1:                    # the per-position state after token t, as plain decoding had it
+            assert torch.equal(whole["rec"][spec[:, t]], stepwise["rec"][slots])
+            assert torch.equal(whole["conv"][spec[:, t]], stepwise["conv"][slots])
+    assert torch.equal(whole["rec"][slots], stepwise["rec"][slots])
+
+
+def _layer_and_cache(model):
+    layer = next(m for m in model.modules() if isinstance(m, KimiDeltaAttention))
+    cfg = model.config.text_config
+    cache = HybridCacheTensors.allocate(cfg, num_blocks=8, num_slots=12, block_size=4, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(5)
+    for store in (cache.kda_conv[layer.layer_id], cache.kda_recurrent[layer.layer_id]):
+        store.copy_(torch.randn(store.shape, generator=gen) * 0.3)
+    return layer, cache
+
+
+def _clone(cache: HybridCacheTensors) -> HybridCacheTensors:
+    return HybridCacheTensors(block_size=cache.block_size, mla_pages=cache.mla_pages,
+                              kda_conv={i: t.clone() for i, t in cache.kda_conv.items()},
+                              kda_recurrent={i: t.clone() for i, t in cache.kda_recurrent.items()})
+
+
+@needs_ops
+@pytest.mark.parametrize("mix", ["decode", "mixed"])
+def test_a_kda_layer_in_c_equals_its_torch_path(monkeypatch, mix):
+    model = tiny_model()
+    layer, cache = _layer_and_cache(model)
+    other = _clone(cache)
+    table = torch.tensor([0, 1])
+    if mix == "decode":
+        slices = [SequenceSlice(1, 5, s, table) for s in (6, 2, 9)]
+    else:          # a decode, a 3-token verification, a fresh 4-token prefill, another decode
+        slices = [SequenceSlice(1, 5, 2, table), SequenceSlice(3, 5, 3, table, spec_slots=(7, 8)),
+                  SequenceSlice(4, 0, 4, table, reset_kda_state=True), SequenceSlice(1, 7, 9, table)]
+    rows = sum(s.num_new_tokens for s in slices)
+    x = torch.randn(rows, model.config.text_config.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        got = layer(x, ForwardBatch(slices, cache))
+        monkeypatch.setattr(decode_ops, "usable", lambda *tensors: None)
+        want = layer(x, ForwardBatch(slices, other))
+    torch.testing.assert_close(got, want, **close)
+    lid = layer.layer_id
+    torch.testing.assert_close(cache.kda_conv[lid], other.kda_conv[lid], **close)
+    torch.testing.assert_close(cache.kda_recurrent[lid], other.kda_recurrent[lid], **close)
+
+
+@needs_ops
+@pytest.mark.parametrize("sources", [1, 2, 5])
+@pytest.mark.parametrize("rows", [1, 7])
+def test_attn_res_in_c_equals_the_torch_form(monkeypatch, sources, rows):
+    gen = torch.Generator().manual_seed(sources * 10 + rows)
+    parts = [torch.randn(rows, 96, generator=gen) * (1 + i) for i in range(sources)]
+    proj, norm = torch.randn(96, generator=gen), torch.randn(96, generator=gen)
+    query = attnres.pseudo_query(proj, norm)
+    with torch.inference_mode():
+        got = attnres.attn_res(parts, proj, norm, 1e-5, query)
+        monkeypatch.setattr(decode_ops, "usable", lambda *tensors: None)
+        want = attnres.attn_res(parts, proj, norm, 1e-5, query)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_ops
+@pytest.mark.parametrize("renormalize, scaling", [(True, 2.5), (False, 1.0)])
+@pytest.mark.parametrize("top_k", [1, 4])
+def test_moe_route_in_c_chooses_as_torch_does(monkeypatch, renormalize, scaling, top_k):
+    gen = torch.Generator().manual_seed(top_k)
+    wide = torch.randn(9, 40, generator=gen) * 3
+    logits = wide[:, 3:35]                      # a strided view, as the fused projection's output gives it
+    bias = torch.randn(32, generator=gen) * 0.5
+    with torch.inference_mode():
+        weights, ids = moe_module.route(logits, bias, top_k, renormalize, scaling)
+        monkeypatch.setattr(decode_ops, "usable", lambda *tensors: None)
+        want_weights, want_ids = moe_module.route(logits, bias, top_k, renormalize, scaling)
+    assert ids.dtype == torch.int64 and torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_weights, rtol=1e-6, atol=1e-7)
+
+
+CHILD = """
+import engine, torch
+from engine.model import decode_ops
+print("ops", decode_ops.decode_ops() is not None)
+"""
+
+
+@needs_ops
+@pytest.mark.parametrize("value, expect", [("0", "ops False"), ("1", "ops True")])
+def test_the_operator_can_turn_it_off(value, expect):
+    env = {**os.environ, decode_ops.ENABLE_ENV: value}
+    done = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    assert expect in done.stdout
