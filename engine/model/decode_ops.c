@@ -51,6 +51,22 @@ HOT static void conv_token(float *state, const float *kernel_t, const float *x, 
     }
 }
 
+/* `dot` accumulated in double: for the depth-softmax logits of AttnRes, whose float rounding moved a W4A8
+ * model's activations across int8 steps between prefill and decode (test_w4a8_checkpoint_loads_...). */
+HOT static inline double dot_double(const float *a, const float *b, long n) {
+    double lane[8] = {0};
+    long i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int l = 0; l < 8; l++)
+            lane[l] += (double)a[i + l] * (double)b[i + l];
+    double s = 0.0;
+    for (int l = 0; l < 8; l++)
+        s += lane[l];
+    for (; i < n; i++)
+        s += (double)a[i] * (double)b[i];
+    return s;
+}
+
 HOT static void l2norm(float *x, long n, float times) {
     const float r = times / sqrtf(dot(x, x, n) + 1e-6f);
     for (long i = 0; i < n; i++)
@@ -134,7 +150,7 @@ HOT void attn_res_rows(long n, const float *const *sources, long T, long D, cons
         float top = -INFINITY;
         for (long i = 0; i < n; i++) {
             const float *v = sources[i] + t * D;
-            logit[i] = dot(v, query, D) / sqrtf(dot(v, v, D) / (float)D + eps);
+            logit[i] = (float)(dot_double(v, query, D) / sqrt(dot_double(v, v, D) / (double)D + eps));
             top = logit[i] > top ? logit[i] : top;
         }
         float total = 0.0f;
@@ -180,6 +196,70 @@ void moe_route(long T, long E, const float *logits, long step, const float *bias
             if (renormalize && top_k > 1)
                 w = w / (total + 1e-20f);
             weights[t * top_k + j] = scaling == 1.0f ? w : w * scaling;
+        }
+    }
+}
+
+/* RMSNorm of rows [T] of x (row stride `step`, D floats each): y = x * rsqrt(mean(x^2) + eps) (* w),
+ * the torch form (engine/model/layers.py's `rms_norm`) to rounding. w may be NULL. */
+HOT void rms_norm_rows(long T, long D, const float *x, long step, const float *w, float eps, float *y) {
+    for (long t = 0; t < T; t++) {
+        const float *row = x + t * step;
+        float *out = y + t * D;
+        const float r = 1.0f / sqrtf(dot(row, row, D) / (float)D + eps);
+        if (w)
+            for (long d = 0; d < D; d++)
+                out[d] = row[d] * r * w[d];
+        else
+            for (long d = 0; d < D; d++)
+                out[d] = row[d] * r;
+    }
+}
+
+/* Absorbed MLA attention (engine/model/mla.py) of R query rows, each one token over its own context:
+ * row r reads the cached latents pages[index[starts[r] + l]] for l < lens[r] ([lora | rope] each, no gather
+ * copy). Per head h: ql = q_nope W_UK[h]; p = softmax(scale (ql . c + q_pe . k_pe)); o = (p C) W_UV[h]^T.
+ * Heads outer, rows inner, so a head's absorbed weights are read once for all rows. `scratch` holds the
+ * longest context's probabilities. The torch form to rounding. */
+HOT void mla_attend(long R, long H, long nope, long rope, long lora, long vdim, const float *q, const float *pages,
+                    const long *index, const long *starts, const long *lens, const float *w_uk, const float *w_uv,
+                    float scale, float *scratch, float *out) {
+    const long width = lora + rope, qdim = nope + rope;
+    float ql[lora], lat[lora];
+    for (long h = 0; h < H; h++) {
+        const float *uk = w_uk + h * nope * lora, *uv = w_uv + h * vdim * lora;
+        for (long r = 0; r < R; r++) {
+            const float *qn = q + (r * H + h) * qdim, *qp = qn + nope;
+            const long *rows = index + starts[r], n = lens[r];
+            for (long c = 0; c < lora; c++)
+                ql[c] = 0.0f;
+            for (long i = 0; i < nope; i++) {
+                const float a = qn[i], *u = uk + i * lora;
+                for (long c = 0; c < lora; c++)
+                    ql[c] += a * u[c];
+            }
+            float top = -INFINITY;
+            for (long l = 0; l < n; l++) {
+                const float *row = pages + rows[l] * width;
+                const float s = (dot(ql, row, lora) + dot(qp, row + lora, rope)) * scale;
+                scratch[l] = s;
+                top = s > top ? s : top;
+            }
+            float total = 0.0f;
+            for (long l = 0; l < n; l++) {
+                scratch[l] = expf(scratch[l] - top);
+                total += scratch[l];
+            }
+            for (long c = 0; c < lora; c++)
+                lat[c] = 0.0f;
+            for (long l = 0; l < n; l++) {
+                const float p = scratch[l] / total, *row = pages + rows[l] * width;
+                for (long c = 0; c < lora; c++)
+                    lat[c] += p * row[c];
+            }
+            float *o = out + (r * H + h) * vdim;
+            for (long v = 0; v < vdim; v++)
+                o[v] = dot(lat, uv + v * lora, lora);
         }
     }
 }

@@ -28,8 +28,6 @@ import torch
 
 from engine.host_threads import switched_off
 from engine.model import rowdot
-from engine.model.kda_ops import causal_conv_steps, kda_gate, kda_recurrent_states
-from engine.model.layers import l2norm
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +58,46 @@ class DecodeOps:
         pick.argtypes = ([ctypes.c_long] * 2 + [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
                                                 ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p])
         self._route = pick
+        norm = lib.rms_norm_rows
+        norm.restype = None
+        norm.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_float,
+                         ctypes.c_void_p]
+        self._rms_norm = norm
+        attend = lib.mla_attend
+        attend.restype = None
+        attend.argtypes = [ctypes.c_long] * 6 + [ctypes.c_void_p] * 7 + [ctypes.c_float] + [ctypes.c_void_p] * 2
+        self._mla = attend
+
+    def mla_attend(self, q: torch.Tensor, pages: torch.Tensor, index: torch.Tensor, starts: torch.Tensor,
+                   lens: torch.Tensor, longest: int, w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float) -> torch.Tensor:
+        """Absorbed MLA attention of query rows q [R, H, nope+rope] (contiguous float32): row r over the
+        cached latents pages[index[starts[r] : starts[r] + lens[r]]] (pages [slots, lora+rope], contiguous),
+        with w_uk [H, nope, lora] and w_uv [H, v, lora] contiguous. Returns [R, H, v]."""
+        rows, heads, qdim = q.shape
+        nope, lora = w_uk.shape[1:]
+        v_dim = w_uv.shape[1]
+        out = torch.empty(rows, heads, v_dim, dtype=torch.float32)
+        scratch = torch.empty(max(1, longest), dtype=torch.float32)
+        self._mla(rows, heads, nope, qdim - nope, lora, v_dim, q.data_ptr(), pages.data_ptr(), index.data_ptr(),
+                  starts.data_ptr(), lens.data_ptr(), w_uk.data_ptr(), w_uv.data_ptr(), scale, scratch.data_ptr(),
+                  out.data_ptr())
+        return out
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor | None:
+        """`layers.rms_norm` of float32 x over its last dim (weight float32 or None); None when x's rows
+        are not evenly strided with contiguous last dims (the caller keeps torch then)."""
+        dim = x.shape[-1]
+        if x.stride(-1) != 1 or (weight is not None and not weight.is_contiguous()):
+            return None
+        if x.is_contiguous():
+            rows, step = x.numel() // dim if dim else 0, dim
+        elif x.dim() == 2:
+            rows, step = x.shape[0], x.stride(0)
+        else:
+            return None
+        y = torch.empty(x.shape, dtype=torch.float32)
+        self._rms_norm(rows, dim, x.data_ptr(), step, None if weight is None else weight.data_ptr(), eps, y.data_ptr())
+        return y
 
     def route(self, logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool,
               scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,6 +148,8 @@ def torch_reference(qkv: torch.Tensor, raw_gate: torch.Tensor, b_raw: torch.Tens
                     conv: torch.Tensor, rec: torch.Tensor, scale: float) -> tuple[torch.Tensor, ...]:
     """What `kda_decode` computes, in torch (engine/model/kda_ops.py) on [B, T, ...] inputs and the states
     [B, ...]: (o [B, T, H, V], conv states [B, T, W-1, C], recurrent states [T, B, H, K, V])."""
+    from engine.model.kda_ops import causal_conv_steps, kda_gate, kda_recurrent_states
+    from engine.model.layers import l2norm         # both import this module's users: imported here, once used
     batch, tokens = qkv.shape[:2]
     heads, k_dim = rec.shape[1:3]
     mixed, conv_states = causal_conv_steps(qkv, kernel, conv)

@@ -8,11 +8,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.model import decode_ops
 from engine.model.fused import fuse_linears, project
 from engine.model.gemm import Linear
 
 T = TypeVar("T")
 _ACCUMULATION_DTYPES = (torch.float32, torch.float64)
+# Elements up to which a float32 norm runs in C, on the calling thread (decode and verification steps;
+# a long prefill keeps torch's threaded operators).
+C_NORM_MAX_ELEMENTS = 1 << 18
 
 
 def upcast(x: torch.Tensor) -> torch.Tensor:
@@ -47,10 +51,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     """`w * (x_f32 * rsqrt(mean(x_f32^2) + eps))`, cast back to x's dtype (docs/model.md, Shared building blocks).
 
     For inference in fp32/fp64 with a weight of x's dtype, torch's `rms_norm` is that formula, bitwise
-    (test_decode_fast_paths), in one call instead of seven (a decode step makes ~75). Training keeps
-    the formula: its backward is the one the shipped checkpoint was trained with."""
+    (test_decode_fast_paths), in one call instead of seven (a decode step makes ~75); float32 inputs of
+    at most C_NORM_MAX_ELEMENTS take one C call instead (engine/model/decode_ops.py: ~2 us against
+    torch's ~20 on a decode row; the formula to rounding). Training keeps the formula: its backward is
+    the one the shipped checkpoint was trained with."""
     if (x.dtype in _ACCUMULATION_DTYPES and (weight is None or weight.dtype == x.dtype)
             and not torch.is_grad_enabled()):
+        if x.dtype == torch.float32 and x.numel() <= C_NORM_MAX_ELEMENTS:
+            ops = decode_ops.usable(x)
+            y = ops.rms_norm(x, weight, eps) if ops is not None else None
+            if y is not None:
+                return y
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = upcast(x)
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)

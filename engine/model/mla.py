@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.model import choices
+from engine.model import choices, decode_ops
 from engine.model.forward_batch import ForwardBatch, SequenceSlice, StaticDecode
 from engine.model.fused import fuse_linears, project
 from engine.model.gemm import Linear
@@ -81,12 +81,39 @@ class GatedMLA(nn.Module):
     def _forward_slices(self, q: torch.Tensor, latent: torch.Tensor, flat_pages: torch.Tensor,
                         batch: ForwardBatch) -> torch.Tensor:
         out = q.new_empty(q.shape[0], self.num_heads, self.v_dim)
-        decode = [i for i, s in enumerate(batch.slices) if s.num_new_tokens == 1] if self._use_absorbed(1) else []
+        ops = decode_ops.usable(q, flat_pages) if self.options.mode != "materialized" else None
+        if ops is not None and q.is_contiguous() and flat_pages.is_contiguous():
+            absorbed = [i for i, s in enumerate(batch.slices) if s.num_new_tokens and self._use_absorbed(s.num_new_tokens)]
+            if absorbed:
+                rows, write, index, starts, lens, longest = _c_attend_plan(absorbed, batch)
+                flat_pages[write] = cast(latent[rows], flat_pages.dtype)
+                w_uk, w_uv = self._absorb_weights_contiguous()
+                out[rows] = cast(ops.mla_attend(q[rows], flat_pages, index, starts, lens, longest, w_uk, w_uv,
+                                                self.scale), out.dtype)
+            if len(absorbed) == sum(1 for s in batch.slices if s.num_new_tokens):
+                return out
+            done = set(absorbed)
+            return self._torch_slices(q, latent, flat_pages, batch, out, done)
+        return self._torch_slices(q, latent, flat_pages, batch, out, set())
+
+    def _absorb_weights_contiguous(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_absorb_weights` as contiguous float32 tensors, for the C attention (kept for inference)."""
+        def build() -> tuple[torch.Tensor, torch.Tensor]:
+            w_uk, w_uv = self._absorb_weights()
+            return w_uk.float().contiguous(), w_uv.float().contiguous()
+        return inference_cached(self, "_absorb_contiguous_cache", (self.kv_b_proj.weight,), build)
+
+    def _torch_slices(self, q: torch.Tensor, latent: torch.Tensor, flat_pages: torch.Tensor, batch: ForwardBatch,
+                      out: torch.Tensor, done: set[int]) -> torch.Tensor:
+        """The slices not in `done`, on torch's operators: every one-token slice in one batched absorbed
+        attention, every other piece on its own."""
+        decode = ([i for i, s in enumerate(batch.slices) if s.num_new_tokens == 1 and i not in done]
+                  if self._use_absorbed(1) else [])
         if len(decode) > 1:
             self._decode_batched(decode, q, latent, flat_pages, batch, out)
         batched = set(decode) if len(decode) > 1 else set()
         for i, (s, start) in enumerate(zip(batch.slices, batch.token_offsets, strict=False)):
-            if not s.num_new_tokens or i in batched:
+            if not s.num_new_tokens or i in batched or i in done:
                 continue
             rows = slice(start, start + s.num_new_tokens)
             write, read = _slice_slots(i, s, batch)
@@ -193,6 +220,32 @@ def _slice_slots(i: int, s: SequenceSlice, batch: ForwardBatch) -> tuple[torch.T
         read = s.block_table[pos // bs] * bs + pos % bs
         slots = memo[i] = (read[s.num_cached_tokens:], read)
     return slots
+
+
+def _c_attend_plan(idx: list[int], batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                 torch.Tensor, torch.Tensor, int]:
+    """For the C attention of the slices `idx`: (token rows [R], their cache slots [R], every slice's
+    context slots end to end, each row's start in them [R], each row's causal length [R], the longest).
+    The same for every MLA layer of a forward, so built once per batch."""
+    memo = batch.__dict__.setdefault("_mla_c_plans", {})
+    key = tuple(idx)
+    plan = memo.get(key)
+    if plan is None:
+        rows, writes, reads, starts, lens, offset = [], [], [], [], [], 0
+        for i in idx:
+            s = batch.slices[i]
+            write, read = _slice_slots(i, s, batch)
+            first = batch.token_offsets[i]
+            rows.extend(range(first, first + s.num_new_tokens))
+            writes.append(write)
+            reads.append(read)
+            starts.extend([offset] * s.num_new_tokens)
+            lens.extend(range(s.num_cached_tokens + 1, s.num_cached_tokens + s.num_new_tokens + 1))
+            offset += read.shape[0]
+        plan = memo[key] = (torch.tensor(rows), torch.cat(writes), torch.cat(reads).to(torch.int64).contiguous(),
+                            torch.tensor(starts, dtype=torch.int64), torch.tensor(lens, dtype=torch.int64),
+                            max(lens))
+    return plan
 
 
 def _decode_plan(idx: list[int], batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

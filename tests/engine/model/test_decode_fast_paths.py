@@ -4,14 +4,15 @@
 - a KDA decode over consecutive slots (a cache view, in place) == the gather/scatter over a slot tensor,
   outputs and both cache states;
 - the one-token MoE dispatch == the sorted dispatch on the same token, also under expert parallelism;
-- `rms_norm` through torch's `F.rms_norm` (inference, fp32/fp64) == the seven-op formula; bf16 keeps the formula.
+- `rms_norm` through torch's `F.rms_norm` (inference, fp32/fp64) == the seven-op formula; bf16 keeps the formula;
+  float32 in C equals it to rounding.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.model import gemm, rowdot
+from engine.model import decode_ops, gemm, rowdot
 from engine.model import moe as moe_module
 from engine.model.forward_batch import ForwardBatch, HybridCacheTensors, SequenceSlice
 from engine.model.kda import KimiDeltaAttention, _decode_slots
@@ -118,14 +119,27 @@ def test_moe_experts_in_one_kernel_call_equal_one_linear_per_expert(monkeypatch,
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("shape", [(1, 1024), (5, 64), (2, 3, 128)])
-def test_rms_norm_is_the_formula_bitwise(dtype, shape):
+@pytest.mark.parametrize("c_norm", [False, True])
+def test_rms_norm_is_the_formula(monkeypatch, dtype, shape, c_norm):
+    """Torch's fused call is the formula bitwise; float32 in C (engine/model/decode_ops.py) to rounding."""
+    if c_norm and (dtype != torch.float32 or decode_ops.decode_ops() is None):
+        pytest.skip("the C norm runs float32 only, where its library loads")
+    if not c_norm:
+        monkeypatch.setattr(decode_ops, "usable", lambda *tensors: None)
     gen = torch.Generator().manual_seed(1)
     x = (torch.randn(shape, generator=gen) * 7).to(dtype)
     w = torch.randn(shape[-1], generator=gen).to(dtype)
     ref = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    same = torch.testing.assert_close if c_norm else lambda a, b: assert_equal(a, b)
     with torch.inference_mode():                     # the fused call is for inference (training keeps the formula)
-        assert torch.equal(rms_norm(x, w, 1e-5), ref)
-        assert torch.equal(rms_norm(x, None, 1e-5), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+        same(rms_norm(x, w, 1e-5), ref)
+        same(rms_norm(x, None, 1e-5), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+        same(rms_norm(x[..., 1:], w[1:], 1e-5), w[1:] * (x[..., 1:] * torch.rsqrt(   # strided rows
+            x[..., 1:].pow(2).mean(-1, keepdim=True) + 1e-5)))
+
+
+def assert_equal(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert torch.equal(a, b)
 
 
 def test_rms_norm_of_bf16_multiplies_the_weight_in_fp32():

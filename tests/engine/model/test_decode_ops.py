@@ -6,6 +6,7 @@
   per-token code, so a speculative step keeps plain decoding's values);
 - a KDA layer's forward over a mixed batch (decode, verification, prefill) == its torch path, outputs
   and cache, to rounding;
+- absorbed MLA attention in C (decode and verification rows, each over its own causal context) == torch;
 - `attn_res` in C == its torch form; the MoE router's choice in C == torch's (same experts, weights to rounding);
 - `KIMI_PD_CPU_DECODE_OPS=0` keeps the torch form (a child process).
 """
@@ -170,6 +171,35 @@ def test_moe_route_in_c_chooses_as_torch_does(monkeypatch, renormalize, scaling,
         want_weights, want_ids = moe_module.route(logits, bias, top_k, renormalize, scaling)
     assert ids.dtype == torch.int64 and torch.equal(ids, want_ids)
     torch.testing.assert_close(weights, want_weights, rtol=1e-6, atol=1e-7)
+
+
+@needs_ops
+def test_mla_attention_in_c_equals_its_torch_path(monkeypatch):
+    """Two one-token decodes, a three-token verification (absorbed, causal) and a 10-token prefill
+    (materialised, on torch either way) in one batch over scattered pages: outputs and pages agree."""
+    model = tiny_model()
+    cfg = model.config.text_config
+    layer = model.language_model.model.layers[cfg.mla_layer_ids[0]].self_attn
+    cache = HybridCacheTensors.allocate(cfg, num_blocks=16, num_slots=4, block_size=4, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(2)
+    for pages in cache.mla_pages.values():
+        pages.copy_(torch.randn(pages.shape, generator=gen))
+    other = HybridCacheTensors(block_size=4, mla_pages={i: p.clone() for i, p in cache.mla_pages.items()},
+                               kda_conv=cache.kda_conv, kda_recurrent=cache.kda_recurrent)
+    slices = [SequenceSlice(1, 6, 0, torch.tensor([3, 9])), SequenceSlice(3, 5, 1, torch.tensor([12, 1])),
+              SequenceSlice(10, 0, 2, torch.tensor([4, 14, 7])), SequenceSlice(1, 2, 3, torch.tensor([8]))]
+    x = torch.randn(15, cfg.hidden_size, generator=gen)
+    calls = []
+    real = decode_ops.DecodeOps.mla_attend
+    monkeypatch.setattr(decode_ops.DecodeOps, "mla_attend", lambda self, q, *a: calls.append(len(q)) or real(self, q, *a))
+    with torch.inference_mode():
+        got = layer(x, ForwardBatch(slices, cache))
+        assert calls == [5]                           # the decodes' and the verification's rows, in one call
+        monkeypatch.setattr(decode_ops, "usable", lambda *tensors: None)
+        want = layer(x, ForwardBatch(slices, other))
+    torch.testing.assert_close(got, want, **close)
+    for i in cache.mla_pages:
+        torch.testing.assert_close(cache.mla_pages[i], other.mla_pages[i], **close)
 
 
 CHILD = """
