@@ -69,7 +69,8 @@ class DecodeOps:
         self._mla = attend
 
     def mla_attend(self, q: torch.Tensor, pages: torch.Tensor, index: torch.Tensor, starts: torch.Tensor,
-                   lens: torch.Tensor, longest: int, w_uk: torch.Tensor, w_uv: torch.Tensor, scale: float) -> torch.Tensor:
+                   lens: torch.Tensor, longest: int, w_uk: torch.Tensor, w_uv: torch.Tensor,
+                   scale: float) -> torch.Tensor:
         """Absorbed MLA attention of query rows q [R, H, nope+rope] (contiguous float32): row r over the
         cached latents pages[index[starts[r] : starts[r] + lens[r]]] (pages [slots, lora+rope], contiguous),
         with w_uk [H, nope, lora] and w_uv [H, v, lora] contiguous. Returns [R, H, v]."""
@@ -149,7 +150,7 @@ def torch_reference(qkv: torch.Tensor, raw_gate: torch.Tensor, b_raw: torch.Tens
     """What `kda_decode` computes, in torch (engine/model/kda_ops.py) on [B, T, ...] inputs and the states
     [B, ...]: (o [B, T, H, V], conv states [B, T, W-1, C], recurrent states [T, B, H, K, V])."""
     from engine.model.kda_ops import causal_conv_steps, kda_gate, kda_recurrent_states
-    from engine.model.layers import l2norm         # both import this module's users: imported here, once used
+    from engine.model.layers import l2norm  # both import this module's users: imported here, once used
     batch, tokens = qkv.shape[:2]
     heads, k_dim = rec.shape[1:3]
     mixed, conv_states = causal_conv_steps(qkv, kernel, conv)

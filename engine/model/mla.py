@@ -231,7 +231,12 @@ def _c_attend_plan(idx: list[int], batch: ForwardBatch) -> tuple[torch.Tensor, t
     key = tuple(idx)
     plan = memo.get(key)
     if plan is None:
-        rows, writes, reads, starts, lens, offset = [], [], [], [], [], 0
+        rows: list[int] = []
+        starts: list[int] = []
+        lens: list[int] = []
+        writes: list[torch.Tensor] = []
+        reads: list[torch.Tensor] = []
+        offset = 0
         for i in idx:
             s = batch.slices[i]
             write, read = _slice_slots(i, s, batch)
