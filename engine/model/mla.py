@@ -83,7 +83,8 @@ class GatedMLA(nn.Module):
         out = q.new_empty(q.shape[0], self.num_heads, self.v_dim)
         ops = decode_ops.usable(q, flat_pages) if self.options.mode != "materialized" else None
         if ops is not None and q.is_contiguous() and flat_pages.is_contiguous():
-            absorbed = [i for i, s in enumerate(batch.slices) if s.num_new_tokens and self._use_absorbed(s.num_new_tokens)]
+            absorbed = [i for i, s in enumerate(batch.slices)
+                        if s.num_new_tokens and self._use_absorbed(s.num_new_tokens)]
             if absorbed:
                 rows, write, index, starts, lens, longest = _c_attend_plan(absorbed, batch)
                 flat_pages[write] = cast(latent[rows], flat_pages.dtype)

@@ -191,7 +191,8 @@ def test_mla_attention_in_c_equals_its_torch_path(monkeypatch):
     x = torch.randn(15, cfg.hidden_size, generator=gen)
     calls = []
     real = decode_ops.DecodeOps.mla_attend
-    monkeypatch.setattr(decode_ops.DecodeOps, "mla_attend", lambda self, q, *a: calls.append(len(q)) or real(self, q, *a))
+    monkeypatch.setattr(decode_ops.DecodeOps, "mla_attend",
+                        lambda self, q, *a: calls.append(len(q)) or real(self, q, *a))
     with torch.inference_mode():
         got = layer(x, ForwardBatch(slices, cache))
         assert calls == [5]                           # the decodes' and the verification's rows, in one call
