@@ -14,11 +14,54 @@
  * depend on the path that ran it.
  */
 #include <math.h>
+#include <stdint.h>
 #include <string.h>
 
 #define HOT __attribute__((target("avx2,fma")))
 
-static inline float sigmoidf(float z) { return 1.0f / (1.0f + expf(-z)); }
+/* exp(x) in float32, branch-free so that loops over it vectorise (libm's expf is a call per element):
+ * x = n ln2 + r with |r| <= ln2/2, exp(r) by Cephes' degree-6 polynomial (about 1 ulp, as torch's
+ * vectorised exp), times 2^n built in the exponent bits as two halves (so results down in float32's
+ * subnormal range come out right); x clamped to [-104, 88.5], where float32 is 0 and about its largest.
+ * Vectorising needs -fno-trapping-math (engine/model/rowdot.py's CFLAGS). */
+HOT static inline float exp_poly(float x) {
+    x = x < -104.0f ? -104.0f : (x > 88.5f ? 88.5f : x);
+    const float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = fmaf(n, -0.693359375f, x);
+    r = fmaf(n, 2.12194440e-4f, r);
+    float p = 1.9875691500e-4f;
+    p = fmaf(p, r, 1.3981999507e-3f);
+    p = fmaf(p, r, 8.3334519073e-3f);
+    p = fmaf(p, r, 4.1665795894e-2f);
+    p = fmaf(p, r, 1.6666665459e-1f);
+    p = fmaf(p, r, 5.0000001201e-1f);
+    p = fmaf(p * r, r, r) + 1.0f;
+    const int32_t half = (int32_t)n >> 1, bits_a = (half + 127) << 23, bits_b = ((int32_t)n - half + 127) << 23;
+    float scale_a, scale_b;
+    memcpy(&scale_a, &bits_a, sizeof scale_a);
+    memcpy(&scale_b, &bits_b, sizeof scale_b);
+    return p * scale_a * scale_b;
+}
+
+/* tanh(x): Cephes' odd polynomial below |x| = 0.625 (no cancellation near 0), 1 - 2 / (exp(2|x|) + 1)
+ * above, with x's sign. */
+HOT static inline float tanh_poly(float x) {
+    const float a = fabsf(x), z = x * x;
+    float small = -5.70498872745e-3f;
+    small = fmaf(small, z, 2.06390887954e-2f);
+    small = fmaf(small, z, -5.37397155531e-2f);
+    small = fmaf(small, z, 1.33314422036e-1f);
+    small = fmaf(small, z, -3.33332819422e-1f);
+    small = fmaf(small * z, x, x);
+    const float big = copysignf(1.0f - 2.0f / (exp_poly(2.0f * a) + 1.0f), x);
+    return a < 0.625f ? small : big;
+}
+
+/* 1 / (1 + exp(-z)), with exp(-|z|) only (never overflows): e^z / (1 + e^z) for z < 0. */
+HOT static inline float sigmoidf(float z) {
+    const float e = exp_poly(-fabsf(z)), s = 1.0f / (1.0f + e);
+    return z >= 0.0f ? s : e * s;
+}
 
 /* sum a[i] * b[i] in 16 lanes (a float sum in one chain would not vectorise: C keeps its order) */
 HOT static inline float dot(const float *a, const float *b, long n) {
@@ -38,12 +81,14 @@ HOT static inline float dot(const float *a, const float *b, long n) {
 /* The conv of one token over channels [0, C): y = silu(window . kernel), then the window moves on.
  * state [W-1][C] (oldest first), kernel_t [W][C] (the conv kernels transposed), x [C]. */
 HOT static void conv_token(float *state, const float *kernel_t, const float *x, float *y, long C, long W) {
+    for (long c = 0; c < C; c++)
+        y[c] = 0.0f;
+    for (long w = 0; w < W - 1; w++)
+        for (long c = 0; c < C; c++)
+            y[c] += state[w * C + c] * kernel_t[w * C + c];
     for (long c = 0; c < C; c++) {
-        float s = 0.0f;
-        for (long w = 0; w < W - 1; w++)
-            s += state[w * C + c] * kernel_t[w * C + c];
-        s += x[c] * kernel_t[(W - 1) * C + c];
-        y[c] = s / (1.0f + expf(-s));
+        const float s = y[c] + x[c] * kernel_t[(W - 1) * C + c];
+        y[c] = s / (1.0f + exp_poly(-s));
     }
     if (W > 1) {
         memmove(state, state + C, (size_t)(W - 2) * C * sizeof(float));
@@ -124,10 +169,12 @@ HOT void kda_decode(long B, long T, long H, long K, long V, long W,
                 l2norm(q, K, scale);
                 l2norm(k, K, 1.0f);
                 const float *gr = raw + r * H * K + h * K;
-                for (long i = 0; i < K; i++) {
-                    const float g = a_h ? lower * sigmoidf(a_h[h] * (gr[i] + dt_bias[h * K + i])) : gr[i];
-                    decay[i] = expf(g);
-                }
+                if (a_h)
+                    for (long i = 0; i < K; i++)
+                        decay[i] = exp_poly(lower * sigmoidf(a_h[h] * (gr[i] + dt_bias[h * K + i])));
+                else
+                    for (long i = 0; i < K; i++)
+                        decay[i] = exp_poly(gr[i]);
                 delta_rule(rec + h * K * V, q, k, v, decay, sigmoidf(b_raw[r * H + h]), out + r * H * V + h * V,
                            mem, K, V);
             }
@@ -245,11 +292,11 @@ HOT void mla_attend(long R, long H, long nope, long rope, long lora, long vdim, 
                 scratch[l] = s;
                 top = s > top ? s : top;
             }
+            for (long l = 0; l < n; l++)
+                scratch[l] = exp_poly(scratch[l] - top);
             float total = 0.0f;
-            for (long l = 0; l < n; l++) {
-                scratch[l] = expf(scratch[l] - top);
+            for (long l = 0; l < n; l++)
                 total += scratch[l];
-            }
             for (long c = 0; c < lora; c++)
                 lat[c] = 0.0f;
             for (long l = 0; l < n; l++) {
@@ -261,5 +308,22 @@ HOT void mla_attend(long R, long H, long nope, long rope, long lora, long vdim, 
             for (long v = 0; v < vdim; v++)
                 o[v] = dot(lat, uv + v * lora, lora);
         }
+    }
+}
+
+/* SiTU-GLU (engine/model/layers.py's `situ`) of rows [T] of gate and up (row strides given), n columns:
+ * beta tanh(g / beta) sigmoid(g) * (linear_beta tanh(u / linear_beta), or u when linear_beta <= 0). */
+HOT void situ_rows(long T, long n, const float *gate, long gate_step, const float *up, long up_step, float beta,
+                   float linear_beta, float *out) {
+    const float inv_beta = 1.0f / beta, inv_lb = linear_beta > 0.0f ? 1.0f / linear_beta : 0.0f;
+    for (long t = 0; t < T; t++) {
+        const float *g = gate + t * gate_step, *u = up + t * up_step;
+        float *y = out + t * n;
+        if (linear_beta > 0.0f)
+            for (long i = 0; i < n; i++)
+                y[i] = beta * tanh_poly(g[i] * inv_beta) * sigmoidf(g[i]) * (linear_beta * tanh_poly(u[i] * inv_lb));
+        else
+            for (long i = 0; i < n; i++)
+                y[i] = beta * tanh_poly(g[i] * inv_beta) * sigmoidf(g[i]) * u[i];
     }
 }

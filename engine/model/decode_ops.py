@@ -67,6 +67,21 @@ class DecodeOps:
         attend.restype = None
         attend.argtypes = [ctypes.c_long] * 6 + [ctypes.c_void_p] * 7 + [ctypes.c_float] + [ctypes.c_void_p] * 2
         self._mla = attend
+        glu = lib.situ_rows
+        glu.restype = None
+        glu.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
+                        ctypes.c_float, ctypes.c_float, ctypes.c_void_p]
+        self._situ = glu
+
+    def situ(self, gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor | None:
+        """`layers.situ` of float32 gate and up [T, n] (rows strided, columns contiguous); None for other layouts."""
+        if gate.dim() != 2 or gate.shape != up.shape or gate.stride(-1) != 1 or up.stride(-1) != 1:
+            return None
+        rows, width = gate.shape
+        out = torch.empty(rows, width, dtype=torch.float32)
+        self._situ(rows, width, gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), beta,
+                   0.0 if linear_beta is None else linear_beta, out.data_ptr())
+        return out
 
     def mla_attend(self, q: torch.Tensor, pages: torch.Tensor, index: torch.Tensor, starts: torch.Tensor,
                    lens: torch.Tensor, longest: int, w_uk: torch.Tensor, w_uv: torch.Tensor,

@@ -7,7 +7,7 @@
 - a KDA layer's forward over a mixed batch (decode, verification, prefill) == its torch path, outputs
   and cache, to rounding;
 - absorbed MLA attention in C (decode and verification rows, each over its own causal context) == torch;
-- `attn_res` in C == its torch form; the MoE router's choice in C == torch's (same experts, weights to rounding);
+- `attn_res` in C == its torch form; SiTU in C within two ulp of the float64 formula; the MoE router's choice in C == torch's (same experts, weights to rounding);
 - `KIMI_PD_CPU_DECODE_OPS=0` keeps the torch form (a child process).
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from engine.model import attnres, decode_ops
+from engine.model import attnres, decode_ops, layers
 from engine.model import moe as moe_module
 from engine.model.forward_batch import ForwardBatch, HybridCacheTensors, SequenceSlice
 from engine.model.kda import KimiDeltaAttention
@@ -201,6 +201,27 @@ def test_mla_attention_in_c_equals_its_torch_path(monkeypatch):
     torch.testing.assert_close(got, want, **close)
     for i in cache.mla_pages:
         torch.testing.assert_close(cache.mla_pages[i], other.mla_pages[i], **close)
+
+
+@needs_ops
+@pytest.mark.parametrize("linear_beta", [25.0, None])
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 30.0])
+def test_situ_in_c_is_within_two_ulp_of_float64(scale, linear_beta):
+    """Against the float64 formula, as close as torch's float32 operators are (their error, doubled)."""
+    gen = torch.Generator().manual_seed(int(scale * 1000))
+    wide = torch.randn(5, 2 * 96, generator=gen) * scale
+    gate, up = wide[:, :96], wide[:, 96:]                   # strided rows: a fused gate|up output's halves
+    exact = layers.situ(gate.double(), up.double(), 4.0, linear_beta)
+    with torch.inference_mode():
+        got = layers.situ(gate, up, 4.0, linear_beta)
+        monkeypatch = pytest.MonkeyPatch()
+        monkeypatch.setattr(decode_ops, "usable", lambda *tensors: None)
+        torch_form = layers.situ(gate, up, 4.0, linear_beta)
+        monkeypatch.undo()
+    error = ((got.double() - exact).abs() / exact.abs().clamp_min(1e-30)).max().item()
+    torch_error = ((torch_form.double() - exact).abs() / exact.abs().clamp_min(1e-30)).max().item()
+    assert not torch.equal(got, torch_form) or scale == 1e-3      # the C form ran (it rounds differently)
+    assert error <= max(2 * torch_error, 2.4e-7)
 
 
 CHILD = """
