@@ -7,7 +7,8 @@
 - a KDA layer's forward over a mixed batch (decode, verification, prefill) == its torch path, outputs
   and cache, to rounding;
 - absorbed MLA attention in C (decode and verification rows, each over its own causal context) == torch;
-- `attn_res` in C == its torch form; SiTU in C within two ulp of the float64 formula; the MoE router's choice in C == torch's (same experts, weights to rounding);
+- `attn_res` in C == its torch form; SiTU in C within two ulp of the float64 formula;
+- the MoE router's choice in C == torch's (same experts, weights to rounding);
 - `KIMI_PD_CPU_DECODE_OPS=0` keeps the torch form (a child process).
 """
 from __future__ import annotations
