@@ -266,47 +266,68 @@ HOT void rms_norm_rows(long T, long D, const float *x, long step, const float *w
 /* Absorbed MLA attention (engine/model/mla.py) of R query rows, each one token over its own context:
  * row r reads the cached latents pages[index[starts[r] + l]] for l < lens[r] ([lora | rope] each, no gather
  * copy). Per head h: ql = q_nope W_UK[h]; p = softmax(scale (ql . c + q_pe . k_pe)); o = (p C) W_UV[h]^T.
- * Heads outer, rows inner, so a head's absorbed weights are read once for all rows. `scratch` holds the
- * longest context's probabilities. The torch form to rounding. */
+ * The absorbed weights are read once for all rows (heads outer), each row's context once for all heads
+ * (positions outer). scratch: 2 R H lora + H longest floats. The torch form to rounding. */
 HOT void mla_attend(long R, long H, long nope, long rope, long lora, long vdim, const float *q, const float *pages,
                     const long *index, const long *starts, const long *lens, const float *w_uk, const float *w_uv,
                     float scale, float *scratch, float *out) {
     const long width = lora + rope, qdim = nope + rope;
-    float ql[lora], lat[lora];
-    for (long h = 0; h < H; h++) {
-        const float *uk = w_uk + h * nope * lora, *uv = w_uv + h * vdim * lora;
+    float *ql = scratch, *lat = scratch + R * H * lora, *probs = lat + R * H * lora;
+    for (long h = 0; h < H; h++) {                       /* ql[r][h] = q_nope[r][h] W_UK[h] */
+        const float *uk = w_uk + h * nope * lora;
         for (long r = 0; r < R; r++) {
-            const float *qn = q + (r * H + h) * qdim, *qp = qn + nope;
-            const long *rows = index + starts[r], n = lens[r];
+            const float *qn = q + (r * H + h) * qdim;
+            float *acc = ql + (r * H + h) * lora;
             for (long c = 0; c < lora; c++)
-                ql[c] = 0.0f;
+                acc[c] = 0.0f;
             for (long i = 0; i < nope; i++) {
                 const float a = qn[i], *u = uk + i * lora;
                 for (long c = 0; c < lora; c++)
-                    ql[c] += a * u[c];
+                    acc[c] += a * u[c];
             }
-            float top = -INFINITY;
-            for (long l = 0; l < n; l++) {
-                const float *row = pages + rows[l] * width;
-                const float s = (dot(ql, row, lora) + dot(qp, row + lora, rope)) * scale;
-                scratch[l] = s;
-                top = s > top ? s : top;
-            }
+        }
+    }
+    for (long r = 0; r < R; r++) {
+        const long *rows = index + starts[r], n = lens[r];
+        const float *qr = ql + r * H * lora;
+        float *lr = lat + r * H * lora;
+        for (long l = 0; l < n; l++) {                   /* scores, every head on one cached row */
+            const float *row = pages + rows[l] * width;
+            for (long h = 0; h < H; h++)
+                probs[h * n + l] = (dot(qr + h * lora, row, lora) + dot(q + (r * H + h) * qdim + nope, row + lora, rope))
+                                   * scale;
+        }
+        for (long h = 0; h < H; h++) {                   /* softmax per head */
+            float *p = probs + h * n, top = -INFINITY, total = 0.0f;
             for (long l = 0; l < n; l++)
-                scratch[l] = exp_poly(scratch[l] - top);
-            float total = 0.0f;
+                top = p[l] > top ? p[l] : top;
             for (long l = 0; l < n; l++)
-                total += scratch[l];
-            for (long c = 0; c < lora; c++)
-                lat[c] = 0.0f;
-            for (long l = 0; l < n; l++) {
-                const float p = scratch[l] / total, *row = pages + rows[l] * width;
+                p[l] = exp_poly(p[l] - top);
+            for (long l = 0; l < n; l++)
+                total += p[l];
+            const float inv = 1.0f / total;
+            for (long l = 0; l < n; l++)
+                p[l] *= inv;
+        }
+        for (long i = 0; i < H * lora; i++)
+            lr[i] = 0.0f;
+        for (long l = 0; l < n; l++) {                   /* lat[h] = sum_l p[h][l] c_l, each row read once */
+            const float *row = pages + rows[l] * width;
+            for (long h = 0; h < H; h++) {
+                const float p = probs[h * n + l];
+                float *acc = lr + h * lora;
                 for (long c = 0; c < lora; c++)
-                    lat[c] += p * row[c];
+                    acc[c] += p * row[c];
             }
+        }
+    }
+    for (long h = 0; h < H; h++) {                       /* o[r][h] = W_UV[h] lat[r][h] */
+        const float *uv = w_uv + h * vdim * lora;
+        for (long r = 0; r < R; r++) {
+            const float *lr = lat + (r * H + h) * lora;
             float *o = out + (r * H + h) * vdim;
             for (long v = 0; v < vdim; v++)
-                o[v] = dot(lat, uv + v * lora, lora);
+                o[v] = dot(lr, uv + v * lora, lora);
         }
     }
 }

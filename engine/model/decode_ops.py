@@ -93,7 +93,7 @@ class DecodeOps:
         nope, lora = w_uk.shape[1:]
         v_dim = w_uv.shape[1]
         out = torch.empty(rows, heads, v_dim, dtype=torch.float32)
-        scratch = torch.empty(max(1, longest), dtype=torch.float32)
+        scratch = torch.empty(2 * rows * heads * lora + heads * max(1, longest), dtype=torch.float32)
         self._mla(rows, heads, nope, qdim - nope, lora, v_dim, q.data_ptr(), pages.data_ptr(), index.data_ptr(),
                   starts.data_ptr(), lens.data_ptr(), w_uk.data_ptr(), w_uv.data_ptr(), scale, scratch.data_ptr(),
                   out.data_ptr())
