@@ -219,11 +219,21 @@ def decode_ops() -> DecodeOps | None:
     return ops
 
 
+_switched_on = True
+
+
+def set_enabled(on: bool) -> None:
+    """Turn the decode ops on or off in this process from now on (in-process A/B runs:
+    benchmarks/decode_ops_ab.py); `KIMI_PD_CPU_DECODE_OPS=0` is the operator's switch."""
+    global _switched_on
+    _switched_on = on
+
+
 def usable(*tensors: torch.Tensor) -> DecodeOps | None:
     """The library when these tensors can go to it: float32 CPU, outside autograd and compiling. Any
     thread count: the C code runs on the calling thread, so a token takes it whatever the forward's
     size (plain decoding and verification agree)."""
-    if torch.is_grad_enabled() or torch.compiler.is_compiling():
+    if not _switched_on or torch.is_grad_enabled() or torch.compiler.is_compiling():
         return None
     if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
         return None
