@@ -1,20 +1,27 @@
-"""A KDA layer's per-token recurrence in one C call (`decode_ops.c`) for float32 decoding on the CPU.
+"""A decode step's small operators in one C call each (`decode_ops.c`), for float32 rows on the CPU.
 
-Why: at batch 1 a decode step of the small preset spent about 3.5 ms of its ~28 in the KDA layers'
-recurrent work outside the linears: about forty torch operators per layer (short conv, SiLU, l2 norms,
-gate, decay, delta rule), each a few microseconds of dispatch over a few kilobytes. `kda_decode` does a
-layer's tokens in one pass per head over the state in the cache, in place. The same library mixes a
-step's AttnRes sources (`attn_res`) and picks a MoE layer's experts (`route`), a few more small
-operators each (benchmarks/results/engine_throughput.md).
+Why: with the linears streaming near one thread's read rate, about half of a small-preset decode step
+was some 1,300 torch operator calls of a few microseconds each over a few kilobytes: a KDA layer's
+recurrence alone was about forty (short conv, SiLU, l2 norms, gate, decay, delta rule), torch's CPU
+RMSNorm six, MLA's absorbed attention a chain of small batched matmuls
+(benchmarks/results/engine_throughput.md). Here each is one call:
 
-It serves every token the recurrent decode form serves: plain decoding (one token per sequence, any
-slots) and speculative verification (T tokens per sequence, the state after each kept in the sequence's
-per-position slots), so a token's arithmetic never depends on which of the two ran it. Prefill keeps the
-chunked torch form. It differs from the torch recurrence in rounding only; the load-time check and
-tests/engine/model/test_decode_ops.py hold it to the torch form.
+- `kda_decode`: a KDA layer's tokens, one pass per head over the cache's state, in place. It serves
+  every token the recurrent form serves, plain decoding (one token per sequence, any slots) and
+  speculative verification (T tokens per sequence, the state after each kept in the sequence's
+  per-position slots), so a token's arithmetic never depends on which of the two ran it. Prefill keeps
+  the chunked torch form.
+- `mla_attend`: absorbed MLA attention of decode and verification rows, each over its own causal
+  context read straight from the pages.
+- `attn_res`, `route`, `rms_norm`, `situ`: AttnRes mixing, the MoE router's choice, RMSNorm, SiTU.
 
-Used where `rowdot.kernel()` can be (x86-64 Linux, a C compiler or a prebuilt library, not switched off)
-for float32 caches outside autograd, at any thread count; `KIMI_PD_CPU_DECODE_OPS=0` keeps the torch form (A/B runs).
+Every row is computed on its own, so a row's value does not depend on its batch. Against the torch
+forms they differ in rounding only (exp and tanh are polynomials of about one ulp); the load-time check
+and tests/engine/model/test_decode_ops.py hold them to those forms.
+
+Used where `rowdot.kernel()` can be (x86-64 Linux, AVX-512F, a C compiler or a prebuilt library, not
+switched off) on float32 tensors outside autograd and compiling, at any thread count.
+`KIMI_PD_CPU_DECODE_OPS=0` keeps torch's operators; `set_enabled` switches them in-process (A/B runs).
 """
 from __future__ import annotations
 
@@ -23,6 +30,7 @@ import functools
 import logging
 import os
 import subprocess
+from pathlib import Path
 
 import torch
 
@@ -39,7 +47,7 @@ MAX_HEAD_DIM = 256                  # the C code keeps a head's vectors on the s
 class DecodeOps:
     """The loaded library."""
 
-    def __init__(self, path) -> None:
+    def __init__(self, path: Path) -> None:
         self.path = path
         lib = ctypes.CDLL(str(path))
         fn = lib.kda_decode
@@ -159,25 +167,44 @@ class DecodeOps:
         return out
 
 
-def torch_reference(qkv: torch.Tensor, raw_gate: torch.Tensor, b_raw: torch.Tensor, kernel: torch.Tensor,
-                    a_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None,
-                    conv: torch.Tensor, rec: torch.Tensor, scale: float) -> tuple[torch.Tensor, ...]:
-    """What `kda_decode` computes, in torch (engine/model/kda_ops.py) on [B, T, ...] inputs and the states
-    [B, ...]: (o [B, T, H, V], conv states [B, T, W-1, C], recurrent states [T, B, H, K, V])."""
-    from engine.model.kda_ops import causal_conv_steps, kda_gate, kda_recurrent_states
-    from engine.model.layers import l2norm  # both import this module's users: imported here, once used
-    batch, tokens = qkv.shape[:2]
+def _kda_reference(qkv: torch.Tensor, raw: torch.Tensor, b_raw: torch.Tensor, kernel: torch.Tensor,
+                   a_log: torch.Tensor, dt_bias: torch.Tensor, lower: float, conv: torch.Tensor, rec: torch.Tensor,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The recurrence token by token in plain torch, for the load-time check (kept apart from
+    engine/model/kda_ops.py, which imports this module's users): qkv [B, T, 3HK] etc.; returns
+    (o [B, T, H, K], conv states [B, T, W-1, C], recurrent states [B, T, H, K, K])."""
+    batch, tokens, channels = qkv.shape
     heads, k_dim = rec.shape[1:3]
-    mixed, conv_states = causal_conv_steps(qkv, kernel, conv)
-    q, k, v = mixed.view(batch, tokens, 3, heads, k_dim).unbind(2)
-    g = kda_gate(raw_gate.view(batch, tokens, heads, k_dim), a_log, dt_bias, lower_bound)
-    o, rec_states = kda_recurrent_states(l2norm(q), l2norm(k), v, g, torch.sigmoid(b_raw), rec, scale)
-    return o, conv_states, rec_states
+    outs, convs, recs = [], [], []
+    for t in range(tokens):
+        window = torch.cat([conv, qkv[:, t, None]], dim=1)                              # [B, W, C]
+        mixed = torch.nn.functional.silu((window * kernel.t()).sum(1)).view(batch, 3, heads, k_dim)
+        q, k, v = (mixed[:, i] for i in range(3))
+        q = q * torch.rsqrt(q.pow(2).sum(-1, keepdim=True) + 1e-6) * scale
+        k = k * torch.rsqrt(k.pow(2).sum(-1, keepdim=True) + 1e-6)
+        z = raw[:, t].view(batch, heads, k_dim) + dt_bias.view(heads, -1)
+        g = lower * torch.sigmoid(a_log.exp()[:, None] * z)
+        rec = rec * g.exp()[..., None]
+        delta = torch.sigmoid(b_raw[:, t])[..., None] * (v - (k[..., None] * rec).sum(-2))
+        rec = rec + k[..., None] * delta[..., None, :]
+        outs.append((q[..., None] * rec).sum(-2))
+        conv = window[:, 1:]
+        convs.append(conv)
+        recs.append(rec)
+    return torch.stack(outs, 1), torch.stack(convs, 1), torch.stack(recs, 1)
+
+
+def _attn_res_reference(sources: list[torch.Tensor], query: torch.Tensor, eps: float) -> torch.Tensor:
+    v = torch.stack(sources, dim=1)
+    probs = torch.softmax((v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)) @ query, dim=-1)
+    return (probs[:, None, :] @ v).squeeze(1)
 
 
 def _agrees(ops: DecodeOps) -> bool:
-    """Two sequences of three tokens (verification, per-position states kept) against `torch_reference`,
-    on scattered slots: a wrong build or ABI shows here, before any model output depends on it."""
+    """KDA: two sequences of three tokens (verification, per-position states kept) against
+    `_kda_reference` on scattered slots; RMSNorm, SiTU, routing and AttnRes on a few rows against
+    their torch forms (MLA's attention is held to its torch path by the tests). A wrong build or ABI
+    shows here, before any model output depends on it."""
     gen = torch.Generator().manual_seed(0)
     batch, tokens, heads, k_dim, width = 2, 3, 2, 8, 4
     channels = 3 * heads * k_dim
@@ -189,32 +216,46 @@ def _agrees(ops: DecodeOps) -> bool:
     conv_store = torch.randn(9, width - 1, channels, generator=gen)
     rec_store = torch.randn(9, heads, k_dim, k_dim, generator=gen) * 0.1
     slots, spec = torch.tensor([5, 1]), torch.tensor([[2, 7], [0, 8]])
-    want_o, want_conv, want_rec = torch_reference(qkv, raw, b_raw, kernel, a_log, dt_bias, -5.0,
-                                                  conv_store[slots], rec_store[slots], 0.35)
+    want_o, want_conv, want_rec = _kda_reference(qkv, raw, b_raw, kernel, a_log, dt_bias, -5.0,
+                                                 conv_store[slots], rec_store[slots], 0.35)
     got = ops.kda_decode(qkv.view(-1, channels), raw.view(-1, heads * k_dim), b_raw.view(-1, heads),
                          kernel.t().contiguous(), a_log.exp(), dt_bias, -5.0, conv_store, rec_store, slots, spec, 0.35)
     close = functools.partial(torch.allclose, rtol=1e-4, atol=1e-5)
-    return (close(got.view(batch, tokens, heads, k_dim), want_o)
-            and close(conv_store[slots], want_conv[:, -1]) and close(rec_store[slots], want_rec[-1])
+    x, w = torch.randn(3, 40, generator=gen) * 3, torch.randn(40, generator=gen)
+    norm = ops.rms_norm(x, w, 1e-5)
+    glu = ops.situ(x[:, :20], x[:, 20:], 4.0, 25.0)
+    weights, ids = ops.route(x[:, :32], w[:32], 4, True, 2.5)
+    scores = torch.sigmoid(x[:, :32])
+    want_ids = torch.topk(scores + w[:32], 4, dim=-1).indices
+    want_weights = scores.gather(-1, want_ids)
+    g, u = x[:, :20].double(), x[:, 20:].double()
+    return (norm is not None and close(norm, w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)))
+            and glu is not None
+            and close(glu.double(), 4 * torch.tanh(g / 4) * torch.sigmoid(g) * 25 * torch.tanh(u / 25))
+            and torch.equal(ids, want_ids)
+            and close(weights, 2.5 * want_weights / want_weights.sum(-1, keepdim=True))
+            and close(ops.attn_res([x, 2 * x + 1], w, 1e-5), _attn_res_reference([x, 2 * x + 1], w, 1e-5))
+            and close(got.view(batch, tokens, heads, k_dim), want_o)
+            and close(conv_store[slots], want_conv[:, -1]) and close(rec_store[slots], want_rec[:, -1])
             and close(conv_store[spec.reshape(-1)], want_conv[:, :-1].reshape(-1, width - 1, channels))
-            and close(rec_store[spec.reshape(-1)], want_rec[:-1].transpose(0, 1).reshape(-1, heads, k_dim, k_dim)))
+            and close(rec_store[spec.reshape(-1)], want_rec[:, :-1].reshape(-1, heads, k_dim, k_dim)))
 
 
 @functools.cache
 def decode_ops() -> DecodeOps | None:
     """The library, built and checked once per process; None (and one log line) where it is not used."""
     if switched_off(os.environ, ENABLE_ENV):
-        log.info("KDA decode kernel off (%s=0): the recurrence stays on torch operators", ENABLE_ENV)
+        log.info("decode ops off (%s=0): the decode step's small operators stay on torch", ENABLE_ENV)
         return None
     if rowdot.kernel() is None:                  # same platform rules and switch as the linears' kernels
         return None
     try:
         ops = DecodeOps(rowdot.build(source=SOURCE))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        log.warning("KDA decode kernel unavailable, the recurrence stays on torch operators: %s", exc)
+        log.warning("decode ops unavailable, the decode step's small operators stay on torch: %s", exc)
         return None
     if not _agrees(ops):
-        log.warning("KDA decode kernel disagrees with the torch recurrence on its check; not used")
+        log.warning("decode ops disagree with the torch forms on their check; not used")
         return None
     return ops
 

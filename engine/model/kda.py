@@ -110,7 +110,8 @@ class KimiDeltaAttention(nn.Module):
                 rec_store[s.kda_slot].zero_()
         decode = [i for i, s in enumerate(batch.slices) if s.num_new_tokens == 1 and not s.snapshots]
         verify = [i for i, s in enumerate(batch.slices) if s.spec_slots]
-        ops = decode_ops.usable(qkv, f_b, conv_store, rec_store) if k <= decode_ops.MAX_HEAD_DIM else None
+        fits = k <= decode_ops.MAX_HEAD_DIM and conv_store.is_contiguous() and rec_store.is_contiguous()
+        ops = decode_ops.usable(qkv, f_b, conv_store, rec_store) if fits else None
         if ops is not None and len(decode) == qkv.shape[0]:       # a pure decode batch: row i is slice i
             return self._decode_in_c(ops, qkv, f_b, b, batch, decode, 1)
         out = qkv.new_empty(qkv.shape[0], h, k, dtype=upcast(qkv).dtype)

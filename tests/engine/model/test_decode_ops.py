@@ -1,6 +1,6 @@
 """engine/model/decode_ops.py: the KDA recurrence and AttnRes mixing in C agree with their torch forms.
 
-- `kda_decode` == `torch_reference` (conv, l2 norms, gate, delta rule) for plain decoding and for
+- `kda_decode` == the engine's torch forms (conv, l2 norms, gate, delta rule) for plain decoding and for
   verification, with the per-position states, on scattered slots; both gate forms;
 - one T-token verification == T one-token calls, bitwise (plain decoding and verification run the same
   per-token code, so a speculative step keeps plain decoding's values);
@@ -24,6 +24,8 @@ from engine.model import attnres, decode_ops, layers
 from engine.model import moe as moe_module
 from engine.model.forward_batch import ForwardBatch, HybridCacheTensors, SequenceSlice
 from engine.model.kda import KimiDeltaAttention
+from engine.model.kda_ops import causal_conv_steps, kda_gate, kda_recurrent_states
+from engine.model.layers import l2norm
 from tests.engine.conftest import tiny_model
 
 needs_ops = pytest.mark.skipif(decode_ops.decode_ops() is None, reason="no C compiler / not x86-64 Linux with AVX-512F")
@@ -45,6 +47,18 @@ def _inputs(batch: int, tokens: int, heads: int = 3, k_dim: int = 16, width: int
     )
 
 
+def torch_reference(qkv, raw_gate, b_raw, kernel, a_log, dt_bias, lower_bound, conv, rec, scale):
+    """What `kda_decode` computes, in the engine's torch forms (engine/model/kda_ops.py) on [B, T, ...]
+    inputs and states [B, ...]: (o [B, T, H, V], conv states [B, T, W-1, C], recurrent states [T, B, H, K, V])."""
+    batch, tokens = qkv.shape[:2]
+    heads, k_dim = rec.shape[1:3]
+    mixed, conv_states = causal_conv_steps(qkv, kernel, conv)
+    q, k, v = mixed.view(batch, tokens, 3, heads, k_dim).unbind(2)
+    g = kda_gate(raw_gate.view(batch, tokens, heads, k_dim), a_log, dt_bias, lower_bound)
+    o, rec_states = kda_recurrent_states(l2norm(q), l2norm(k), v, g, torch.sigmoid(b_raw), rec, scale)
+    return o, conv_states, rec_states
+
+
 def _run_c(d: dict, slots: torch.Tensor, spec: torch.Tensor | None, lower: float | None, scale: float) -> torch.Tensor:
     ops = decode_ops.decode_ops()
     assert ops is not None
@@ -52,7 +66,6 @@ def _run_c(d: dict, slots: torch.Tensor, spec: torch.Tensor | None, lower: float
     heads = d["b_raw"].shape[-1]
     raw = d["raw"]
     if lower is None:            # the softplus gate: the caller passes the log-decay itself
-        from engine.model.kda_ops import kda_gate
         raw = kda_gate(raw.view(batch, tokens, heads, -1), d["a_log"], d["dt_bias"], None).reshape(raw.shape)
     o = ops.kda_decode(d["qkv"].reshape(-1, channels), raw.reshape(batch * tokens, -1).contiguous(),
                        d["b_raw"].reshape(-1, heads).contiguous(), d["kernel"].t().contiguous(),
@@ -68,7 +81,7 @@ def test_kda_decode_equals_the_torch_recurrence(tokens, lower):
     d = _inputs(batch=3, tokens=tokens)
     slots = torch.tensor([7, 0, 4])
     spec = torch.tensor([[1, 2, 3], [5, 6, 8], [9, 10, 11]])[:, :tokens - 1] if tokens > 1 else None
-    want_o, want_conv, want_rec = decode_ops.torch_reference(
+    want_o, want_conv, want_rec = torch_reference(
         d["qkv"], d["raw"], d["b_raw"], d["kernel"], d["a_log"], d["dt_bias"], lower,
         d["conv"][slots], d["rec"][slots], 0.25)
     written = set(slots.tolist()) | (set() if spec is None else set(spec.reshape(-1).tolist()))
