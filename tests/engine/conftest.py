@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from engine.checkpoint.init import init_weights
-from engine.model.kda import KDAOptions
+from engine.model.forward_batch import HybridCacheTensors
+from engine.model.kda import KDAOptions, KimiDeltaAttention
 from engine.model.kimi_k3 import KimiK3ForConditionalGeneration, ModelOptions
 from engine.presets import preset_config
 
@@ -36,3 +37,14 @@ def one_thread():
 @pytest.fixture(scope="session")
 def tiny_config():
     return preset_config("tiny")
+
+
+def kda_layer_and_cache(model, num_slots: int, scale: float = 1.0):
+    """The model's first KDA layer and a float32 cache whose KDA states for it are random (x scale)."""
+    layer = next(m for m in model.modules() if isinstance(m, KimiDeltaAttention))
+    cfg = model.config.text_config
+    cache = HybridCacheTensors.allocate(cfg, num_blocks=8, num_slots=num_slots, block_size=4, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(5)
+    for store in (cache.kda_conv[layer.layer_id], cache.kda_recurrent[layer.layer_id]):
+        store.copy_(torch.randn(store.shape, generator=gen) * scale)
+    return layer, cache

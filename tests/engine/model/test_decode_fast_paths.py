@@ -15,11 +15,11 @@ import torch
 from engine.model import decode_ops, gemm, rowdot
 from engine.model import moe as moe_module
 from engine.model.forward_batch import ForwardBatch, HybridCacheTensors, SequenceSlice
-from engine.model.kda import KimiDeltaAttention, _decode_slots
+from engine.model.kda import _decode_slots
 from engine.model.kda_ops import kda_recurrent, kda_recurrent_step_
 from engine.model.layers import l2norm, rms_norm
 from engine.model.moe import LatentMoE, route
-from tests.engine.conftest import tiny_model
+from tests.engine.conftest import kda_layer_and_cache, tiny_model
 
 
 def test_in_place_recurrent_step_equals_one_recurrent_step():
@@ -37,13 +37,7 @@ def test_in_place_recurrent_step_equals_one_recurrent_step():
 
 
 def _kda_and_cache(model):
-    layer = next(m for m in model.modules() if isinstance(m, KimiDeltaAttention))
-    cfg = model.config.text_config
-    cache = HybridCacheTensors.allocate(cfg, num_blocks=8, num_slots=6, block_size=4, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(5)
-    for store in (cache.kda_conv[layer.layer_id], cache.kda_recurrent[layer.layer_id]):
-        store.copy_(torch.randn(store.shape, generator=gen))
-    return layer, cache
+    return kda_layer_and_cache(model, num_slots=6)
 
 
 @pytest.mark.parametrize("rows", [1, 3])

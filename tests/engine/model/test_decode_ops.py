@@ -23,10 +23,9 @@ import torch
 from engine.model import attnres, decode_ops, layers
 from engine.model import moe as moe_module
 from engine.model.forward_batch import ForwardBatch, HybridCacheTensors, SequenceSlice
-from engine.model.kda import KimiDeltaAttention
 from engine.model.kda_ops import causal_conv_steps, kda_gate, kda_recurrent_states
 from engine.model.layers import l2norm
-from tests.engine.conftest import tiny_model
+from tests.engine.conftest import kda_layer_and_cache, tiny_model
 
 needs_ops = pytest.mark.skipif(decode_ops.decode_ops() is None, reason="no C compiler / not x86-64 Linux with AVX-512F")
 close = dict(rtol=1e-4, atol=2e-5)
@@ -117,13 +116,7 @@ def test_verification_equals_plain_decoding_token_by_token_bitwise():
 
 
 def _layer_and_cache(model):
-    layer = next(m for m in model.modules() if isinstance(m, KimiDeltaAttention))
-    cfg = model.config.text_config
-    cache = HybridCacheTensors.allocate(cfg, num_blocks=8, num_slots=12, block_size=4, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(5)
-    for store in (cache.kda_conv[layer.layer_id], cache.kda_recurrent[layer.layer_id]):
-        store.copy_(torch.randn(store.shape, generator=gen) * 0.3)
-    return layer, cache
+    return kda_layer_and_cache(model, num_slots=12, scale=0.3)
 
 
 def _clone(cache: HybridCacheTensors) -> HybridCacheTensors:
