@@ -82,20 +82,19 @@ class GatedMLA(nn.Module):
                         batch: ForwardBatch) -> torch.Tensor:
         out = q.new_empty(q.shape[0], self.num_heads, self.v_dim)
         ops = decode_ops.usable(q, flat_pages) if self.options.mode != "materialized" else None
+        absorbed: list[int] = []
         if ops is not None and q.is_contiguous() and flat_pages.is_contiguous():
             absorbed = [i for i, s in enumerate(batch.slices)
                         if s.num_new_tokens and self._use_absorbed(s.num_new_tokens)]
-            if absorbed:
-                rows, write, index, starts, lens, longest = _c_attend_plan(absorbed, batch)
-                flat_pages[write] = cast(latent[rows], flat_pages.dtype)
-                w_uk, w_uv = self._absorb_weights_contiguous()
-                out[rows] = cast(ops.mla_attend(q[rows], flat_pages, index, starts, lens, longest, w_uk, w_uv,
-                                                self.scale), out.dtype)
+        if ops is not None and absorbed:
+            rows, write, index, starts, lens, longest = _c_attend_plan(absorbed, batch)
+            flat_pages[write] = cast(latent[rows], flat_pages.dtype)
+            w_uk, w_uv = self._absorb_weights_contiguous()
+            out[rows] = cast(ops.mla_attend(q[rows], flat_pages, index, starts, lens, longest, w_uk, w_uv,
+                                            self.scale), out.dtype)
             if len(absorbed) == sum(1 for s in batch.slices if s.num_new_tokens):
                 return out
-            done = set(absorbed)
-            return self._torch_slices(q, latent, flat_pages, batch, out, done)
-        return self._torch_slices(q, latent, flat_pages, batch, out, set())
+        return self._torch_slices(q, latent, flat_pages, batch, out, set(absorbed))
 
     def _absorb_weights_contiguous(self) -> tuple[torch.Tensor, torch.Tensor]:
         """`_absorb_weights` as contiguous float32 tensors, for the C attention (kept for inference)."""
@@ -248,7 +247,7 @@ def _c_attend_plan(idx: list[int], batch: ForwardBatch) -> tuple[torch.Tensor, t
             starts.extend([offset] * s.num_new_tokens)
             lens.extend(range(s.num_cached_tokens + 1, s.num_cached_tokens + s.num_new_tokens + 1))
             offset += read.shape[0]
-        plan = memo[key] = (torch.tensor(rows), torch.cat(writes), torch.cat(reads).to(torch.int64).contiguous(),
+        plan = memo[key] = (torch.tensor(rows), torch.cat(writes), torch.cat(reads).long(),
                             torch.tensor(starts, dtype=torch.int64), torch.tensor(lens, dtype=torch.int64),
                             max(lens))
     return plan

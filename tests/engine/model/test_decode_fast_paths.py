@@ -111,13 +111,14 @@ def test_moe_experts_in_one_kernel_call_equal_one_linear_per_expert(monkeypatch,
     assert len(grouped_calls) == 20                          # two kernel calls a layer call: w1|w3, then w2
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+C_NORM = decode_ops.decode_ops() is not None
+
+
 @pytest.mark.parametrize("shape", [(1, 1024), (5, 64), (2, 3, 128)])
-@pytest.mark.parametrize("c_norm", [False, True])
+@pytest.mark.parametrize("dtype, c_norm", [(torch.float32, False), (torch.float64, False), (torch.float32, C_NORM)])
 def test_rms_norm_is_the_formula(monkeypatch, dtype, shape, c_norm):
-    """Torch's fused call is the formula bitwise; float32 in C (engine/model/decode_ops.py) to rounding."""
-    if c_norm and (dtype != torch.float32 or decode_ops.decode_ops() is None):
-        pytest.skip("the C norm runs float32 only, where its library loads")
+    """Torch's fused call is the formula bitwise; float32 in C (engine/model/decode_ops.py, where its
+    library loads; the C norm runs float32 only) to rounding."""
     if not c_norm:
         monkeypatch.setattr(decode_ops, "usable", lambda *tensors: None)
     gen = torch.Generator().manual_seed(1)
