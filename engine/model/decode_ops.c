@@ -348,3 +348,59 @@ HOT void situ_rows(long T, long n, const float *gate, long gate_step, const floa
                 y[i] = beta * tanh_poly(g[i] * inv_beta) * sigmoidf(g[i]) * u[i];
     }
 }
+
+/* rowdot.c's row-major product, built into this library too (engine/model/decode_ops.py) */
+void rowdot(const float *weight, const float *x, const float *bias, float *y, long out, long n, long rows);
+
+/* One token through a latent MoE layer (engine/model/moe.py) whose linears `gemm.linear` would run on the
+ * row-major kernel: a batch-1 decode step's MoE in one call instead of some thirty from Python.
+ * The same calls in the same order as the Python path (`LatentMoE.forward` with fused float linears and
+ * `_one_token`), so bitwise its result:
+ *   t = W_in x = [router logits E | latent h L | shared gate S | shared up S];  (weights, ids) = route(logits)
+ *   per chosen expert in ascending order: a_e = situ(W13_e h);  o_e = W2_e a_e;  r = sum_e o_e * weight_e
+ *   y = W_up rms_norm(r) + W_down situ(shared gate, shared up)
+ * w13 / w2: every expert's weight pointer; norm_w NULL: no latent norm; S 0: no shared experts.
+ * scratch: E + L + 2S + k (3I + L + 1) + 2L + S + d floats. */
+HOT void moe_row(long d, long E, long L, long S, long I, long top_k, const float *x, const float *w_in,
+                 const float *bias, int renormalize, float scaling, const long *w13, const long *w2,
+                 const float *norm_w, float eps, const float *w_up, const float *w_down, float beta,
+                 float linear_beta, float *scratch, float *y) {
+    float *t = scratch, *gate_up = t + E + L + 2 * S, *act = gate_up + top_k * 2 * I, *outs = act + top_k * I;
+    float *routed = outs + top_k * L, *normed = routed + L, *shared_act = normed + L, *shared = shared_act + S;
+    float *weights = shared + d;
+    long ids[top_k], order[top_k];
+    rowdot(w_in, x, 0, t, E + L + 2 * S, d, 1);
+    moe_route(1, E, t, E, bias, top_k, renormalize, scaling, weights, ids);
+    for (long j = 0; j < top_k; j++) {                 /* the chosen slots by ascending expert */
+        long at = j;
+        while (at > 0 && ids[order[at - 1]] > ids[j]) {
+            order[at] = order[at - 1];
+            at--;
+        }
+        order[at] = j;
+    }
+    const float *h = t + E;
+    for (long j = 0; j < top_k; j++)
+        rowdot((const float *)w13[ids[order[j]]], h, 0, gate_up + j * 2 * I, 2 * I, L, 1);
+    situ_rows(top_k, I, gate_up, 2 * I, gate_up + I, 2 * I, beta, linear_beta, act);
+    for (long j = 0; j < top_k; j++)
+        rowdot((const float *)w2[ids[order[j]]], act + j * I, 0, outs + j * L, L, I, 1);
+    for (long c = 0; c < L; c++) {                     /* torch's sum over the rows: in order, from the first */
+        float acc = outs[c] * weights[order[0]];
+        for (long j = 1; j < top_k; j++)
+            acc += outs[j * L + c] * weights[order[j]];
+        routed[c] = acc;
+    }
+    const float *latent = routed;
+    if (norm_w) {
+        rms_norm_rows(1, L, routed, L, norm_w, eps, normed);
+        latent = normed;
+    }
+    rowdot(w_up, latent, 0, y, d, L, 1);
+    if (S > 0) {
+        situ_rows(1, S, t + E + L, S, t + E + L + S, S, beta, linear_beta, shared_act);
+        rowdot(w_down, shared_act, 0, shared, d, S, 1);
+        for (long c = 0; c < d; c++)
+            y[c] = y[c] + shared[c];
+    }
+}

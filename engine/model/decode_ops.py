@@ -14,6 +14,9 @@ RMSNorm six, MLA's absorbed attention a chain of small batched matmuls
 - `mla_attend`: absorbed MLA attention of decode and verification rows, each over its own causal
   context read straight from the pages.
 - `attn_res`, `route`, `rms_norm`, `situ`: AttnRes mixing, the MoE router's choice, RMSNorm, SiTU.
+- `moe_row`: a whole latent MoE layer for one token (a batch-1 decode step), its linears on rowdot.c's
+  row-major kernel (built into this library too): the calls the Python path makes, in its order, so
+  bitwise its result, without some thirty trips through Python (engine/model/moe.py's `_row_in_c`).
 
 Every row is computed on its own, so a row's value does not depend on its batch. Against the torch
 forms they differ in rounding only (exp and tanh are polynomials of about one ulp); the load-time check
@@ -80,6 +83,12 @@ class DecodeOps:
         glu.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
                         ctypes.c_float, ctypes.c_float, ctypes.c_void_p]
         self._situ = glu
+        row = lib.moe_row
+        row.restype = None
+        long_, ptr, int_, float_ = ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+        row.argtypes = [long_, long_, long_, long_, long_, long_, ptr, ptr, ptr, int_, float_, ptr, ptr, ptr, float_,
+                        ptr, ptr, float_, float_, ptr, ptr]
+        self.moe_row = row
 
     def situ(self, gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor | None:
         """`layers.situ` of float32 gate and up [T, n] (rows strided, columns contiguous); None for other layouts."""
@@ -250,7 +259,7 @@ def decode_ops() -> DecodeOps | None:
     if rowdot.kernel() is None:                  # same platform rules and switch as the linears' kernels
         return None
     try:
-        ops = DecodeOps(rowdot.build(source=SOURCE))
+        ops = DecodeOps(rowdot.build(source=SOURCE, extra=(rowdot.SOURCE,)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         log.warning("decode ops unavailable, the decode step's small operators stay on torch: %s", exc)
         return None
@@ -261,6 +270,8 @@ def decode_ops() -> DecodeOps | None:
 
 
 _switched_on = True
+LAYERS_ENV = "KIMI_PD_CPU_DECODE_LAYERS"
+_layers_on = not switched_off(os.environ, LAYERS_ENV)
 
 
 def set_enabled(on: bool) -> None:
@@ -279,3 +290,16 @@ def usable(*tensors: torch.Tensor) -> DecodeOps | None:
     if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
         return None
     return decode_ops()
+
+
+def set_layers_enabled(on: bool) -> None:
+    """Turn the whole-layer calls (`moe_row`) on or off in this process from now on (in-process A/B runs,
+    equivalence tests); `KIMI_PD_CPU_DECODE_LAYERS=0` is the operator's switch. The per-operator calls
+    stay as `set_enabled` leaves them."""
+    global _layers_on
+    _layers_on = on
+
+
+def layer_usable(*tensors: torch.Tensor) -> DecodeOps | None:
+    """`usable`, for the whole-layer calls: also None when they are switched off."""
+    return usable(*tensors) if _layers_on else None

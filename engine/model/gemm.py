@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -160,6 +160,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             return torch.ops.mkldnn._linear_pointwise(x, packed_weight(weight) if PACKED else weight, bias,
                                                       "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def row_major_weights(weights: Sequence[torch.Tensor]) -> bool:
+    """Whether `linear` takes each of `weights` to the rowdot kernels outside autograd (large float32
+    row-major CPU weights; `row_major_now` says whether it does for a given input)."""
+    return all(_large_float_weight(w) for w in weights)
+
+
+def row_major_now(x: torch.Tensor) -> bool:
+    """Whether `linear` runs a one-row float32 `x` on the row-major kernel now (with weights that pass
+    `row_major_weights`): a whole-layer C call (engine/model/decode_ops.py) may then make those products
+    itself, bitwise the same."""
+    return (x.dim() == 2 and x.shape[0] == 1 and x.dtype == torch.float32 and x.device.type == "cpu"
+            and not torch.is_grad_enabled() and _one_thread_kernel() is not None)
 
 
 def grouped_kernel(x: torch.Tensor, weights: list[torch.Tensor]) -> rowdot.Kernel | None:

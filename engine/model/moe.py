@@ -1,15 +1,17 @@
 """Latent MoE with a biased sigmoid router and shared experts (docs/model.md, Latent MoE)."""
 from __future__ import annotations
 
+import ctypes
 import itertools
 import typing
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from engine.model import decode_ops, rowdot
 from engine.model.fused import EXPERT_GEMMS_ATTR, FUSED_ATTR, fuse_linears, fused_gemm_max_rows, project
-from engine.model.gemm import Linear, grouped_kernel, linear
+from engine.model.gemm import Linear, grouped_kernel, linear, row_major_now, row_major_weights
 from engine.model.layers import RMSNorm, SiTUMLP, cast, situ, upcast
 from shared.model_config import TextConfig
 
@@ -78,6 +80,8 @@ class LatentMoE(nn.Module):
     def forward(self, x: torch.Tensor, static: bool = False) -> torch.Tensor:
         """static: capture-safe (no host reads of the routing): every local expert runs on every token
         and a dense routing-weight mask keeps the chosen ones (decode graphs; same sums as dispatch)."""
+        if not static and x.shape[0] == 1 and (y := self._row_in_c(x)) is not None:
+            return y
         linears = self._input_linears()
         outs = project(self, x, linears, (1,) * len(linears))
         logits = outs.pop(0) if linears[0] is self.gate else self.gate.logits(x)
@@ -94,6 +98,31 @@ class LatentMoE(nn.Module):
             y = self.routed_expert_norm(y)
         y = self.routed_expert_up_proj(y)
         return y + self.shared_experts.down(*outs) if self.shared_experts is not None else y
+
+    def _row_in_c(self, x: torch.Tensor) -> torch.Tensor | None:
+        """This layer on one token in one C call (`decode_ops.c`'s `moe_row`), where every linear of the
+        Python path would run on the row-major kernel: the same products and operators in the same order,
+        so bitwise that path's result (tests/engine/model/test_decode_layers.py). None where it does not apply."""
+        ops = decode_ops.layer_usable(x)
+        if ops is None or not row_major_now(x):
+            return None
+        plan = self._row_plan()
+        if plan is None:
+            return None
+        y = torch.empty(1, plan.hidden, dtype=torch.float32)
+        scratch = torch.empty(plan.scratch_floats, dtype=torch.float32)
+        ops.moe_row(*plan.sizes, x.contiguous().data_ptr(), *plan.weights, scratch.data_ptr(), y.data_ptr())
+        return y
+
+    def _row_plan(self) -> _RowPlan | None:
+        """The constant arguments of `_row_in_c`, made again when the fusing or the parallel layout changes
+        (None kept where it cannot run)."""
+        fused, gemms = self.__dict__.get(FUSED_ATTR), self.__dict__.get(EXPERT_GEMMS_ATTR)
+        key = (id(fused), id(gemms), self.expert_range, id(self.expert_parallel), id(self.reduce_routed))
+        held = self.__dict__.get("_row_plan_held")
+        if held is None or held[0] != key:
+            held = self.__dict__["_row_plan_held"] = (key, _row_plan(self, fused, gemms))
+        return held[1]
 
     def _input_linears(self) -> tuple[nn.Module, ...]:
         """Every projection of the layer input x: the router (when it computes in x's dtype: its fp32
@@ -255,6 +284,58 @@ class LatentMoE(nn.Module):
             # where, not a product: an unchosen expert's output never reaches the sum, whatever its value
             y = y + torch.where(w != 0, upcast(self._expert(e, h)) * w, 0.0)
         return y
+
+
+@dataclass(frozen=True)
+class _RowPlan:
+    """`moe_row`'s arguments before and after the input pointer; `keep` holds what the pointers point into."""
+
+    hidden: int
+    scratch_floats: int
+    sizes: tuple[int, ...]
+    weights: tuple
+    keep: tuple
+
+
+def _row_plan(moe: LatentMoE, fused, gemms: list | None) -> _RowPlan | None:
+    """`moe_row`'s plan for `moe` fused as `fused`/`gemms`, or None where the C call does not reproduce the
+    Python path: expert or data parallel, unfused, quantized or small (non-rowdot) linears, no joined router."""
+    experts = len(moe.experts)
+    if (fused is None or gemms is None or moe.expert_parallel is not None or moe.reduce_routed is not None
+            or moe.expert_range is not None or len(gemms) != experts or not 1 <= moe.top_k <= experts):
+        return None
+    linears = moe._input_linears()
+    shared = moe.shared_experts
+    if (linears[0] is not moe.gate or len(fused.groups) != 1 or not isinstance(fused.groups[0], Linear)
+            or fused._split_sizes is None or len(linears) != (4 if shared is not None else 2)):
+        return None
+    w_in = fused.groups[0].weight
+    latent = moe.routed_expert_down_proj.weight.shape[0]
+    width = shared.gate_proj.weight.shape[0] if shared is not None else 0
+    if fused._split_sizes != ([experts, latent, width, width] if shared is not None else [experts, latent]):
+        return None
+    up, norm = moe.routed_expert_up_proj, moe.routed_expert_norm
+    down = shared.down_proj if shared is not None else None
+    w13s, w2s = [g[0] for g in gemms], [g[3] for g in gemms]
+    big = [w_in, up.weight, *w13s, *w2s] + ([down.weight] if down is not None else [])
+    if (not isinstance(up, Linear) or (down is not None and not isinstance(down, Linear))
+            or not row_major_weights(big) or moe.beta <= 0 or (moe.linear_beta is not None and moe.linear_beta <= 0)):
+        return None
+    small = [moe.gate.e_score_correction_bias] + ([norm.weight] if norm is not None else [])
+    if any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" for t in small):
+        return None
+    inter = w2s[0].shape[1]
+    hidden, k = w_in.shape[1], moe.top_k
+    array = ctypes.c_long * experts
+    w13_ptrs, w2_ptrs = array(*(w.data_ptr() for w in w13s)), array(*(w.data_ptr() for w in w2s))
+    weights = (w_in.data_ptr(), moe.gate.e_score_correction_bias.data_ptr(), int(moe.renormalize), moe.scaling,
+               ctypes.addressof(w13_ptrs), ctypes.addressof(w2_ptrs),
+               norm.weight.data_ptr() if norm is not None else None, norm.eps if norm is not None else 0.0,
+               up.weight.data_ptr(), down.weight.data_ptr() if down is not None else None,
+               moe.beta, moe.linear_beta if moe.linear_beta is not None else 0.0)
+    scratch = experts + latent + 2 * width + k * (3 * inter + latent + 1) + 2 * latent + width + hidden
+    return _RowPlan(hidden, scratch, (hidden, experts, latent, width, inter, k), weights,
+                    (w13_ptrs, w2_ptrs, *big, *small))
 
 
 def _fused_gate_up(rows: torch.Tensor, expert: tuple) -> torch.Tensor:

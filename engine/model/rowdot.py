@@ -96,15 +96,16 @@ def _digest(*parts: str) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
 
 
-def build(out_dir: Path | None = None, source: Path = SOURCE) -> Path:
-    """The shared library of `source` (this kernel's by default; engine/model/decode_ops.c too), compiled
-    unless one for this source and compiler is cached. Written under a temporary name and renamed, so
+def build(out_dir: Path | None = None, source: Path = SOURCE, extra: tuple[Path, ...] = ()) -> Path:
+    """The shared library of `source` (this kernel's by default; engine/model/decode_ops.c too, with this
+    kernel's source as `extra`: sources compiled into the same library), compiled unless one for these
+    sources and compiler is cached. Written under a temporary name and renamed, so
     processes building at once never load a half-written file. A host without a compiler takes a library
     built for this source by any compiler (an image builds it while it has gcc and drops gcc after:
     deploy/docker/Dockerfile)."""
     out_dir = out_dir or cache_dir()
     stem = source.stem
-    digest = _digest(source.read_text(), *CFLAGS, *LDLIBS)
+    digest = _digest(source.read_text(), *(e.read_text() for e in extra), *CFLAGS, *LDLIBS)
     cc = _compiler()
     if cc is None:
         built = sorted(out_dir.glob(f"{stem}-{digest}-*.so"))
@@ -119,8 +120,8 @@ def build(out_dir: Path | None = None, source: Path = SOURCE) -> Path:
     fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{stem}-", suffix=".so")
     os.close(fd)
     try:
-        done = subprocess.run([cc, *CFLAGS, "-o", tmp, str(source), *LDLIBS], capture_output=True, text=True,
-                              timeout=COMPILE_TIMEOUT_S)
+        done = subprocess.run([cc, *CFLAGS, "-o", tmp, str(source), *map(str, extra), *LDLIBS], capture_output=True,
+                              text=True, timeout=COMPILE_TIMEOUT_S)
         if done.returncode != 0:
             raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-500:]}")
         os.replace(tmp, lib)
@@ -250,4 +251,4 @@ if __name__ == "__main__":    # `python -m engine.model.rowdot DIR`: build both 
     import sys
     target = Path(sys.argv[1]) if len(sys.argv) > 1 else None
     print(build(target))
-    print(build(target, SOURCE.with_name("decode_ops.c")))
+    print(build(target, SOURCE.with_name("decode_ops.c"), (SOURCE,)))
