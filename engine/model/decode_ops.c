@@ -404,3 +404,32 @@ HOT void moe_row(long d, long E, long L, long S, long I, long top_k, const float
             y[c] = y[c] + shared[c];
     }
 }
+
+/* KDA's gated output norm (engine/model/kda.py) of rows [T] of H heads of D floats (x contiguous):
+ * y = rms_norm(x_head) * w * sigmoid(gate), gate's rows `gate_step` apart with its heads contiguous. */
+HOT void gated_rms_norm_rows(long T, long H, long D, const float *x, const float *w, float eps, const float *gate,
+                             long gate_step, float *y) {
+    for (long t = 0; t < T; t++)
+        for (long h = 0; h < H; h++) {
+            const float *row = x + (t * H + h) * D, *g = gate + t * gate_step + h * D;
+            float *out = y + (t * H + h) * D;
+            const float r = 1.0f / sqrtf(dot(row, row, D) / (float)D + eps);
+            for (long d = 0; d < D; d++)
+                out[d] = row[d] * r * w[d] * sigmoidf(g[d]);
+        }
+}
+
+/* One token of one sequence through a KDA layer after its input projections (a batch-1 decode step):
+ * `kda_decode` on the cache in place, the gated norm, then o_proj on rowdot.c's row-major kernel, as the
+ * Python path calls them (engine/model/kda.py's `_row_in_c`), so bitwise its result.
+ * scratch: 2 H V floats. y [d]. */
+HOT void kda_row(long H, long K, long V, long W, const float *qkv, const float *kernel_t, const float *raw,
+                 const float *a_h, const float *dt_bias, float lower, const float *b_raw, float *conv_store,
+                 float *rec_store, const long *slot, float scale, const float *gate, const float *norm_w, float eps,
+                 const float *w_o, long d, float *scratch, float *y) {
+    float *o = scratch, *gated = scratch + H * V;
+    kda_decode(1, 1, H, K, V, W, qkv, 0, kernel_t, raw, a_h, dt_bias, lower, b_raw, conv_store, rec_store, slot,
+               0, scale, o);
+    gated_rms_norm_rows(1, H, V, o, norm_w, eps, gate, 0, gated);
+    rowdot(w_o, gated, 0, y, d, H * V, 1);
+}

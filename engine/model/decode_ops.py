@@ -14,6 +14,8 @@ RMSNorm six, MLA's absorbed attention a chain of small batched matmuls
 - `mla_attend`: absorbed MLA attention of decode and verification rows, each over its own causal
   context read straight from the pages.
 - `attn_res`, `route`, `rms_norm`, `situ`: AttnRes mixing, the MoE router's choice, RMSNorm, SiTU.
+- `gated_rms_norm`: KDA's output norm times the sigmoid of its gate.
+- `kda_row`: a KDA layer's token after its input projections (recurrence, gated norm, o_proj).
 - `moe_row`: a whole latent MoE layer for one token (a batch-1 decode step), its linears on rowdot.c's
   row-major kernel (built into this library too): the calls the Python path makes, in its order, so
   bitwise its result, without some thirty trips through Python (engine/model/moe.py's `_row_in_c`).
@@ -89,6 +91,15 @@ class DecodeOps:
         row.argtypes = [long_, long_, long_, long_, long_, long_, ptr, ptr, ptr, int_, float_, ptr, ptr, ptr, float_,
                         ptr, ptr, float_, float_, ptr, ptr]
         self.moe_row = row
+        gated = lib.gated_rms_norm_rows
+        gated.restype = None
+        gated.argtypes = [long_, long_, long_, ptr, ptr, float_, ptr, long_, ptr]
+        self._gated_norm = gated
+        kda_row = lib.kda_row
+        kda_row.restype = None
+        kda_row.argtypes = [long_, long_, long_, long_, ptr, ptr, ptr, ptr, ptr, float_, ptr, ptr, ptr, ptr, float_,
+                            ptr, ptr, float_, ptr, long_, ptr, ptr]
+        self.kda_row = kda_row
 
     def situ(self, gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor | None:
         """`layers.situ` of float32 gate and up [T, n] (rows strided, columns contiguous); None for other layouts."""
@@ -99,6 +110,19 @@ class DecodeOps:
         self._situ(rows, width, gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), beta,
                    0.0 if linear_beta is None else linear_beta, out.data_ptr())
         return out
+
+    def gated_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                       gate: torch.Tensor) -> torch.Tensor | None:
+        """KDA's gated output norm `rms_norm(x, weight) * sigmoid(gate)` of x [T, H, D] (contiguous float32)
+        and gate [T, H, D] (heads and columns contiguous, rows strided); None for other layouts."""
+        rows, heads, dim = x.shape
+        if (not x.is_contiguous() or not weight.is_contiguous() or gate.shape != x.shape or gate.stride(-1) != 1
+                or gate.stride(-2) != dim):
+            return None
+        y = torch.empty(rows, heads, dim, dtype=torch.float32)
+        self._gated_norm(rows, heads, dim, x.data_ptr(), weight.data_ptr(), eps, gate.data_ptr(), gate.stride(0),
+                         y.data_ptr())
+        return y
 
     def mla_attend(self, q: torch.Tensor, pages: torch.Tensor, index: torch.Tensor, starts: torch.Tensor,
                    lens: torch.Tensor, longest: int, w_uk: torch.Tensor, w_uv: torch.Tensor,

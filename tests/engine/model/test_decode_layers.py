@@ -1,5 +1,8 @@
 """Whole-layer decode calls in C (engine/model/decode_ops.py) give bitwise what the Python path gives.
 
+- a KDA layer's decoding token after its input projections (`kda_row`) == the Python path, outputs and
+  both cache states, over several steps on one slot; the gated output norm in C == its torch form to
+  rounding; verification, a reset state or a second sequence keep the Python path;
 - a latent MoE layer on one token (`moe_row`) == `LatentMoE.forward` with the whole-layer calls off,
   with and without shared experts and the latent norm, over many tokens (so many expert choices);
 - the plan declines where the C call would not reproduce the Python path (small weights on MKL, expert
@@ -17,6 +20,8 @@ import pytest
 import torch
 
 from engine.model import decode_ops
+from engine.model.forward_batch import ForwardBatch, HybridCacheTensors, SequenceSlice
+from engine.model.kda import KDAOptions, KimiDeltaAttention
 from engine.model.moe import LatentMoE
 from engine.presets import preset_config
 from tests.engine.conftest import tiny_model
@@ -38,12 +43,97 @@ def _moe(shared: int = 1, norm: bool = True, seed: int = 0) -> LatentMoE:
     return moe.eval()
 
 
-def _count_calls(monkeypatch) -> list[int]:
+def _count_calls(monkeypatch, name: str = "moe_row") -> list[int]:
     ops = decode_ops.decode_ops()
     calls: list[int] = []
-    real = ops.moe_row
-    monkeypatch.setattr(ops, "moe_row", lambda *a: calls.append(1) or real(*a))
+    real = getattr(ops, name)
+    monkeypatch.setattr(ops, name, lambda *a: calls.append(1) or real(*a))
     return calls
+
+
+def _kda(seed: int = 0) -> tuple[KimiDeltaAttention, object]:
+    """A KDA layer whose input projections and o_proj are large enough for the rowdot kernels, and its config."""
+    tiny = preset_config("tiny").text_config
+    cfg = replace(tiny, hidden_size=512, linear_attn_config=replace(tiny.linear_attn_config, num_heads=8, head_dim=64))
+    layer_id = next(i for i in range(cfg.num_hidden_layers) if cfg.is_kda_layer(i))
+    layer = KimiDeltaAttention(cfg, layer_id, KDAOptions())
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            scale = 0.5 if name in ("A_log", "dt_bias") else p.shape[-1] ** -0.5
+            p.copy_(torch.randn(p.shape, generator=gen) * scale)
+    layer.fuse_linears()
+    return layer.eval(), cfg
+
+
+def _kda_cache(cfg, layer_id: int) -> HybridCacheTensors:
+    cache = HybridCacheTensors.allocate(cfg, num_blocks=4, num_slots=6, block_size=4, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(5)
+    for store in (cache.kda_conv[layer_id], cache.kda_recurrent[layer_id]):
+        store.copy_(torch.randn(store.shape, generator=gen) * 0.3)
+    return cache
+
+
+def _clone(cache: HybridCacheTensors) -> HybridCacheTensors:
+    return HybridCacheTensors(block_size=cache.block_size, mla_pages=cache.mla_pages,
+                              kda_conv={i: t.clone() for i, t in cache.kda_conv.items()},
+                              kda_recurrent={i: t.clone() for i, t in cache.kda_recurrent.items()})
+
+
+@needs_ops
+def test_kda_row_in_c_equals_the_python_path_bitwise(monkeypatch, one_thread):
+    layer, cfg = _kda()
+    lid = layer.layer_id
+    in_c = _kda_cache(cfg, lid)
+    python = _clone(in_c)
+    calls = _count_calls(monkeypatch, "kda_row")
+    gen = torch.Generator().manual_seed(2)
+    table = torch.tensor([0, 1])
+    with torch.inference_mode():
+        for step in range(6):                     # the states carry over: each step reads the last one's
+            x = torch.randn(1, 512, generator=gen) * (1 + step % 3)
+            batch = [SequenceSlice(1, 5 + step, 3, table)]
+            decode_ops.set_layers_enabled(False)
+            try:
+                want = layer(x, ForwardBatch(batch, python))
+            finally:
+                decode_ops.set_layers_enabled(True)
+            got = layer(x, ForwardBatch(batch, in_c))
+            assert torch.equal(got, want), (step, (got - want).abs().max())
+            assert torch.equal(in_c.kda_conv[lid], python.kda_conv[lid])
+            assert torch.equal(in_c.kda_recurrent[lid], python.kda_recurrent[lid])
+    assert len(calls) == 6
+    assert not torch.equal(in_c.kda_recurrent[lid][3], _kda_cache(cfg, lid).kda_recurrent[lid][3])   # it moved
+
+
+@needs_ops
+@pytest.mark.parametrize("case", ["two sequences", "verification", "reset"])
+def test_kda_row_keeps_the_python_path_elsewhere(monkeypatch, one_thread, case):
+    layer, cfg = _kda()
+    cache = _kda_cache(cfg, layer.layer_id)
+    calls = _count_calls(monkeypatch, "kda_row")
+    table = torch.tensor([0, 1])
+    slices = {"two sequences": [SequenceSlice(1, 5, 2, table), SequenceSlice(1, 5, 3, table)],
+              "verification": [SequenceSlice(3, 5, 2, table, spec_slots=(4, 5))],
+              "reset": [SequenceSlice(1, 0, 2, table, reset_kda_state=True)]}[case]
+    rows = sum(s.num_new_tokens for s in slices)
+    with torch.inference_mode():
+        layer(torch.randn(rows, 512), ForwardBatch(slices, cache))
+    assert not calls
+
+
+@needs_ops
+def test_gated_norm_in_c_equals_the_torch_form():
+    ops = decode_ops.decode_ops()
+    gen = torch.Generator().manual_seed(4)
+    x, w = torch.randn(5, 3, 64, generator=gen) * 3, torch.randn(64, generator=gen)
+    wide = torch.randn(5, 3 * 64 + 7, generator=gen) * 4
+    gate = wide[:, 7:].view(5, 3, 64)                    # rows strided, as a view of a fused projection
+    got = ops.gated_rms_norm(x, w, 1e-5, gate)
+    xd = x.double()
+    want = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double() * torch.sigmoid(gate.double())
+    torch.testing.assert_close(got.double(), want, rtol=4e-6, atol=1e-6)
+    assert ops.gated_rms_norm(x.transpose(0, 1), w, 1e-5, gate.transpose(0, 1)) is None     # not contiguous
 
 
 def _both_paths(moe: LatentMoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
