@@ -6,7 +6,7 @@ from torch import nn
 
 from engine.model import decode_ops
 from engine.model.gemm import Linear
-from engine.model.layers import NormWeight, cast, inference_cached, rms_norm, upcast
+from engine.model.layers import C_NORM_MAX_ELEMENTS, NormWeight, cast, inference_cached, rms_norm, upcast
 
 # Rows up to which the C form runs (decode and verification steps); prefill keeps torch's threaded ops.
 C_MAX_ROWS = 256
@@ -31,6 +31,19 @@ def attn_res(sources: list[torch.Tensor], proj_weight: torch.Tensor, norm_weight
         query = pseudo_query(proj_weight, norm_weight)
     probs = torch.softmax(keys @ query, dim=-1)                                # [T, n]
     return cast((probs[:, None, :] @ v).squeeze(1), sources[-1].dtype)
+
+
+def attn_res_norm(sources: list[torch.Tensor], proj_weight: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                  query: torch.Tensor, out_weight: torch.Tensor, out_eps: float) -> torch.Tensor:
+    """`rms_norm(attn_res(...), out_weight, out_eps)`: a layer's mixing and the norm in front of its mixer
+    or FFN. Where both would run in C, one call makes both (`decode_ops.c`'s `attn_res_norm_rows`), so
+    bitwise the two calls' result with one trip through Python fewer."""
+    if len(sources[0]) <= C_MAX_ROWS and sources[0].numel() <= C_NORM_MAX_ELEMENTS:
+        ops = decode_ops.layer_usable(query, out_weight, *sources)
+        if (ops is not None and query.is_contiguous() and out_weight.is_contiguous()
+                and all(s.is_contiguous() for s in sources)):
+            return ops.attn_res_norm(sources, query, eps, out_weight, out_eps)
+    return rms_norm(attn_res(sources, proj_weight, norm_weight, eps, query), out_weight, out_eps)
 
 
 def pseudo_query(proj_weight: torch.Tensor, norm_weight: torch.Tensor) -> torch.Tensor:

@@ -433,3 +433,12 @@ HOT void kda_row(long H, long K, long V, long W, const float *qkv, const float *
     gated_rms_norm_rows(1, H, V, o, norm_w, eps, gate, 0, gated);
     rowdot(w_o, gated, 0, y, d, H * V, 1);
 }
+
+/* A layer's AttnRes mixing followed by the norm in front of its mixer or FFN (engine/model/kimi_k3.py):
+ * `attn_res_rows`, then `rms_norm_rows` with `norm_w`, the two calls the Python path makes, so bitwise
+ * its result. scratch: T D floats. */
+HOT void attn_res_norm_rows(long n, const float *const *sources, long T, long D, const float *query, float eps,
+                            const float *norm_w, float norm_eps, float *scratch, float *out) {
+    attn_res_rows(n, sources, T, D, query, eps, scratch);
+    rms_norm_rows(T, D, scratch, D, norm_w, norm_eps, out);
+}

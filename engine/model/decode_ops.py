@@ -14,6 +14,7 @@ RMSNorm six, MLA's absorbed attention a chain of small batched matmuls
 - `mla_attend`: absorbed MLA attention of decode and verification rows, each over its own causal
   context read straight from the pages.
 - `attn_res`, `route`, `rms_norm`, `situ`: AttnRes mixing, the MoE router's choice, RMSNorm, SiTU.
+- `attn_res_norm`: a layer's AttnRes mixing and the RMSNorm after it.
 - `gated_rms_norm`: KDA's output norm times the sigmoid of its gate.
 - `kda_row`: a KDA layer's token after its input projections (recurrence, gated norm, o_proj).
 - `moe_row`: a whole latent MoE layer for one token (a batch-1 decode step), its linears on rowdot.c's
@@ -100,6 +101,10 @@ class DecodeOps:
         kda_row.argtypes = [long_, long_, long_, long_, ptr, ptr, ptr, ptr, ptr, float_, ptr, ptr, ptr, ptr, float_,
                             ptr, ptr, float_, ptr, long_, ptr, ptr]
         self.kda_row = kda_row
+        mix_norm = lib.attn_res_norm_rows
+        mix_norm.restype = None
+        mix_norm.argtypes = [long_, ptr, long_, long_, ptr, float_, ptr, float_, ptr, ptr]
+        self._attn_res_norm = mix_norm
 
     def situ(self, gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor | None:
         """`layers.situ` of float32 gate and up [T, n] (rows strided, columns contiguous); None for other layouts."""
@@ -174,6 +179,17 @@ class DecodeOps:
         out = torch.empty(rows, dim, dtype=torch.float32)
         pointers = (ctypes.c_void_p * len(sources))(*(s.data_ptr() for s in sources))
         self._attn_res(len(sources), pointers, rows, dim, query.data_ptr(), eps, out.data_ptr())
+        return out
+
+    def attn_res_norm(self, sources: list[torch.Tensor], query: torch.Tensor, eps: float, weight: torch.Tensor,
+                      norm_eps: float) -> torch.Tensor:
+        """`rms_norm(self.attn_res(sources, query, eps), weight, norm_eps)` in one call, bitwise the two."""
+        rows, dim = sources[0].shape
+        out = torch.empty(rows, dim, dtype=torch.float32)
+        scratch = torch.empty(rows, dim, dtype=torch.float32)
+        pointers = (ctypes.c_void_p * len(sources))(*(s.data_ptr() for s in sources))
+        self._attn_res_norm(len(sources), pointers, rows, dim, query.data_ptr(), eps, weight.data_ptr(), norm_eps,
+                            scratch.data_ptr(), out.data_ptr())
         return out
 
     def kda_decode(self, qkv: torch.Tensor, raw_gate: torch.Tensor, b_raw: torch.Tensor, kernel_t: torch.Tensor,

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from engine.model.attnres import AttnResWeights, attn_res, site_query
+from engine.model.attnres import AttnResWeights, attn_res, attn_res_norm, site_query
 from engine.model.forward_batch import ForwardBatch
 from engine.model.gemm import Linear
 from engine.model.kda import KDAOptions, KimiDeltaAttention
@@ -62,18 +62,25 @@ class DecoderLayer(nn.Module):
     def forward(self, h: torch.Tensor, blocks: list[torch.Tensor], batch: ForwardBatch) -> torch.Tensor:
         """h: the previous layer's output (partial block sum); `blocks` grows in place at block starts."""
         prefix_sum: torch.Tensor | None = h
-        x = self._mix(h, blocks, self.self_attention_res_proj, self.self_attention_res_norm) if blocks else h
+        x = (self._mix_norm(h, blocks, self.self_attention_res_proj, self.self_attention_res_norm,
+                            self.input_layernorm) if blocks else self.input_layernorm(h))
         if self.layer_id % self.block_size == 0:
             blocks.append(h)
             prefix_sum = None
-        a = self.self_attn(self.input_layernorm(x), batch)
+        a = self.self_attn(x, batch)
         prefix_sum = a if prefix_sum is None else prefix_sum + a
-        x = self._mix(prefix_sum, blocks, self.mlp_res_proj, self.mlp_res_norm)
-        return prefix_sum + self.ffn(self.post_attention_layernorm(x), batch.decode is not None)
+        x = self._mix_norm(prefix_sum, blocks, self.mlp_res_proj, self.mlp_res_norm, self.post_attention_layernorm)
+        return prefix_sum + self.ffn(x, batch.decode is not None)
 
     def _mix(self, partial: torch.Tensor, blocks: list[torch.Tensor], proj: nn.Linear,
              norm: NormWeight) -> torch.Tensor:
         return attn_res([*blocks, partial], proj.weight, norm.weight, self.eps, site_query(self, proj, norm))
+
+    def _mix_norm(self, partial: torch.Tensor, blocks: list[torch.Tensor], proj: nn.Linear, norm: NormWeight,
+                  then: RMSNorm) -> torch.Tensor:
+        """`then(attn_res(blocks + [partial]))`: the mixing and the norm after it (one C call in decode steps)."""
+        return attn_res_norm([*blocks, partial], proj.weight, norm.weight, self.eps, site_query(self, proj, norm),
+                             then.weight, then.eps)
 
 
 class KimiK3TextModel(nn.Module):

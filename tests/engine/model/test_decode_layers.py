@@ -7,6 +7,8 @@
   with and without shared experts and the latent norm, over many tokens (so many expert choices);
 - the plan declines where the C call would not reproduce the Python path (small weights on MKL, expert
   parallelism, a forward on more threads, more than one row) and the Python path runs;
+- a layer's AttnRes mixing and norm in one call == the two calls;
+- a whole model decoding token by token with the whole-layer calls == without them, logits bitwise;
 - `KIMI_PD_CPU_DECODE_LAYERS=0` turns the whole-layer calls off (a child process).
 """
 from __future__ import annotations
@@ -19,10 +21,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine.model import decode_ops
+from engine.checkpoint.init import init_weights
+from engine.model import attnres, decode_ops
 from engine.model.forward_batch import ForwardBatch, HybridCacheTensors, SequenceSlice
 from engine.model.kda import KDAOptions, KimiDeltaAttention
+from engine.model.kimi_k3 import KimiK3ForConditionalGeneration, ModelOptions
+from engine.model.layers import rms_norm
 from engine.model.moe import LatentMoE
+from engine.model.sequence_runner import SequenceRunner
 from engine.presets import preset_config
 from tests.engine.conftest import tiny_model
 
@@ -188,9 +194,70 @@ def test_moe_row_declines_where_it_would_not_reproduce_the_python_path(monkeypat
     assert len(calls) == 1
 
 
+@needs_ops
+@pytest.mark.parametrize("rows", [1, 3])
+def test_attn_res_and_norm_in_one_call_equal_the_two_calls(rows):
+    gen = torch.Generator().manual_seed(6)
+    sources = [torch.randn(rows, 96, generator=gen) * (i + 1) for i in range(3)]
+    query, weight = torch.randn(96, generator=gen), torch.randn(96, generator=gen)
+    with torch.inference_mode():
+        one = attnres.attn_res_norm(sources, torch.zeros(1, 96), torch.zeros(96), 1e-5, query, weight, 1e-6)
+        decode_ops.set_layers_enabled(False)
+        try:
+            two = attnres.attn_res_norm(sources, torch.zeros(1, 96), torch.zeros(96), 1e-5, query, weight, 1e-6)
+        finally:
+            decode_ops.set_layers_enabled(True)
+        assert torch.equal(one, two)
+        assert torch.equal(one, rms_norm(attnres.attn_res(sources, torch.zeros(1, 96), torch.zeros(96), 1e-5, query),
+                                         weight, 1e-6))
+
+
+def _wide_model() -> KimiK3ForConditionalGeneration:
+    """The tiny preset with KDA and MoE layers wide enough for the rowdot kernels (MLA stays on MKL)."""
+    cfg = preset_config("tiny")
+    tiny = cfg.text_config
+    text = replace(tiny, hidden_size=512, linear_attn_config=replace(tiny.linear_attn_config, num_heads=8, head_dim=64),
+                   num_experts=8, num_experts_per_token=3, moe_intermediate_size=512, routed_expert_hidden_size=256)
+    model = KimiK3ForConditionalGeneration(replace(cfg, text_config=text, vision_config=None), ModelOptions())
+    init_weights(model, 0)
+    model.eval().fuse_linears()
+    return model
+
+
+@needs_ops
+def test_a_model_decoding_with_whole_layer_calls_equals_without_bitwise(monkeypatch, one_thread):
+    model = _wide_model()
+    counts = {name: _count_calls(monkeypatch, name) for name in ("moe_row", "kda_row")}
+    ids = torch.randint(0, 1000, (14,), generator=torch.Generator().manual_seed(8))
+
+    def decode(on: bool) -> torch.Tensor:
+        decode_ops.set_layers_enabled(on)
+        try:
+            runner, outs = SequenceRunner(model, 64), []
+            outs.append(runner.feed(ids[:6]))
+            outs += [runner.feed(ids[i:i + 1]) for i in range(6, 14)]
+            return torch.cat(outs)
+        finally:
+            decode_ops.set_layers_enabled(True)
+
+    with torch.inference_mode():
+        without = decode(False)
+        assert not any(counts.values())
+        with_calls = decode(True)
+    assert torch.equal(with_calls, without)
+    cfg = model.config.text_config
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    kda_layers = sum(cfg.is_kda_layer(i) for i in range(cfg.num_hidden_layers))
+    assert len(counts["moe_row"]) == 8 * moe_layers and len(counts["kda_row"]) == 8 * kda_layers
+
+
 CHILD = """
 import torch
-from engine.model import decode_ops
+from engine.checkpoint.init import init_weights
+from engine.model import attnres, decode_ops
+from engine.model.kimi_k3 import KimiK3ForConditionalGeneration, ModelOptions
+from engine.model.layers import rms_norm
+from engine.model.sequence_runner import SequenceRunner
 with torch.inference_mode():
     print("layers", decode_ops.layer_usable(torch.zeros(1)) is not None)
 """
