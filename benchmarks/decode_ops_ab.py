@@ -1,13 +1,15 @@
 """The decode step with and without the C decode ops (engine/model/decode_ops.py), in one engine process.
 
-Run: `python -m benchmarks.decode_ops_ab [--preset small] [--batch-sizes 1 8] [--rounds 8]` (about a minute
-per batch size on a 2-core host). For each batch size B one engine decodes B sequences; after a warm-up
-with each setting, every round times `--steps` decode steps with the ops on and `--steps` with them off
-(`decode_ops.set_enabled`), alternating which goes first. An A/B inside one process sees the same
-weights, caches, memory layout and host noise on both sides, where `engine_throughput`'s processes do
-not; it cannot see what a process-wide setting changes (threads, OpenMP), which that benchmark covers.
-Writes `benchmarks/results/decode_ops_ab.json`: per B, every round's ms per step on and off, their
-medians and off / on; the load average at start and end.
+Run: `python -m benchmarks.decode_ops_ab [--preset small] [--batch-sizes 1 8] [--rounds 8] [--switch ops]`
+(about a minute per batch size on a 2-core host). For each batch size B one engine decodes B sequences; after
+a warm-up with each setting, every round times `--steps` decode steps with the switch on and `--steps` with it
+off, alternating which goes first. `--switch ops`: every C decode op (`decode_ops.set_enabled`); `--switch
+layers`: only the whole-layer calls (`decode_ops.set_layers_enabled`: a batch-1 step's KDA and MoE layers,
+AttnRes with its norm), the per-operator calls on both sides. An A/B inside one process sees the same weights,
+caches, memory layout and host noise on both sides, where `engine_throughput`'s processes do not; it cannot
+see what a process-wide setting changes (threads, OpenMP), which that benchmark covers. Writes
+`benchmarks/results/decode_ops_ab.json` (`decode_layers_ab.json` for `--switch layers`): per B, every round's
+ms per step on and off, their medians and off / on; the load average at start and end.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +27,9 @@ from engine.core.engine import EngineConfig, LLMEngine
 from engine.model import decode_ops
 from shared.sampling_params import SamplingParams
 
-RESULT = Path("benchmarks/results/decode_ops_ab.json")
+RESULTS = {"ops": Path("benchmarks/results/decode_ops_ab.json"),
+           "layers": Path("benchmarks/results/decode_layers_ab.json")}
+SWITCHES: dict[str, Callable[[bool], None]] = {"ops": decode_ops.set_enabled, "layers": decode_ops.set_layers_enabled}
 
 
 def timed_steps(engine: LLMEngine, steps: int) -> float:
@@ -36,7 +41,7 @@ def timed_steps(engine: LLMEngine, steps: int) -> float:
 
 
 def measure(checkpoint: Path, batch: int, rounds: int, steps: int, warm_steps: int,
-            prompt_tokens: int) -> dict[str, Any]:
+            prompt_tokens: int, switch: Callable[[bool], None] = decode_ops.set_enabled) -> dict[str, Any]:
     """One engine decoding `batch` sequences; rounds of on / off (order alternating); medians and off / on."""
     steps_needed = warm_steps * 2 + rounds * steps * 2 + 8
     engine = LLMEngine(EngineConfig(model=str(checkpoint), dtype="float32", max_num_seqs=max(batch, 1),
@@ -49,14 +54,14 @@ def measure(checkpoint: Path, batch: int, rounds: int, steps: int, warm_steps: i
     times: dict[str, list[float]] = {"on": [], "off": []}
     try:
         for setting in (True, False):
-            decode_ops.set_enabled(setting)
+            switch(setting)
             timed_steps(engine, warm_steps)
         for r in range(rounds):
             for setting in ((True, False) if r % 2 == 0 else (False, True)):
-                decode_ops.set_enabled(setting)
+                switch(setting)
                 times["on" if setting else "off"].append(timed_steps(engine, steps))
     finally:
-        decode_ops.set_enabled(True)
+        switch(True)
     on, off = statistics.median(times["on"]), statistics.median(times["off"])
     return {"batch": batch, "ms_on": times["on"], "ms_off": times["off"], "median_ms_on": on,
             "median_ms_off": off, "off_over_on": off / on}
@@ -71,7 +76,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=15, help="decode steps per setting per round")
     parser.add_argument("--warm-steps", type=int, default=20)
     parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--out", type=Path, default=RESULT)
+    parser.add_argument("--switch", choices=sorted(SWITCHES), default="ops")
+    parser.add_argument("--out", type=Path, default=None, help="default: by --switch (see above)")
     return parser.parse_args(argv)
 
 
@@ -82,12 +88,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         create_checkpoint(args.preset, checkpoint)
     result: dict[str, Any] = {"preset": args.preset, "loadavg_start": loadavg(),
                               "decode_ops_loaded": decode_ops.decode_ops() is not None,
-                              "rounds": args.rounds, "steps": args.steps, "prompt_tokens": args.prompt_tokens}
-    result["runs"] = [measure(checkpoint, b, args.rounds, args.steps, args.warm_steps, args.prompt_tokens)
-                      for b in args.batch_sizes]
+                              "switch": args.switch, "rounds": args.rounds, "steps": args.steps,
+                              "prompt_tokens": args.prompt_tokens}
+    result["runs"] = [measure(checkpoint, b, args.rounds, args.steps, args.warm_steps, args.prompt_tokens,
+                              SWITCHES[args.switch]) for b in args.batch_sizes]
     result["loadavg_end"] = loadavg()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    out = args.out or RESULTS[args.switch]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"load average {result['loadavg_start']} -> {result['loadavg_end']}")
     for run in result["runs"]:
         print(f"batch {run['batch']}: {run['median_ms_on']:.1f} ms on, {run['median_ms_off']:.1f} ms off "
