@@ -86,22 +86,33 @@ def weight_bytes_per_step(engine: LLMEngine, batch: int, experts_per_layer: floa
 @contextmanager
 def routed_experts(rows: int) -> Iterator[list[int]]:
     """Distinct routed experts of each MoE layer call on `rows` tokens, counted after the block (the
-    calls only keep a reference to their expert ids, so the timed steps pay next to nothing)."""
+    calls only keep a reference to their expert ids, so the timed steps pay next to nothing). A one-token
+    layer in one C call (`LatentMoE._row_in_c`) routes in C: its token reads top_k distinct experts."""
     from engine.model.moe import LatentMoE
     seen: list[Any] = []
+    in_c: list[int] = []
     counts: list[int] = []
-    real = LatentMoE._routed_dispatch
+    real, real_row = LatentMoE._routed_dispatch, LatentMoE._row_in_c
 
     def recording(self, h, weights, ids):
         seen.append(ids)
         return real(self, h, weights, ids)
 
+    def recording_row(self, x):
+        y = real_row(self, x)
+        if y is not None:
+            in_c.append(self.top_k)
+        return y
+
     LatentMoE._routed_dispatch = recording          # type: ignore[method-assign]
+    LatentMoE._row_in_c = recording_row             # type: ignore[method-assign]
     try:
         yield counts
     finally:
         LatentMoE._routed_dispatch = real          # type: ignore[method-assign]
+        LatentMoE._row_in_c = real_row             # type: ignore[method-assign]
         counts.extend(len(set(ids.reshape(-1).tolist())) for ids in seen if ids.shape[0] == rows)
+        counts.extend(in_c if rows == 1 else [])
 
 
 def state_bytes_per_step(engine: LLMEngine, batch: int, context: int) -> int:

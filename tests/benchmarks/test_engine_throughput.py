@@ -31,6 +31,19 @@ def test_bytes_count_the_experts_the_batch_was_routed_to(tiny_dir):
         engine.close()
 
 
+def test_routed_experts_counts_a_layer_run_in_one_c_call(monkeypatch):
+    from engine.model.moe import LatentMoE
+    from engine.presets import preset_config
+    moe = LatentMoE(preset_config("tiny").text_config)
+    hidden = moe.routed_expert_up_proj.weight.shape[0]
+    # as where the whole layer runs in C: the Python dispatch, which the counter also watches, never runs
+    monkeypatch.setattr(LatentMoE, "_row_in_c", lambda self, x: torch.zeros(1, hidden))
+    with routed_experts(1) as counts, torch.inference_mode():
+        moe(torch.zeros(1, hidden))
+        moe(torch.zeros(1, hidden))
+    assert counts == [moe.top_k, moe.top_k]
+
+
 def test_read_probe_reports_one_thread_and_all_and_restores_the_count():
     was = torch.get_num_threads()
     got = measure_read_bandwidth(max(2, was), nbytes=8 << 20, repeats=2)
