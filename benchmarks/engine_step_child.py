@@ -86,33 +86,38 @@ def weight_bytes_per_step(engine: LLMEngine, batch: int, experts_per_layer: floa
 @contextmanager
 def routed_experts(rows: int) -> Iterator[list[int]]:
     """Distinct routed experts of each MoE layer call on `rows` tokens, counted after the block (the
-    calls only keep a reference to their expert ids, so the timed steps pay next to nothing). A one-token
-    layer in one C call (`LatentMoE._row_in_c`) routes in C: its token reads top_k distinct experts."""
-    from engine.model.moe import LatentMoE
+    calls only keep a reference to their expert ids, so the timed steps pay next to nothing). A layer run
+    in one C call (`LatentMoE._rows_in_c`) routes in C: its input is kept, and routed again after the block
+    (the router's own product, to rounding the fused one's)."""
+    import torch  # after `engine` (its OpenMP defaults go in before torch loads)
+
+    from engine.model.moe import LatentMoE, route
     seen: list[Any] = []
-    in_c: list[int] = []
+    in_c: list[Any] = []
     counts: list[int] = []
-    real, real_row = LatentMoE._routed_dispatch, LatentMoE._row_in_c
+    real, real_rows = LatentMoE._routed_dispatch, LatentMoE._rows_in_c
 
     def recording(self, h, weights, ids):
         seen.append(ids)
         return real(self, h, weights, ids)
 
-    def recording_row(self, x):
-        y = real_row(self, x)
+    def recording_rows(self, x):
+        y = real_rows(self, x)
         if y is not None:
-            in_c.append(self.top_k)
+            in_c.append((self, x))
         return y
 
     LatentMoE._routed_dispatch = recording          # type: ignore[method-assign]
-    LatentMoE._row_in_c = recording_row             # type: ignore[method-assign]
+    LatentMoE._rows_in_c = recording_rows           # type: ignore[method-assign]
     try:
         yield counts
     finally:
         LatentMoE._routed_dispatch = real          # type: ignore[method-assign]
-        LatentMoE._row_in_c = real_row             # type: ignore[method-assign]
+        LatentMoE._rows_in_c = real_rows           # type: ignore[method-assign]
+        with torch.inference_mode():
+            seen.extend(route(moe.gate.logits(x), moe.gate.e_score_correction_bias, moe.top_k, moe.renormalize,
+                              moe.scaling)[1] for moe, x in in_c)
         counts.extend(len(set(ids.reshape(-1).tolist())) for ids in seen if ids.shape[0] == rows)
-        counts.extend(in_c if rows == 1 else [])
 
 
 def state_bytes_per_step(engine: LLMEngine, batch: int, context: int) -> int:

@@ -349,60 +349,95 @@ HOT void situ_rows(long T, long n, const float *gate, long gate_step, const floa
     }
 }
 
-/* rowdot.c's row-major product, built into this library too (engine/model/decode_ops.py) */
+/* rowdot.c's products, built into this library too (engine/model/decode_ops.py) */
 void rowdot(const float *weight, const float *x, const float *bias, float *y, long out, long n, long rows);
+void paneldot(const float *packed, const float *x, const float *bias, float *y, long out, long n, long rows);
 
-/* One token through a latent MoE layer (engine/model/moe.py) whose linears `gemm.linear` would run on the
- * row-major kernel: a batch-1 decode step's MoE in one call instead of some thirty from Python.
- * The same calls in the same order as the Python path (`LatentMoE.forward` with fused float linears and
- * `_one_token`), so bitwise its result:
+/* `gemm.linear`'s choice for `rows` rows of a large weight on one thread: the row-major kernel up to
+ * `row_major` rows, the panels (its packed copy) above */
+static void product(const float *w, const float *panels, const float *x, float *y, long out, long n, long rows,
+                    long row_major) {
+    if (rows <= row_major)
+        rowdot(w, x, 0, y, out, n, rows);
+    else
+        paneldot(panels, x, 0, y, out, n, rows);
+}
+
+/* R tokens through a latent MoE layer (engine/model/moe.py) whose linears `gemm.linear` would run on the
+ * rowdot kernels (a decode step of up to sixteen rows on one thread): one call instead of some thirty
+ * from Python. The same products and operators in the same order as the Python path (`LatentMoE.forward`
+ * with fused float linears and the sorted dispatch), so bitwise its result:
  *   t = W_in x = [router logits E | latent h L | shared gate S | shared up S];  (weights, ids) = route(logits)
- *   per chosen expert in ascending order: a_e = situ(W13_e h);  o_e = W2_e a_e;  r = sum_e o_e * weight_e
+ *   the (token, slot) pairs sorted by expert (stable); per expert, its rows: a = situ(W13 h);  o = W2 a
+ *   r[token] += o * weight, pair by pair in that order, from zero (index_put_'s accumulation)
  *   y = W_up rms_norm(r) + W_down situ(shared gate, shared up)
- * w13 / w2: every expert's weight pointer; norm_w NULL: no latent norm; S 0: no shared experts.
- * scratch: E + L + 2S + k (3I + L + 1) + 2L + S + d floats. */
-HOT void moe_row(long d, long E, long L, long S, long I, long top_k, const float *x, const float *w_in,
-                 const float *bias, int renormalize, float scaling, const long *w13, const long *w2,
-                 const float *norm_w, float eps, const float *w_up, const float *w_down, float beta,
-                 float linear_beta, float *scratch, float *y) {
-    float *t = scratch, *gate_up = t + E + L + 2 * S, *act = gate_up + top_k * 2 * I, *outs = act + top_k * I;
-    float *routed = outs + top_k * L, *normed = routed + L, *shared_act = normed + L, *shared = shared_act + S;
-    float *weights = shared + d;
-    long ids[top_k], order[top_k];
-    rowdot(w_in, x, 0, t, E + L + 2 * S, d, 1);
-    moe_route(1, E, t, E, bias, top_k, renormalize, scaling, weights, ids);
-    for (long j = 0; j < top_k; j++) {                 /* the chosen slots by ascending expert */
-        long at = j;
-        while (at > 0 && ids[order[at - 1]] > ids[j]) {
-            order[at] = order[at - 1];
-            at--;
-        }
-        order[at] = j;
+ * Each product of `rows` rows takes the row-major kernel up to `row_major` rows, else the weight's panel
+ * copy (`*_panels`; for experts one pointer each, 0 where none was made yet). Returns 0, or the number of
+ * experts listed in `missing` whose panel copies are needed first (nothing is written then but scratch).
+ * norm_w NULL: no latent norm; S 0: no shared experts. scratch: R (E + L + 2S) + R k (3I + 2L + 1) + 2 R L
+ * + R S + R d floats; iscratch: 2 R k + E longs. */
+HOT long moe_rows(long R, long d, long E, long L, long S, long I, long top_k, long row_major, const float *x,
+                  const float *w_in, const float *w_in_panels, const float *bias, int renormalize, float scaling,
+                  const long *w13, const long *w2, const long *w13_panels, const long *w2_panels,
+                  const float *norm_w, float eps, const float *w_up, const float *w_up_panels, const float *w_down,
+                  const float *w_down_panels, float beta, float linear_beta, float *scratch, long *iscratch,
+                  long *missing, float *y) {
+    const long n_in = E + L + 2 * S, pairs = R * top_k;
+    float *t = scratch, *weights = t + R * n_in, *rows = weights + pairs, *gate_up = rows + pairs * L;
+    float *act = gate_up + pairs * 2 * I, *outs = act + pairs * I, *routed = outs + pairs * L;
+    float *normed = routed + R * L, *shared_act = normed + R * L, *shared = shared_act + R * S;
+    long *ids = iscratch, *order = ids + pairs, *counts = order + pairs;
+    product(w_in, w_in_panels, x, t, n_in, d, R, row_major);
+    moe_route(R, E, t, n_in, bias, top_k, renormalize, scaling, weights, ids);
+    for (long e = 0; e < E; e++)
+        counts[e] = 0;
+    for (long j = 0; j < pairs; j++)
+        counts[ids[j]]++;
+    long lacking = 0;
+    for (long e = 0; e < E; e++)
+        if (counts[e] > row_major && (!w13_panels[e] || !w2_panels[e]))
+            missing[lacking++] = e;
+    if (lacking)
+        return lacking;
+    long start[E];
+    for (long e = 0, at = 0; e < E; e++) {           /* a stable counting sort: argsort(ids, stable) */
+        start[e] = at;
+        at += counts[e];
     }
-    const float *h = t + E;
-    for (long j = 0; j < top_k; j++)
-        rowdot((const float *)w13[ids[order[j]]], h, 0, gate_up + j * 2 * I, 2 * I, L, 1);
-    situ_rows(top_k, I, gate_up, 2 * I, gate_up + I, 2 * I, beta, linear_beta, act);
-    for (long j = 0; j < top_k; j++)
-        rowdot((const float *)w2[ids[order[j]]], act + j * I, 0, outs + j * L, L, I, 1);
-    for (long c = 0; c < L; c++) {                     /* torch's sum over the rows: in order, from the first */
-        float acc = outs[c] * weights[order[0]];
-        for (long j = 1; j < top_k; j++)
-            acc += outs[j * L + c] * weights[order[j]];
-        routed[c] = acc;
+    for (long j = 0; j < pairs; j++)
+        order[start[ids[j]]++] = j;
+    for (long j = 0; j < pairs; j++)
+        memcpy(rows + j * L, t + (order[j] / top_k) * n_in + E, (size_t)L * sizeof(float));
+    for (long e = 0, lo = 0; e < E; lo += counts[e], e++)
+        if (counts[e])
+            product((const float *)w13[e], (const float *)w13_panels[e], rows + lo * L, gate_up + lo * 2 * I,
+                    2 * I, L, counts[e], row_major);
+    situ_rows(pairs, I, gate_up, 2 * I, gate_up + I, 2 * I, beta, linear_beta, act);
+    for (long e = 0, lo = 0; e < E; lo += counts[e], e++)
+        if (counts[e])
+            product((const float *)w2[e], (const float *)w2_panels[e], act + lo * I, outs + lo * L, L, I,
+                    counts[e], row_major);
+    for (long i = 0; i < R * L; i++)
+        routed[i] = 0.0f;
+    for (long j = 0; j < pairs; j++) {
+        float *r = routed + (order[j] / top_k) * L;
+        const float w = weights[order[j]], *o = outs + j * L;
+        for (long c = 0; c < L; c++)
+            r[c] += o[c] * w;
     }
     const float *latent = routed;
     if (norm_w) {
-        rms_norm_rows(1, L, routed, L, norm_w, eps, normed);
+        rms_norm_rows(R, L, routed, L, norm_w, eps, normed);
         latent = normed;
     }
-    rowdot(w_up, latent, 0, y, d, L, 1);
+    product(w_up, w_up_panels, latent, y, d, L, R, row_major);
     if (S > 0) {
-        situ_rows(1, S, t + E + L, S, t + E + L + S, S, beta, linear_beta, shared_act);
-        rowdot(w_down, shared_act, 0, shared, d, S, 1);
-        for (long c = 0; c < d; c++)
-            y[c] = y[c] + shared[c];
+        situ_rows(R, S, t + E + L, n_in, t + E + L + S, n_in, beta, linear_beta, shared_act);
+        product(w_down, w_down_panels, shared_act, shared, d, S, R, row_major);
+        for (long i = 0; i < R * d; i++)
+            y[i] = y[i] + shared[i];
     }
+    return 0;
 }
 
 /* KDA's gated output norm (engine/model/kda.py) of rows [T] of H heads of D floats (x contiguous):

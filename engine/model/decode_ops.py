@@ -17,9 +17,9 @@ RMSNorm six, MLA's absorbed attention a chain of small batched matmuls
 - `attn_res_norm`: a layer's AttnRes mixing and the RMSNorm after it.
 - `gated_rms_norm`: KDA's output norm times the sigmoid of its gate.
 - `kda_row`: a KDA layer's token after its input projections (recurrence, gated norm, o_proj).
-- `moe_row`: a whole latent MoE layer for one token (a batch-1 decode step), its linears on rowdot.c's
-  row-major kernel (built into this library too): the calls the Python path makes, in its order, so
-  bitwise its result, without some thirty trips through Python (engine/model/moe.py's `_row_in_c`).
+- `moe_rows`: a whole latent MoE layer for a decode step's few tokens, its linears on rowdot.c's kernels
+  (built into this library too): the calls the Python path makes, in its order, so bitwise its result,
+  without some thirty trips through Python (engine/model/moe.py's `_rows_in_c`).
 
 Every row is computed on its own, so a row's value does not depend on its batch. Against the torch
 forms they differ in rounding only (exp and tanh are polynomials of about one ulp); the load-time check
@@ -86,12 +86,12 @@ class DecodeOps:
         glu.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
                         ctypes.c_float, ctypes.c_float, ctypes.c_void_p]
         self._situ = glu
-        row = lib.moe_row
-        row.restype = None
+        rows = lib.moe_rows
+        rows.restype = ctypes.c_long
         long_, ptr, int_, float_ = ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-        row.argtypes = [long_, long_, long_, long_, long_, long_, ptr, ptr, ptr, int_, float_, ptr, ptr, ptr, float_,
-                        ptr, ptr, float_, float_, ptr, ptr]
-        self.moe_row = row
+        rows.argtypes = [long_] * 8 + [ptr, ptr, ptr, ptr, int_, float_, ptr, ptr, ptr, ptr, ptr, float_, ptr, ptr,
+                                       ptr, ptr, float_, float_, ptr, ptr, ptr, ptr]
+        self.moe_rows = rows
         gated = lib.gated_rms_norm_rows
         gated.restype = None
         gated.argtypes = [long_, long_, long_, ptr, ptr, float_, ptr, long_, ptr]
@@ -333,9 +333,9 @@ def usable(*tensors: torch.Tensor) -> DecodeOps | None:
 
 
 def set_layers_enabled(on: bool) -> None:
-    """Turn the whole-layer calls (`moe_row`) on or off in this process from now on (in-process A/B runs,
-    equivalence tests); `KIMI_PD_CPU_DECODE_LAYERS=0` is the operator's switch. The per-operator calls
-    stay as `set_enabled` leaves them."""
+    """Turn the whole-layer calls (`moe_rows`, `kda_row`, `attn_res_norm`) on or off in this process from
+    now on (in-process A/B runs, equivalence tests); `KIMI_PD_CPU_DECODE_LAYERS=0` is the operator's
+    switch. The per-operator calls stay as `set_enabled` leaves them."""
     global _layers_on
     _layers_on = on
 

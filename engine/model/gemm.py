@@ -172,8 +172,15 @@ def row_major_now(x: torch.Tensor) -> bool:
     """Whether `linear` runs a one-row float32 `x` on the row-major kernel now (with weights that pass
     `row_major_weights`): a whole-layer C call (engine/model/decode_ops.py) may then make those products
     itself, bitwise the same."""
-    return (x.dim() == 2 and x.shape[0] == 1 and x.dtype == torch.float32 and x.device.type == "cpu"
-            and not torch.is_grad_enabled() and _one_thread_kernel() is not None)
+    return x.dim() == 2 and x.shape[0] == 1 and rowdot_now(x)
+
+
+def rowdot_now(x: torch.Tensor) -> bool:
+    """Whether `linear` runs float32 rows `x` [R, n] on the rowdot kernels now (R up to
+    `rowdot.linear_max_rows()`, with weights that pass `row_major_weights`): on the row-major kernel up to
+    `rowdot.row_major_max_rows()` rows, on the panels above."""
+    return (x.dim() == 2 and 1 <= x.shape[0] <= rowdot.linear_max_rows() and x.dtype == torch.float32
+            and x.device.type == "cpu" and not torch.is_grad_enabled() and _one_thread_kernel() is not None)
 
 
 def grouped_kernel(x: torch.Tensor, weights: list[torch.Tensor]) -> rowdot.Kernel | None:

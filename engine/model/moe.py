@@ -4,14 +4,13 @@ from __future__ import annotations
 import ctypes
 import itertools
 import typing
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from engine.model import decode_ops, rowdot
 from engine.model.fused import EXPERT_GEMMS_ATTR, FUSED_ATTR, fuse_linears, fused_gemm_max_rows, project
-from engine.model.gemm import Linear, grouped_kernel, linear, row_major_now, row_major_weights
+from engine.model.gemm import Linear, grouped_kernel, linear, panel_weight, row_major_weights, rowdot_now
 from engine.model.layers import RMSNorm, SiTUMLP, cast, situ, upcast
 from shared.model_config import TextConfig
 
@@ -80,7 +79,7 @@ class LatentMoE(nn.Module):
     def forward(self, x: torch.Tensor, static: bool = False) -> torch.Tensor:
         """static: capture-safe (no host reads of the routing): every local expert runs on every token
         and a dense routing-weight mask keeps the chosen ones (decode graphs; same sums as dispatch)."""
-        if not static and x.shape[0] == 1 and (y := self._row_in_c(x)) is not None:
+        if not static and (y := self._rows_in_c(x)) is not None:
             return y
         linears = self._input_linears()
         outs = project(self, x, linears, (1,) * len(linears))
@@ -99,29 +98,45 @@ class LatentMoE(nn.Module):
         y = self.routed_expert_up_proj(y)
         return y + self.shared_experts.down(*outs) if self.shared_experts is not None else y
 
-    def _row_in_c(self, x: torch.Tensor) -> torch.Tensor | None:
-        """This layer on one token in one C call (`decode_ops.c`'s `moe_row`), where every linear of the
-        Python path would run on the row-major kernel: the same products and operators in the same order,
-        so bitwise that path's result (tests/engine/model/test_decode_layers.py). None where it does not apply."""
+    def _rows_in_c(self, x: torch.Tensor) -> torch.Tensor | None:
+        """This layer on a decode step's few tokens in one C call (`decode_ops.c`'s `moe_rows`), where every
+        linear of the Python path would run on the rowdot kernels: the same products and operators in the
+        same order, so bitwise that path's result (tests/engine/model/test_decode_layers.py). None where it
+        does not apply."""
         ops = decode_ops.layer_usable(x)
-        if ops is None or not row_major_now(x):
+        if ops is None or not rowdot_now(x):
             return None
-        plan = self._row_plan()
-        if plan is None:
+        plan = self._rows_plan()
+        rows, kernel = x.shape[0], rowdot.kernel()
+        if plan is None or rows > plan.max_rows or kernel is None:
             return None
-        y = torch.empty(1, plan.hidden, dtype=torch.float32)
-        scratch = torch.empty(plan.scratch_floats, dtype=torch.float32)
-        ops.moe_row(*plan.sizes, x.contiguous().data_ptr(), *plan.weights, scratch.data_ptr(), y.data_ptr())
-        return y
+        panels = [0, 0, 0]
+        if rows > rowdot.row_major_max_rows():
+            panels = [panel_weight(w, kernel).data_ptr() if w is not None else 0 for w in plan.dense]
+        y = torch.empty(rows, plan.hidden, dtype=torch.float32)
+        scratch = torch.empty(plan.scratch_floats(rows), dtype=torch.float32)
+        ints = torch.empty(plan.scratch_longs(rows), dtype=torch.int64)
+        missing = torch.empty(len(plan.w13s), dtype=torch.int64)
+        x = x.contiguous()
+        while True:
+            lacking = ops.moe_rows(rows, *plan.sizes, rowdot.row_major_max_rows(), x.data_ptr(), plan.w_in_ptr,
+                                   panels[0], *plan.routing, panels[1], plan.down_ptr, panels[2], *plan.betas,
+                                   scratch.data_ptr(), ints.data_ptr(), missing.data_ptr(), y.data_ptr())
+            if not lacking:
+                return y
+            for e in missing[:lacking].tolist():          # experts meeting two rows for the first time
+                plan.add_panels(e, panel_weight(plan.w13s[e], kernel), panel_weight(plan.w2s[e], kernel))
 
-    def _row_plan(self) -> _RowPlan | None:
-        """The constant arguments of `_row_in_c`, made again when the fusing or the parallel layout changes
-        (None kept where it cannot run)."""
+    def _rows_plan(self) -> _RowsPlan | None:
+        """The constant arguments of `_rows_in_c`, made again when the fusing, the parallel layout or the
+        fused input weight changes (None kept where it cannot run)."""
         fused, gemms = self.__dict__.get(FUSED_ATTR), self.__dict__.get(EXPERT_GEMMS_ATTR)
-        key = (id(fused), id(gemms), self.expert_range, id(self.expert_parallel), id(self.reduce_routed))
-        held = self.__dict__.get("_row_plan_held")
+        w_in = fused.groups[0].weight if fused is not None and fused.groups else None
+        version = None if w_in is None else (w_in.data_ptr(), -1 if w_in.is_inference() else w_in._version)
+        key = (id(fused), id(gemms), self.expert_range, id(self.expert_parallel), id(self.reduce_routed), version)
+        held = self.__dict__.get("_rows_plan_held")
         if held is None or held[0] != key:
-            held = self.__dict__["_row_plan_held"] = (key, _row_plan(self, fused, gemms))
+            held = self.__dict__["_rows_plan_held"] = (key, _rows_plan(self, fused, gemms))
         return held[1]
 
     def _input_linears(self) -> tuple[nn.Module, ...]:
@@ -286,19 +301,45 @@ class LatentMoE(nn.Module):
         return y
 
 
-@dataclass(frozen=True)
-class _RowPlan:
-    """`moe_row`'s arguments before and after the input pointer; `keep` holds what the pointers point into."""
+class _RowsPlan:
+    """`moe_rows`' constant arguments for one fused layer, and the expert panel copies it has met (kept
+    here too, so a pointer handed to C never outlives its copy)."""
 
-    hidden: int
-    scratch_floats: int
-    sizes: tuple[int, ...]
-    weights: tuple
-    keep: tuple
+    def __init__(self, moe: LatentMoE, w_in: torch.Tensor, w13s: list[torch.Tensor], w2s: list[torch.Tensor],
+                 up: torch.Tensor, down: torch.Tensor | None, width: int, max_rows: int) -> None:
+        norm, bias = moe.routed_expert_norm, moe.gate.e_score_correction_bias
+        experts, latent, inter = len(w13s), up.shape[1], w2s[0].shape[1]
+        self.hidden, self.max_rows, self.w13s, self.w2s = w_in.shape[1], max_rows, w13s, w2s
+        self.dense = (w_in, up, down)                    # their panel copies are looked up per call
+        self.sizes = (self.hidden, experts, latent, width, inter, moe.top_k)
+        array = ctypes.c_long * experts
+        self._w13, self._w2 = array(*(w.data_ptr() for w in w13s)), array(*(w.data_ptr() for w in w2s))
+        self._w13_panels, self._w2_panels = array(), array()
+        self._panels: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.w_in_ptr = w_in.data_ptr()
+        experts_at = tuple(ctypes.addressof(a) for a in (self._w13, self._w2, self._w13_panels, self._w2_panels))
+        self.routing = (bias.data_ptr(), int(moe.renormalize), moe.scaling, *experts_at,
+                        norm.weight.data_ptr() if norm is not None else None, norm.eps if norm is not None else 0.0,
+                        up.data_ptr())
+        self.down_ptr = down.data_ptr() if down is not None else None
+        self.betas = (moe.beta, moe.linear_beta if moe.linear_beta is not None else 0.0)
+        self._keep = (w_in, up, down, bias, norm.weight if norm is not None else None)
+
+    def add_panels(self, e: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        self._panels[e] = (w13, w2)
+        self._w13_panels[e], self._w2_panels[e] = w13.data_ptr(), w2.data_ptr()
+
+    def scratch_floats(self, rows: int) -> int:
+        d, experts, latent, width, inter, k = self.sizes
+        return (rows * (experts + latent + 2 * width) + rows * k * (3 * inter + 2 * latent + 1) + 2 * rows * latent
+                + rows * width + rows * d)
+
+    def scratch_longs(self, rows: int) -> int:
+        return 2 * rows * self.sizes[5] + self.sizes[1]
 
 
-def _row_plan(moe: LatentMoE, fused, gemms: list | None) -> _RowPlan | None:
-    """`moe_row`'s plan for `moe` fused as `fused`/`gemms`, or None where the C call does not reproduce the
+def _rows_plan(moe: LatentMoE, fused, gemms: list | None) -> _RowsPlan | None:
+    """`moe_rows`' plan for `moe` fused as `fused`/`gemms`, or None where the C call does not reproduce the
     Python path: expert or data parallel, unfused, quantized or small (non-rowdot) linears, no joined router."""
     experts = len(moe.experts)
     if (fused is None or gemms is None or moe.expert_parallel is not None or moe.reduce_routed is not None
@@ -324,18 +365,9 @@ def _row_plan(moe: LatentMoE, fused, gemms: list | None) -> _RowPlan | None:
     small = [moe.gate.e_score_correction_bias] + ([norm.weight] if norm is not None else [])
     if any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" for t in small):
         return None
-    inter = w2s[0].shape[1]
-    hidden, k = w_in.shape[1], moe.top_k
-    array = ctypes.c_long * experts
-    w13_ptrs, w2_ptrs = array(*(w.data_ptr() for w in w13s)), array(*(w.data_ptr() for w in w2s))
-    weights = (w_in.data_ptr(), moe.gate.e_score_correction_bias.data_ptr(), int(moe.renormalize), moe.scaling,
-               ctypes.addressof(w13_ptrs), ctypes.addressof(w2_ptrs),
-               norm.weight.data_ptr() if norm is not None else None, norm.eps if norm is not None else 0.0,
-               up.weight.data_ptr(), down.weight.data_ptr() if down is not None else None,
-               moe.beta, moe.linear_beta if moe.linear_beta is not None else 0.0)
-    scratch = experts + latent + 2 * width + k * (3 * inter + latent + 1) + 2 * latent + width + hidden
-    return _RowPlan(hidden, scratch, (hidden, experts, latent, width, inter, k), weights,
-                    (w13_ptrs, w2_ptrs, *big, *small))
+    # the fused GEMMs run as one up to these rows (`fused_gemm_max_rows`), as the C call does
+    max_rows = min(fused._max_rows, *(g[4] for g in gemms), rowdot.linear_max_rows())
+    return _RowsPlan(moe, w_in, w13s, w2s, up.weight, down.weight if down is not None else None, width, max_rows)
 
 
 def _fused_gate_up(rows: torch.Tensor, expert: tuple) -> torch.Tensor:

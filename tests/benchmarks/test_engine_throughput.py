@@ -37,7 +37,7 @@ def test_routed_experts_counts_a_layer_run_in_one_c_call(monkeypatch):
     moe = LatentMoE(preset_config("tiny").text_config)
     hidden = moe.routed_expert_up_proj.weight.shape[0]
     # as where the whole layer runs in C: the Python dispatch, which the counter also watches, never runs
-    monkeypatch.setattr(LatentMoE, "_row_in_c", lambda self, x: torch.zeros(1, hidden))
+    monkeypatch.setattr(LatentMoE, "_rows_in_c", lambda self, x: torch.zeros(1, hidden))
     with routed_experts(1) as counts, torch.inference_mode():
         moe(torch.zeros(1, hidden))
         moe(torch.zeros(1, hidden))
