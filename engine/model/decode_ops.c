@@ -454,19 +454,23 @@ HOT void gated_rms_norm_rows(long T, long H, long D, const float *x, const float
         }
 }
 
-/* One token of one sequence through a KDA layer after its input projections (a batch-1 decode step):
- * `kda_decode` on the cache in place, the gated norm, then o_proj on rowdot.c's row-major kernel, as the
- * Python path calls them (engine/model/kda.py's `_row_in_c`), so bitwise its result.
- * scratch: 2 H V floats. y [d]. */
-HOT void kda_row(long H, long K, long V, long W, const float *qkv, const float *kernel_t, const float *raw,
-                 const float *a_h, const float *dt_bias, float lower, const float *b_raw, float *conv_store,
-                 float *rec_store, const long *slot, float scale, const float *gate, const float *norm_w, float eps,
-                 const float *w_o, long d, float *scratch, float *y) {
-    float *o = scratch, *gated = scratch + H * V;
-    kda_decode(1, 1, H, K, V, W, qkv, 0, kernel_t, raw, a_h, dt_bias, lower, b_raw, conv_store, rec_store, slot,
-               0, scale, o);
-    gated_rms_norm_rows(1, H, V, o, norm_w, eps, gate, 0, gated);
-    rowdot(w_o, gated, 0, y, d, H * V, 1);
+/* One token of each of R decoding sequences through a KDA layer after its input projections (a decode
+ * step of up to sixteen rows): `kda_decode` on the cache in place (sequence r on slots[r]), the gated norm,
+ * then o_proj on rowdot.c's kernels (`product`), as the Python path calls them (engine/model/kda.py's
+ * `_rows_in_c`), so bitwise its result. qkv, gate and b_raw are rows `step` floats apart (views of the
+ * fused input projection); raw [R][H K] contiguous. scratch: R (2 H V + H) floats. y [R][d]. */
+HOT void kda_rows(long R, long H, long K, long V, long W, const float *qkv, long step, const float *kernel_t,
+                  const float *raw, const float *a_h, const float *dt_bias, float lower, const float *b_raw,
+                  float *conv_store, float *rec_store, const long *slots, float scale, const float *gate,
+                  const float *norm_w, float eps, const float *w_o, const float *w_o_panels, long d, long row_major,
+                  float *scratch, float *y) {
+    float *o = scratch, *gated = o + R * H * V, *beta_logits = gated + R * H * V;
+    for (long r = 0; r < R; r++)                         /* as the Python path's `.contiguous()` copy */
+        memcpy(beta_logits + r * H, b_raw + r * step, (size_t)H * sizeof(float));
+    kda_decode(R, 1, H, K, V, W, qkv, step, kernel_t, raw, a_h, dt_bias, lower, beta_logits, conv_store, rec_store,
+               slots, 0, scale, o);
+    gated_rms_norm_rows(R, H, V, o, norm_w, eps, gate, step, gated);
+    product(w_o, w_o_panels, gated, y, d, H * V, R, row_major);
 }
 
 /* A layer's AttnRes mixing followed by the norm in front of its mixer or FFN (engine/model/kimi_k3.py):

@@ -16,7 +16,7 @@ RMSNorm six, MLA's absorbed attention a chain of small batched matmuls
 - `attn_res`, `route`, `rms_norm`, `situ`: AttnRes mixing, the MoE router's choice, RMSNorm, SiTU.
 - `attn_res_norm`: a layer's AttnRes mixing and the RMSNorm after it.
 - `gated_rms_norm`: KDA's output norm times the sigmoid of its gate.
-- `kda_row`: a KDA layer's token after its input projections (recurrence, gated norm, o_proj).
+- `kda_rows`: a KDA layer's decoding tokens after its input projections (recurrence, gated norm, o_proj).
 - `moe_rows`: a whole latent MoE layer for a decode step's few tokens, its linears on rowdot.c's kernels
   (built into this library too): the calls the Python path makes, in its order, so bitwise its result,
   without some thirty trips through Python (engine/model/moe.py's `_rows_in_c`).
@@ -96,11 +96,11 @@ class DecodeOps:
         gated.restype = None
         gated.argtypes = [long_, long_, long_, ptr, ptr, float_, ptr, long_, ptr]
         self._gated_norm = gated
-        kda_row = lib.kda_row
-        kda_row.restype = None
-        kda_row.argtypes = [long_, long_, long_, long_, ptr, ptr, ptr, ptr, ptr, float_, ptr, ptr, ptr, ptr, float_,
-                            ptr, ptr, float_, ptr, long_, ptr, ptr]
-        self.kda_row = kda_row
+        kda_rows = lib.kda_rows
+        kda_rows.restype = None
+        kda_rows.argtypes = [long_] * 5 + [ptr, long_, ptr, ptr, ptr, ptr, float_, ptr, ptr, ptr, ptr, float_, ptr, ptr,
+                                           float_, ptr, ptr, long_, long_, ptr, ptr]
+        self.kda_rows = kda_rows
         mix_norm = lib.attn_res_norm_rows
         mix_norm.restype = None
         mix_norm.argtypes = [long_, ptr, long_, long_, ptr, float_, ptr, float_, ptr, ptr]
@@ -333,7 +333,7 @@ def usable(*tensors: torch.Tensor) -> DecodeOps | None:
 
 
 def set_layers_enabled(on: bool) -> None:
-    """Turn the whole-layer calls (`moe_rows`, `kda_row`, `attn_res_norm`) on or off in this process from
+    """Turn the whole-layer calls (`moe_rows`, `kda_rows`, `attn_res_norm`) on or off in this process from
     now on (in-process A/B runs, equivalence tests); `KIMI_PD_CPU_DECODE_LAYERS=0` is the operator's
     switch. The per-operator calls stay as `set_enabled` leaves them."""
     global _layers_on

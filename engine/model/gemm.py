@@ -164,15 +164,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def row_major_weights(weights: Sequence[torch.Tensor]) -> bool:
     """Whether `linear` takes each of `weights` to the rowdot kernels outside autograd (large float32
-    row-major CPU weights; `row_major_now` says whether it does for a given input)."""
+    row-major CPU weights; `rowdot_now` says whether it does for a given input)."""
     return all(_large_float_weight(w) for w in weights)
-
-
-def row_major_now(x: torch.Tensor) -> bool:
-    """Whether `linear` runs a one-row float32 `x` on the row-major kernel now (with weights that pass
-    `row_major_weights`): a whole-layer C call (engine/model/decode_ops.py) may then make those products
-    itself, bitwise the same."""
-    return x.dim() == 2 and x.shape[0] == 1 and rowdot_now(x)
 
 
 def rowdot_now(x: torch.Tensor) -> bool:

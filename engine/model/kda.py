@@ -6,10 +6,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.model import choices, decode_ops
+from engine.model import choices, decode_ops, rowdot
 from engine.model.forward_batch import ForwardBatch, HybridCacheTensors, SequenceSlice, StaticDecode
 from engine.model.fused import fuse_linears, project
-from engine.model.gemm import Linear, row_major_now, row_major_weights
+from engine.model.gemm import Linear, panel_weight, row_major_weights, rowdot_now
 from engine.model.kda_ops import (
     causal_conv_step,
     causal_conv_steps,
@@ -81,7 +81,7 @@ class KimiDeltaAttention(nn.Module):
         if batch.decode is not None:
             out = self._decode_static(qkv, *self._gates(f_b, b), batch, batch.decode)
         else:
-            row = self._row_in_c(x, qkv, f_b, b, gate, batch)
+            row = self._rows_in_c(x, qkv, f_b, b, gate, batch)
             if row is not None:
                 return row
             out = self._forward_slices(qkv, f_b, b, batch)
@@ -97,27 +97,30 @@ class KimiDeltaAttention(nn.Module):
                 return y
         return upcast(rms_norm(out, self.o_norm.weight, self.eps)) * torch.sigmoid(upcast(gate))
 
-    def _row_in_c(self, x: torch.Tensor, qkv: torch.Tensor, f_b: torch.Tensor, b: torch.Tensor, gate: torch.Tensor,
-                  batch: ForwardBatch) -> torch.Tensor | None:
-        """One decoding sequence's token after the input projections in one C call (`decode_ops.c`'s
-        `kda_row`: recurrence, gated norm, o_proj on the row-major kernel), where the Python path would make
-        the same calls: bitwise its result (tests/engine/model/test_decode_layers.py). None elsewhere."""
-        if len(batch.slices) != 1 or x.shape[0] != 1:
-            return None
-        s = batch.slices[0]
-        if s.num_new_tokens != 1 or s.snapshots or s.spec_slots or s.reset_kda_state:
+    def _rows_in_c(self, x: torch.Tensor, qkv: torch.Tensor, f_b: torch.Tensor, b: torch.Tensor,
+                   gate: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | None:
+        """A pure decode step's tokens (one per sequence, up to sixteen) after the input projections in one
+        C call (`decode_ops.c`'s `kda_rows`: recurrence, gated norm, o_proj on the rowdot kernels), where the
+        Python path would make the same calls: bitwise its result (tests/engine/model/test_decode_layers.py).
+        None elsewhere."""
+        rows = x.shape[0]
+        if len(batch.slices) != rows or any(s.num_new_tokens != 1 or s.snapshots or s.spec_slots or s.reset_kda_state
+                                            for s in batch.slices):
             return None
         ops = decode_ops.layer_usable(x, f_b, self.o_norm.weight, self.dt_bias)
-        if ops is None or not row_major_now(x) or not row_major_weights((self.o_proj.weight,)):
+        kernel = rowdot.kernel()
+        if ops is None or kernel is None or not rowdot_now(x) or not row_major_weights((self.o_proj.weight,)):
             return None
         conv_store, rec_store = batch.cache.kda_conv[self.layer_id], batch.cache.kda_recurrent[self.layer_id]
+        step = qkv.stride(0)
         contiguous = (conv_store.is_contiguous() and rec_store.is_contiguous() and self.o_norm.weight.is_contiguous()
-                      and qkv.stride(-1) == 1 and gate.stride(-1) == 1 and b.stride(-1) == 1)
+                      and qkv.stride(-1) == 1 and gate.stride(-1) == 1 and b.stride(-1) == 1
+                      and (rows == 1 or gate.stride(0) == b.stride(0) == step))
         if (not contiguous or not isinstance(self.o_proj, Linear) or self.o_proj.bias is not None
                 or self.head_dim > decode_ops.MAX_HEAD_DIM
                 or conv_store.dtype != torch.float32 or rec_store.dtype != torch.float32):
             return None
-        slots, _ = _c_slots([0], 1, batch)
+        slots, _ = _c_slots(list(range(rows)), 1, batch)
         lower = self.lower_bound
         raw = f_b if lower is not None else kda_gate(
             f_b.view(-1, self.num_heads, self.head_dim), self.head_a_log(), self.dt_bias, None).view(f_b.shape)
@@ -125,14 +128,16 @@ class KimiDeltaAttention(nn.Module):
         heads, k_dim, v_dim = rec_store.shape[1:]
         kernel_t = self._conv_kernel_t()
         weight = self.o_proj.weight
-        y = torch.empty(1, weight.shape[0], dtype=torch.float32)
-        scratch = torch.empty(2 * heads * v_dim, dtype=torch.float32)
+        row_major = rowdot.row_major_max_rows()
+        panels = panel_weight(weight, kernel).data_ptr() if rows > row_major else None
+        y = torch.empty(rows, weight.shape[0], dtype=torch.float32)
+        scratch = torch.empty(rows * (2 * heads * v_dim + heads), dtype=torch.float32)
         decay = self._head_decay_rate() if lower is not None else None
-        ops.kda_row(heads, k_dim, v_dim, kernel_t.shape[0], qkv.data_ptr(), kernel_t.data_ptr(), raw.data_ptr(),
-                    None if decay is None else decay.data_ptr(), self.dt_bias.data_ptr(),
-                    0.0 if lower is None else lower, b.data_ptr(), conv_store.data_ptr(), rec_store.data_ptr(),
-                    slots.data_ptr(), self.head_dim ** -0.5, gate.data_ptr(), self.o_norm.weight.data_ptr(), self.eps,
-                    weight.data_ptr(), weight.shape[0], scratch.data_ptr(), y.data_ptr())
+        ops.kda_rows(rows, heads, k_dim, v_dim, kernel_t.shape[0], qkv.data_ptr(), step, kernel_t.data_ptr(),
+                     raw.data_ptr(), None if decay is None else decay.data_ptr(), self.dt_bias.data_ptr(),
+                     0.0 if lower is None else lower, b.data_ptr(), conv_store.data_ptr(), rec_store.data_ptr(),
+                     slots.data_ptr(), self.head_dim ** -0.5, gate.data_ptr(), self.o_norm.weight.data_ptr(), self.eps,
+                     weight.data_ptr(), panels, weight.shape[0], row_major, scratch.data_ptr(), y.data_ptr())
         return y
 
     def _input_linears(self) -> tuple[nn.Module, ...]:

@@ -1,8 +1,8 @@
 """Whole-layer decode calls in C (engine/model/decode_ops.py) give bitwise what the Python path gives.
 
-- a KDA layer's decoding token after its input projections (`kda_row`) == the Python path, outputs and
-  both cache states, over several steps on one slot; the gated output norm in C == its torch form to
-  rounding; verification, a reset state or a second sequence keep the Python path;
+- a KDA layer's decoding tokens after its input projections (`kda_rows`, 1 to 8 sequences) == the Python
+  path, outputs and both cache states, over several steps; the gated output norm in C == its torch form
+  to rounding; verification, a reset state or a prefill in the step keep the Python path;
 - a latent MoE layer on a decode step's tokens (`moe_rows`, 1 to 16 rows) == `LatentMoE.forward` with the
   whole-layer calls off, with and without shared experts and the latent norm, over many inputs (so many
   expert choices);
@@ -83,7 +83,7 @@ def _kda(seed: int = 0) -> tuple[KimiDeltaAttention, object]:
 
 
 def _kda_cache(cfg, layer_id: int) -> HybridCacheTensors:
-    cache = HybridCacheTensors.allocate(cfg, num_blocks=4, num_slots=6, block_size=4, dtype=torch.float32)
+    cache = HybridCacheTensors.allocate(cfg, num_blocks=4, num_slots=9, block_size=4, dtype=torch.float32)
     gen = torch.Generator().manual_seed(5)
     for store in (cache.kda_conv[layer_id], cache.kda_recurrent[layer_id]):
         store.copy_(torch.randn(store.shape, generator=gen) * 0.3)
@@ -97,18 +97,19 @@ def _clone(cache: HybridCacheTensors) -> HybridCacheTensors:
 
 
 @needs_ops
-def test_kda_row_in_c_equals_the_python_path_bitwise(monkeypatch, one_thread):
+@pytest.mark.parametrize("slots", [(3,), (4, 1, 5), (5, 4, 3, 2, 1, 0, 6, 7)])
+def test_kda_rows_in_c_equal_the_python_path_bitwise(monkeypatch, one_thread, slots):
     layer, cfg = _kda()
     lid = layer.layer_id
     in_c = _kda_cache(cfg, lid)
     python = _clone(in_c)
-    calls = _count_calls(monkeypatch, "kda_row")
+    calls = _count_calls(monkeypatch, "kda_rows")
     gen = torch.Generator().manual_seed(2)
     table = torch.tensor([0, 1])
     with torch.inference_mode():
         for step in range(6):                     # the states carry over: each step reads the last one's
-            x = torch.randn(1, 512, generator=gen) * (1 + step % 3)
-            batch = [SequenceSlice(1, 5 + step, 3, table)]
+            x = torch.randn(len(slots), 512, generator=gen) * (1 + step % 3)
+            batch = [SequenceSlice(1, 5 + step, slot, table) for slot in slots]
             decode_ops.set_layers_enabled(False)
             try:
                 want = layer(x, ForwardBatch(batch, python))
@@ -119,17 +120,17 @@ def test_kda_row_in_c_equals_the_python_path_bitwise(monkeypatch, one_thread):
             assert torch.equal(in_c.kda_conv[lid], python.kda_conv[lid])
             assert torch.equal(in_c.kda_recurrent[lid], python.kda_recurrent[lid])
     assert len(calls) == 6
-    assert not torch.equal(in_c.kda_recurrent[lid][3], _kda_cache(cfg, lid).kda_recurrent[lid][3])   # it moved
+    assert not torch.equal(in_c.kda_recurrent[lid][slots[0]], _kda_cache(cfg, lid).kda_recurrent[lid][slots[0]])
 
 
 @needs_ops
-@pytest.mark.parametrize("case", ["two sequences", "verification", "reset"])
-def test_kda_row_keeps_the_python_path_elsewhere(monkeypatch, one_thread, case):
+@pytest.mark.parametrize("case", ["a prefill beside", "verification", "reset"])
+def test_kda_rows_keep_the_python_path_elsewhere(monkeypatch, one_thread, case):
     layer, cfg = _kda()
     cache = _kda_cache(cfg, layer.layer_id)
-    calls = _count_calls(monkeypatch, "kda_row")
+    calls = _count_calls(monkeypatch, "kda_rows")
     table = torch.tensor([0, 1])
-    slices = {"two sequences": [SequenceSlice(1, 5, 2, table), SequenceSlice(1, 5, 3, table)],
+    slices = {"a prefill beside": [SequenceSlice(1, 5, 2, table), SequenceSlice(3, 0, 3, table)],
               "verification": [SequenceSlice(3, 5, 2, table, spec_slots=(4, 5))],
               "reset": [SequenceSlice(1, 0, 2, table, reset_kda_state=True)]}[case]
     rows = sum(s.num_new_tokens for s in slices)
@@ -240,7 +241,7 @@ def _wide_model() -> KimiK3ForConditionalGeneration:
 @needs_ops
 def test_a_model_decoding_with_whole_layer_calls_equals_without_bitwise(monkeypatch, one_thread):
     model = _wide_model()
-    counts = {name: _count_calls(monkeypatch, name) for name in ("moe_rows", "kda_row")}
+    counts = {name: _count_calls(monkeypatch, name) for name in ("moe_rows", "kda_rows")}
     ids = torch.randint(0, 1000, (14,), generator=torch.Generator().manual_seed(8))
 
     def decode(on: bool) -> torch.Tensor:
@@ -262,7 +263,7 @@ def test_a_model_decoding_with_whole_layer_calls_equals_without_bitwise(monkeypa
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     kda_layers = sum(cfg.is_kda_layer(i) for i in range(cfg.num_hidden_layers))
     # the 6-token prefill runs its MoE layers in C too (at most 16 rows); KDA's call is for decoding only
-    assert len(counts["moe_rows"]) == 9 * moe_layers and len(counts["kda_row"]) == 8 * kda_layers
+    assert len(counts["moe_rows"]) == 9 * moe_layers and len(counts["kda_rows"]) == 8 * kda_layers
 
 
 CHILD = """
