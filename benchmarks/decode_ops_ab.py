@@ -4,7 +4,7 @@ Run: `python -m benchmarks.decode_ops_ab [--preset small] [--batch-sizes 1 8] [-
 (about a minute per batch size on a 2-core host). For each batch size B one engine decodes B sequences; after
 a warm-up with each setting, every round times `--steps` decode steps with the switch on and `--steps` with it
 off, alternating which goes first. `--switch ops`: every C decode op (`decode_ops.set_enabled`); `--switch
-layers`: only the whole-layer calls (`decode_ops.set_layers_enabled`: a batch-1 step's KDA and MoE layers,
+layers`: only the whole-layer calls (`decode_ops.set_layers_enabled`: a decode step's KDA and MoE layers,
 AttnRes with its norm), the per-operator calls on both sides. An A/B inside one process sees the same weights,
 caches, memory layout and host noise on both sides, where `engine_throughput`'s processes do not; it cannot
 see what a process-wide setting changes (threads, OpenMP), which that benchmark covers. Writes

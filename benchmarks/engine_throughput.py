@@ -39,7 +39,7 @@ VARIANTS: dict[str, dict[str, str | None]] = {
     "no-rowdot": {"KIMI_PD_CPU_ROWDOT": "0"},        # every row count on packed oneDNN, as before 3 Dec evening
     "no-panels": {"KIMI_PD_CPU_PANELS": "0"},        # 1-3 rows on the row-major kernel, more on oneDNN, as before
     "no-decode-ops": {"KIMI_PD_CPU_DECODE_OPS": "0"},  # KDA recurrence, AttnRes, routing on torch ops (before 4 Dec)
-    "no-decode-layers": {"KIMI_PD_CPU_DECODE_LAYERS": "0"},  # batch-1 KDA / MoE layers through Python (before 5 Dec)
+    "no-decode-layers": {"KIMI_PD_CPU_DECODE_LAYERS": "0"},  # decode KDA / MoE layers through Python (before 4 Dec pm)
     "aten-gemm": {"KIMI_PD_CPU_GEMM": "aten"},                         # MKL's sgemm for float linears
     "two-threads": {"KIMI_PD_ONE_THREAD_BELOW_TOKENS": "0"},           # every forward on all threads
     # libgomp's own waits (spin, then sleep), every forward on all threads
