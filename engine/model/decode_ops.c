@@ -481,3 +481,38 @@ HOT void attn_res_norm_rows(long n, const float *const *sources, long T, long D,
     attn_res_rows(n, sources, T, D, query, eps, scratch);
     rms_norm_rows(T, D, scratch, D, norm_w, norm_eps, out);
 }
+
+/* MLA's output gate (engine/model/mla.py): y = x * sigmoid(g) for rows [T] of n floats (x contiguous,
+ * g's rows `g_step` apart). */
+HOT void sigmoid_gate_rows(long T, long n, const float *x, const float *g, long g_step, float *y) {
+    for (long t = 0; t < T; t++)
+        for (long i = 0; i < n; i++)
+            y[t * n + i] = x[t * n + i] * sigmoidf(g[t * g_step + i]);
+}
+
+/* One token of each of R decoding sequences through a gated MLA layer (a decode step of up to sixteen
+ * rows): the fused input projection [q_a QL | kv_a KL + RP | g H V], q = W_qb rms_norm(q_a), the latent
+ * [rms_norm(c) | k_pe] written to pages[write[r]], `mla_attend`, the gate, o_proj: the calls the Python
+ * path makes (engine/model/mla.py's `_rows_in_c`), so bitwise its result. Products as `moe_rows` makes
+ * them. scratch: R (n_in + QL + H (nope + RP) + 2 H V + 2 H KL) + H max(1, longest) floats. y [R][d]. */
+HOT void mla_rows(long R, long d, long QL, long KL, long RP, long H, long nope, long V, long row_major,
+                  const float *x, const float *w_in, const float *w_in_panels, const float *q_norm_w, float q_eps,
+                  const float *w_qb, const float *w_qb_panels, const float *kv_norm_w, float kv_eps, float *pages,
+                  const long *write, const long *index, const long *starts, const long *lens, const float *w_uk,
+                  const float *w_uv, float scale, const float *w_o, const float *w_o_panels, float *scratch,
+                  float *y) {
+    const long n_in = QL + KL + RP + H * V, width = KL + RP, qdim = nope + RP;
+    float *t = scratch, *qn = t + R * n_in, *q = qn + R * QL, *out = q + R * H * qdim, *gated = out + R * H * V;
+    float *attend = gated + R * H * V;
+    product(w_in, w_in_panels, x, t, n_in, d, R, row_major);
+    rms_norm_rows(R, QL, t, n_in, q_norm_w, q_eps, qn);
+    product(w_qb, w_qb_panels, qn, q, H * qdim, QL, R, row_major);
+    for (long r = 0; r < R; r++) {
+        float *slot = pages + write[r] * width;
+        rms_norm_rows(1, KL, t + r * n_in + QL, n_in, kv_norm_w, kv_eps, slot);
+        memcpy(slot + KL, t + r * n_in + QL + KL, (size_t)RP * sizeof(float));
+    }
+    mla_attend(R, H, nope, RP, KL, V, q, pages, index, starts, lens, w_uk, w_uv, scale, attend, out);
+    sigmoid_gate_rows(R, H * V, out, t + QL + KL + RP, n_in, gated);
+    product(w_o, w_o_panels, gated, y, d, H * V, R, row_major);
+}

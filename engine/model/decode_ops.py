@@ -15,6 +15,7 @@ RMSNorm six, MLA's absorbed attention a chain of small batched matmuls
   context read straight from the pages.
 - `attn_res`, `route`, `rms_norm`, `situ`: AttnRes mixing, the MoE router's choice, RMSNorm, SiTU.
 - `attn_res_norm`: a layer's AttnRes mixing and the RMSNorm after it.
+- `sigmoid_gate`: MLA's output gate; `mla_rows`: a gated MLA layer's decoding tokens, whole.
 - `gated_rms_norm`: KDA's output norm times the sigmoid of its gate.
 - `kda_rows`: a KDA layer's decoding tokens after its input projections (recurrence, gated norm, o_proj).
 - `moe_rows`: a whole latent MoE layer for a decode step's few tokens, its linears on rowdot.c's kernels
@@ -101,6 +102,15 @@ class DecodeOps:
         kda_rows.argtypes = [long_] * 5 + [ptr, long_, ptr, ptr, ptr, ptr, float_, ptr, ptr, ptr, ptr, float_, ptr, ptr,
                                            float_, ptr, ptr, long_, long_, ptr, ptr]
         self.kda_rows = kda_rows
+        gate = lib.sigmoid_gate_rows
+        gate.restype = None
+        gate.argtypes = [long_, long_, ptr, ptr, long_, ptr]
+        self._sigmoid_gate = gate
+        mla = lib.mla_rows
+        mla.restype = None
+        mla.argtypes = ([long_] * 9 + [ptr, ptr, ptr, ptr, float_, ptr, ptr, ptr, float_, ptr, ptr, ptr, ptr, ptr, ptr,
+                                       ptr, float_, ptr, ptr, ptr, ptr])
+        self.mla_rows = mla
         mix_norm = lib.attn_res_norm_rows
         mix_norm.restype = None
         mix_norm.argtypes = [long_, ptr, long_, long_, ptr, float_, ptr, float_, ptr, ptr]
@@ -115,6 +125,16 @@ class DecodeOps:
         self._situ(rows, width, gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), beta,
                    0.0 if linear_beta is None else linear_beta, out.data_ptr())
         return out
+
+    def sigmoid_gate(self, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor | None:
+        """MLA's output gate `x * sigmoid(g)` of x [T, n] (contiguous float32) and g [T, n] (columns
+        contiguous, rows strided); None for other layouts."""
+        if x.dim() != 2 or g.shape != x.shape or not x.is_contiguous() or g.stride(-1) != 1:
+            return None
+        rows, width = x.shape
+        y = torch.empty(rows, width, dtype=torch.float32)
+        self._sigmoid_gate(rows, width, x.data_ptr(), g.data_ptr(), g.stride(0), y.data_ptr())
+        return y
 
     def gated_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
                        gate: torch.Tensor) -> torch.Tensor | None:
@@ -333,7 +353,7 @@ def usable(*tensors: torch.Tensor) -> DecodeOps | None:
 
 
 def set_layers_enabled(on: bool) -> None:
-    """Turn the whole-layer calls (`moe_rows`, `kda_rows`, `attn_res_norm`) on or off in this process from
+    """Turn the whole-layer calls (`moe_rows`, `kda_rows`, `mla_rows`, `attn_res_norm`) on or off in this process from
     now on (in-process A/B runs, equivalence tests); `KIMI_PD_CPU_DECODE_LAYERS=0` is the operator's
     switch. The per-operator calls stay as `set_enabled` leaves them."""
     global _layers_on

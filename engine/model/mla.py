@@ -12,11 +12,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.model import choices, decode_ops
+from engine.model import choices, decode_ops, rowdot
 from engine.model.forward_batch import ForwardBatch, SequenceSlice, StaticDecode
-from engine.model.fused import fuse_linears, project
-from engine.model.gemm import Linear
-from engine.model.layers import RMSNorm, cast, inference_cached, linear_weight, upcast
+from engine.model.fused import FUSED_ATTR, fuse_linears, project
+from engine.model.gemm import Linear, panel_weight, row_major_weights, rowdot_now
+from engine.model.layers import C_NORM_MAX_ELEMENTS, RMSNorm, cast, inference_cached, linear_weight, upcast
 from shared.model_config import TextConfig
 
 
@@ -65,6 +65,8 @@ class GatedMLA(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x: [N, D] normalised layer input; writes the new latents into the pages, attends, gates."""
+        if batch.decode is None and (y := self._rows_in_c(x, batch)) is not None:
+            return y
         nh = self.num_heads
         q_a, kv_a, g = project(self, x, self._input_linears(), (1, 1, 1))
         q = self.q_b_proj(self.q_a_layernorm(q_a)).view(-1, nh, self.nope + self.rope)
@@ -75,8 +77,74 @@ class GatedMLA(nn.Module):
             out = self._decode_static(q, latent, flat_pages, batch.decode)
         else:
             out = self._forward_slices(q, latent, flat_pages, batch)
-        gate = cast(torch.sigmoid(upcast(g)), x.dtype)
-        return self.o_proj(out.reshape(x.shape[0], -1) * gate)
+        return self.o_proj(self._gated(out.reshape(x.shape[0], -1), g, x.dtype))
+
+    def _gated(self, out: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`out * sigmoid(g)` in `dtype`; float32 steps of at most C_NORM_MAX_ELEMENTS in one C call
+        (engine/model/decode_ops.py; the same to rounding)."""
+        if out.numel() <= C_NORM_MAX_ELEMENTS and dtype == torch.float32 and (ops := decode_ops.usable(out, g)):
+            y = ops.sigmoid_gate(out.contiguous(), g)
+            if y is not None:
+                return y
+        return out * cast(torch.sigmoid(upcast(g)), dtype)
+
+    def _rows_in_c(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | None:
+        """A pure decode step's tokens (one per sequence, up to sixteen) through this layer in one C call
+        (`decode_ops.c`'s `mla_rows`), where the Python path would make the same calls (fused float input
+        projection, q_b and o_proj on the rowdot kernels, the C attention): bitwise its result
+        (tests/engine/model/test_decode_layers.py). None elsewhere."""
+        rows = x.shape[0]
+        if len(batch.slices) != rows or not self._use_absorbed(1) or self.options.mode == "materialized":
+            return None
+        if any(s.num_new_tokens != 1 for s in batch.slices):
+            return None
+        pages = batch.cache.mla_pages[self.layer_id]
+        ops = decode_ops.layer_usable(x, pages)
+        kernel = rowdot.kernel()
+        if ops is None or kernel is None or not rowdot_now(x) or not pages.is_contiguous():
+            return None
+        plan = self._rows_plan()
+        if plan is None or rows > plan[0]:
+            return None
+        _, w_in, sizes, q_norm, kv_norm, w_qb, w_o = plan
+        row_major = rowdot.row_major_max_rows()
+        panels = ([panel_weight(w, kernel).data_ptr() for w in (w_in, w_qb, w_o)] if rows > row_major
+                  else [None, None, None])
+        _, write, index, starts, lens, longest = _c_attend_plan(list(range(rows)), batch)
+        write = write.long()
+        w_uk, w_uv = self._absorb_weights_contiguous()
+        n_in, heads, v_dim, kl = w_in.shape[0], self.num_heads, self.v_dim, self.kv_lora
+        scratch = torch.empty(rows * (n_in + sizes[0] + heads * (self.nope + self.rope) + 2 * heads * v_dim
+                                      + 2 * heads * kl) + heads * max(1, longest), dtype=torch.float32)
+        y = torch.empty(rows, w_o.shape[0], dtype=torch.float32)
+        ops.mla_rows(rows, w_in.shape[1], *sizes, heads, self.nope, v_dim, row_major, x.contiguous().data_ptr(),
+                     w_in.data_ptr(), panels[0], q_norm.weight.data_ptr(), q_norm.eps, w_qb.data_ptr(), panels[1],
+                     kv_norm.weight.data_ptr(), kv_norm.eps, pages.data_ptr(), write.data_ptr(), index.data_ptr(),
+                     starts.data_ptr(), lens.data_ptr(), w_uk.data_ptr(), w_uv.data_ptr(), self.scale, w_o.data_ptr(),
+                     panels[2], scratch.data_ptr(), y.data_ptr())
+        return y
+
+    def _rows_plan(self) -> tuple | None:
+        """(most rows, fused input weight, (QL, KL, RP), q norm, kv norm, q_b weight, o_proj weight) where the
+        C call reproduces the Python path, else None; made again when the fusing changes."""
+        fused = self.__dict__.get(FUSED_ATTR)
+        key = id(fused)
+        held = self.__dict__.get("_rows_plan_held")
+        if held is not None and held[0] == key:
+            return held[1]
+        plan = None
+        sizes = (self.q_a_proj.weight.shape[0], self.kv_lora, self.rope)
+        if (fused is not None and len(fused.groups) == 1 and isinstance(fused.groups[0], Linear)
+                and fused._split_sizes == [sizes[0], sizes[1] + sizes[2], self.num_heads * self.v_dim]
+                and isinstance(self.q_b_proj, Linear) and isinstance(self.o_proj, Linear)
+                and self.q_b_proj.bias is None and self.o_proj.bias is None
+                and row_major_weights((fused.groups[0].weight, self.q_b_proj.weight, self.o_proj.weight))
+                and all(n.weight.dtype == torch.float32 and n.weight.is_contiguous()
+                        for n in (self.q_a_layernorm, self.kv_a_layernorm))):
+            plan = (min(fused._max_rows, rowdot.linear_max_rows()), fused.groups[0].weight, sizes,
+                    self.q_a_layernorm, self.kv_a_layernorm, self.q_b_proj.weight, self.o_proj.weight)
+        self.__dict__["_rows_plan_held"] = (key, plan)
+        return plan
 
     def _forward_slices(self, q: torch.Tensor, latent: torch.Tensor, flat_pages: torch.Tensor,
                         batch: ForwardBatch) -> torch.Tensor:

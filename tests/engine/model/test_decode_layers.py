@@ -8,6 +8,9 @@
   expert choices);
 - the plan declines where the C call would not reproduce the Python path (small weights on MKL, expert
   parallelism, a forward on more threads, more rows than the rowdot kernels take) and the Python path runs;
+- a gated MLA layer's decoding tokens (`mla_rows`, 1 to 8 sequences over scattered pages) == the Python
+  path, outputs and pages, over steps that attend to the latents the previous ones wrote; the output
+  gate in C == its torch form to rounding;
 - a layer's AttnRes mixing and norm in one call == the two calls;
 - a whole model decoding token by token with the whole-layer calls == without them, logits bitwise;
 - `KIMI_PD_CPU_DECODE_LAYERS=0` turns the whole-layer calls off (a child process).
@@ -28,6 +31,7 @@ from engine.model.forward_batch import ForwardBatch, HybridCacheTensors, Sequenc
 from engine.model.kda import KDAOptions, KimiDeltaAttention
 from engine.model.kimi_k3 import KimiK3ForConditionalGeneration, ModelOptions
 from engine.model.layers import rms_norm
+from engine.model.mla import GatedMLA, MLAOptions
 from engine.model.moe import LatentMoE
 from engine.model.sequence_runner import SequenceRunner
 from engine.presets import preset_config
@@ -67,17 +71,30 @@ def _count_calls(monkeypatch, name: str = "moe_rows") -> list[int]:
     return calls
 
 
-def _kda(seed: int = 0) -> tuple[KimiDeltaAttention, object]:
-    """A KDA layer whose input projections and o_proj are large enough for the rowdot kernels, and its config."""
+def _wide_text():
+    """The tiny preset's text config with every KDA, MLA and MoE linear large enough for the rowdot kernels
+    (at least 128K elements; the small ones, KDA's f_b_proj and layer 0's dense MLP, stay on MKL)."""
     tiny = preset_config("tiny").text_config
-    cfg = replace(tiny, hidden_size=512, linear_attn_config=replace(tiny.linear_attn_config, num_heads=8, head_dim=64))
-    layer_id = next(i for i in range(cfg.num_hidden_layers) if cfg.is_kda_layer(i))
-    layer = KimiDeltaAttention(cfg, layer_id, KDAOptions())
+    return replace(tiny, hidden_size=512, linear_attn_config=replace(tiny.linear_attn_config, num_heads=8, head_dim=64),
+                   num_experts=8, num_experts_per_token=3, moe_intermediate_size=512, routed_expert_hidden_size=256,
+                   num_attention_heads=8, num_key_value_heads=8, q_lora_rank=384, kv_lora_rank=128,
+                   qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)
+
+
+def _randomize(module: torch.nn.Module, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in layer.named_parameters():
+        for name, p in module.named_parameters():
             scale = 0.5 if name in ("A_log", "dt_bias") else p.shape[-1] ** -0.5
             p.copy_(torch.randn(p.shape, generator=gen) * scale)
+
+
+def _kda(seed: int = 0) -> tuple[KimiDeltaAttention, object]:
+    """A KDA layer whose input projections and o_proj are large enough for the rowdot kernels, and its config."""
+    cfg = _wide_text()
+    layer_id = next(i for i in range(cfg.num_hidden_layers) if cfg.is_kda_layer(i))
+    layer = KimiDeltaAttention(cfg, layer_id, KDAOptions())
+    _randomize(layer, seed)
     layer.fuse_linears()
     return layer.eval(), cfg
 
@@ -91,7 +108,7 @@ def _kda_cache(cfg, layer_id: int) -> HybridCacheTensors:
 
 
 def _clone(cache: HybridCacheTensors) -> HybridCacheTensors:
-    return HybridCacheTensors(block_size=cache.block_size, mla_pages=cache.mla_pages,
+    return HybridCacheTensors(block_size=cache.block_size, mla_pages={i: t.clone() for i, t in cache.mla_pages.items()},
                               kda_conv={i: t.clone() for i, t in cache.kda_conv.items()},
                               kda_recurrent={i: t.clone() for i, t in cache.kda_recurrent.items()})
 
@@ -209,6 +226,47 @@ def test_moe_rows_decline_where_they_would_not_reproduce_the_python_path(monkeyp
 
 
 @needs_ops
+@pytest.mark.parametrize("contexts", [(5,), (3, 9, 1), (4, 7, 2, 6, 8, 3, 5, 10)])
+def test_mla_rows_in_c_equal_the_python_path_bitwise(monkeypatch, one_thread, contexts):
+    cfg = _wide_text()
+    layer_id = next(i for i in range(cfg.num_hidden_layers) if not cfg.is_kda_layer(i))
+    layer = GatedMLA(cfg, layer_id, MLAOptions())
+    _randomize(layer, 3)
+    layer.fuse_linears()
+    layer.eval()
+    in_c = HybridCacheTensors.allocate(cfg, num_blocks=4 * len(contexts), num_slots=9, block_size=4,
+                                       dtype=torch.float32)
+    pages = in_c.mla_pages[layer_id]
+    pages.copy_(torch.randn(pages.shape, generator=torch.Generator().manual_seed(7)))
+    python = _clone(in_c)
+    calls = _count_calls(monkeypatch, "mla_rows")
+    gen = torch.Generator().manual_seed(9)
+    tables = [torch.arange(4 * i, 4 * i + 4).flip(0) for i in range(len(contexts))]       # scattered pages
+    with torch.inference_mode():
+        for step in range(3):                    # each step writes its latent, the next one attends to it
+            slices = [SequenceSlice(1, n + step, i, tables[i]) for i, n in enumerate(contexts)]
+            x = torch.randn(len(contexts), 512, generator=gen)
+            decode_ops.set_layers_enabled(False)
+            try:
+                want = layer(x, ForwardBatch(slices, python))
+            finally:
+                decode_ops.set_layers_enabled(True)
+            got = layer(x, ForwardBatch(slices, in_c))
+            assert torch.equal(got, want), (step, (got - want).abs().max())
+            assert torch.equal(in_c.mla_pages[layer_id], python.mla_pages[layer_id])
+    assert len(calls) == 3
+
+
+@needs_ops
+def test_mla_gate_in_c_equals_the_torch_form():
+    ops = decode_ops.decode_ops()
+    gen = torch.Generator().manual_seed(4)
+    x, wide = torch.randn(3, 40, generator=gen), torch.randn(3, 47, generator=gen) * 4
+    got = ops.sigmoid_gate(x, wide[:, 7:])
+    torch.testing.assert_close(got.double(), x.double() * torch.sigmoid(wide[:, 7:].double()), rtol=4e-7, atol=1e-7)
+
+
+@needs_ops
 @pytest.mark.parametrize("rows", [1, 3])
 def test_attn_res_and_norm_in_one_call_equal_the_two_calls(rows):
     gen = torch.Generator().manual_seed(6)
@@ -227,12 +285,9 @@ def test_attn_res_and_norm_in_one_call_equal_the_two_calls(rows):
 
 
 def _wide_model() -> KimiK3ForConditionalGeneration:
-    """The tiny preset with KDA and MoE layers wide enough for the rowdot kernels (MLA stays on MKL)."""
+    """The tiny preset with KDA, MLA and MoE layers wide enough for the rowdot kernels."""
     cfg = preset_config("tiny")
-    tiny = cfg.text_config
-    text = replace(tiny, hidden_size=512, linear_attn_config=replace(tiny.linear_attn_config, num_heads=8, head_dim=64),
-                   num_experts=8, num_experts_per_token=3, moe_intermediate_size=512, routed_expert_hidden_size=256)
-    model = KimiK3ForConditionalGeneration(replace(cfg, text_config=text, vision_config=None), ModelOptions())
+    model = KimiK3ForConditionalGeneration(replace(cfg, text_config=_wide_text(), vision_config=None), ModelOptions())
     init_weights(model, 0)
     model.eval().fuse_linears()
     return model
@@ -241,7 +296,7 @@ def _wide_model() -> KimiK3ForConditionalGeneration:
 @needs_ops
 def test_a_model_decoding_with_whole_layer_calls_equals_without_bitwise(monkeypatch, one_thread):
     model = _wide_model()
-    counts = {name: _count_calls(monkeypatch, name) for name in ("moe_rows", "kda_rows")}
+    counts = {name: _count_calls(monkeypatch, name) for name in ("moe_rows", "kda_rows", "mla_rows")}
     ids = torch.randint(0, 1000, (14,), generator=torch.Generator().manual_seed(8))
 
     def decode(on: bool) -> torch.Tensor:
@@ -262,8 +317,10 @@ def test_a_model_decoding_with_whole_layer_calls_equals_without_bitwise(monkeypa
     cfg = model.config.text_config
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     kda_layers = sum(cfg.is_kda_layer(i) for i in range(cfg.num_hidden_layers))
-    # the 6-token prefill runs its MoE layers in C too (at most 16 rows); KDA's call is for decoding only
+    mla_layers = cfg.num_hidden_layers - kda_layers
+    # the 6-token prefill runs its MoE layers in C too (at most 16 rows); KDA's and MLA's calls decode only
     assert len(counts["moe_rows"]) == 9 * moe_layers and len(counts["kda_rows"]) == 8 * kda_layers
+    assert len(counts["mla_rows"]) == 8 * mla_layers > 0
 
 
 CHILD = """
@@ -271,6 +328,7 @@ import torch
 from engine.checkpoint.init import init_weights
 from engine.model import attnres, decode_ops
 from engine.model.kimi_k3 import KimiK3ForConditionalGeneration, ModelOptions
+from engine.model.mla import GatedMLA, MLAOptions
 from engine.model.layers import rms_norm
 from engine.model.sequence_runner import SequenceRunner
 with torch.inference_mode():
