@@ -13,14 +13,13 @@
   gate in C == its torch form to rounding;
 - a layer's AttnRes mixing and norm in one call == the two calls;
 - a whole model decoding token by token with the whole-layer calls == without them, logits bitwise;
-- `KIMI_PD_CPU_DECODE_LAYERS=0` turns the whole-layer calls off (a child process).
+(`KIMI_PD_CPU_DECODE_LAYERS=0` is tested beside `KIMI_PD_CPU_DECODE_OPS=0` in test_decode_ops.py.)
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+from collections.abc import Callable
 from dataclasses import replace
+from typing import TypeVar
 
 import pytest
 import torch
@@ -37,6 +36,7 @@ from engine.model.sequence_runner import SequenceRunner
 from engine.presets import preset_config
 from tests.engine.conftest import tiny_model
 
+T = TypeVar("T")
 needs_ops = pytest.mark.skipif(decode_ops.decode_ops() is None, reason="no C compiler / not x86-64 Linux with AVX-512F")
 
 
@@ -127,12 +127,7 @@ def test_kda_rows_in_c_equal_the_python_path_bitwise(monkeypatch, one_thread, sl
         for step in range(6):                     # the states carry over: each step reads the last one's
             x = torch.randn(len(slots), 512, generator=gen) * (1 + step % 3)
             batch = [SequenceSlice(1, 5 + step, slot, table) for slot in slots]
-            decode_ops.set_layers_enabled(False)
-            try:
-                want = layer(x, ForwardBatch(batch, python))
-            finally:
-                decode_ops.set_layers_enabled(True)
-            got = layer(x, ForwardBatch(batch, in_c))
+            want, got = _off_then_on(lambda on, x=x, batch=batch: layer(x, ForwardBatch(batch, in_c if on else python)))
             assert torch.equal(got, want), (step, (got - want).abs().max())
             assert torch.equal(in_c.kda_conv[lid], python.kda_conv[lid])
             assert torch.equal(in_c.kda_recurrent[lid], python.kda_recurrent[lid])
@@ -170,14 +165,15 @@ def test_gated_norm_in_c_equals_the_torch_form():
     assert ops.gated_rms_norm(x.transpose(0, 1), w, 1e-5, gate.transpose(0, 1)) is None     # not contiguous
 
 
-def _both_paths(moe: LatentMoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _off_then_on(run: Callable[[bool], T]) -> tuple[T, T]:
+    """`run(on)` with the whole-layer calls off, then on: (the Python path's result, the C calls')."""
     with torch.inference_mode():
         decode_ops.set_layers_enabled(False)
         try:
-            python = moe(x)
+            python = run(False)
         finally:
             decode_ops.set_layers_enabled(True)
-        return python, moe(x)
+        return python, run(True)
 
 
 @needs_ops
@@ -192,7 +188,7 @@ def test_moe_rows_in_c_equal_the_python_path_bitwise(monkeypatch, one_thread, sh
     chosen = set()
     for i in range(12):
         x = torch.randn(rows, 512, generator=gen) * (1 + i % 4)
-        python, in_c = _both_paths(moe, x)
+        python, in_c = _off_then_on(lambda on, x=x: moe(x))
         assert torch.equal(python, in_c), (i, (python - in_c).abs().max())
         with torch.inference_mode():
             chosen.add(tuple(moe.gate.logits(x[:1]).topk(3).indices[0].tolist()))
@@ -246,12 +242,7 @@ def test_mla_rows_in_c_equal_the_python_path_bitwise(monkeypatch, one_thread, co
         for step in range(3):                    # each step writes its latent, the next one attends to it
             slices = [SequenceSlice(1, n + step, i, tables[i]) for i, n in enumerate(contexts)]
             x = torch.randn(len(contexts), 512, generator=gen)
-            decode_ops.set_layers_enabled(False)
-            try:
-                want = layer(x, ForwardBatch(slices, python))
-            finally:
-                decode_ops.set_layers_enabled(True)
-            got = layer(x, ForwardBatch(slices, in_c))
+            want, got = _off_then_on(lambda on, x=x, s=slices: layer(x, ForwardBatch(s, in_c if on else python)))
             assert torch.equal(got, want), (step, (got - want).abs().max())
             assert torch.equal(in_c.mla_pages[layer_id], python.mla_pages[layer_id])
     assert len(calls) == 3
@@ -272,14 +263,10 @@ def test_attn_res_and_norm_in_one_call_equal_the_two_calls(rows):
     gen = torch.Generator().manual_seed(6)
     sources = [torch.randn(rows, 96, generator=gen) * (i + 1) for i in range(3)]
     query, weight = torch.randn(96, generator=gen), torch.randn(96, generator=gen)
+    two, one = _off_then_on(lambda on: attnres.attn_res_norm(sources, torch.zeros(1, 96), torch.zeros(96), 1e-5,
+                                                             query, weight, 1e-6))
+    assert torch.equal(one, two)
     with torch.inference_mode():
-        one = attnres.attn_res_norm(sources, torch.zeros(1, 96), torch.zeros(96), 1e-5, query, weight, 1e-6)
-        decode_ops.set_layers_enabled(False)
-        try:
-            two = attnres.attn_res_norm(sources, torch.zeros(1, 96), torch.zeros(96), 1e-5, query, weight, 1e-6)
-        finally:
-            decode_ops.set_layers_enabled(True)
-        assert torch.equal(one, two)
         assert torch.equal(one, rms_norm(attnres.attn_res(sources, torch.zeros(1, 96), torch.zeros(96), 1e-5, query),
                                          weight, 1e-6))
 
@@ -300,19 +287,13 @@ def test_a_model_decoding_with_whole_layer_calls_equals_without_bitwise(monkeypa
     ids = torch.randint(0, 1000, (14,), generator=torch.Generator().manual_seed(8))
 
     def decode(on: bool) -> torch.Tensor:
-        decode_ops.set_layers_enabled(on)
-        try:
-            runner, outs = SequenceRunner(model, 64), []
-            outs.append(runner.feed(ids[:6]))
-            outs += [runner.feed(ids[i:i + 1]) for i in range(6, 14)]
-            return torch.cat(outs)
-        finally:
-            decode_ops.set_layers_enabled(True)
+        assert on or not any(counts.values())           # the Python path runs first, calling no whole layer
+        runner, outs = SequenceRunner(model, 64), []
+        outs.append(runner.feed(ids[:6]))
+        outs += [runner.feed(ids[i:i + 1]) for i in range(6, 14)]
+        return torch.cat(outs)
 
-    with torch.inference_mode():
-        without = decode(False)
-        assert not any(counts.values())
-        with_calls = decode(True)
+    without, with_calls = _off_then_on(decode)
     assert torch.equal(with_calls, without)
     cfg = model.config.text_config
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
@@ -321,25 +302,3 @@ def test_a_model_decoding_with_whole_layer_calls_equals_without_bitwise(monkeypa
     # the 6-token prefill runs its MoE layers in C too (at most 16 rows); KDA's and MLA's calls decode only
     assert len(counts["moe_rows"]) == 9 * moe_layers and len(counts["kda_rows"]) == 8 * kda_layers
     assert len(counts["mla_rows"]) == 8 * mla_layers > 0
-
-
-CHILD = """
-import torch
-from engine.checkpoint.init import init_weights
-from engine.model import attnres, decode_ops
-from engine.model.kimi_k3 import KimiK3ForConditionalGeneration, ModelOptions
-from engine.model.mla import GatedMLA, MLAOptions
-from engine.model.layers import rms_norm
-from engine.model.sequence_runner import SequenceRunner
-with torch.inference_mode():
-    print("layers", decode_ops.layer_usable(torch.zeros(1)) is not None)
-"""
-
-
-@needs_ops
-@pytest.mark.parametrize("value, expect", [("0", "layers False"), ("1", "layers True")])
-def test_the_whole_layer_calls_can_be_turned_off(value, expect):
-    env = {**os.environ, decode_ops.LAYERS_ENV: value}
-    done = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=120, env=env)
-    assert done.returncode == 0, done.stderr
-    assert expect in done.stdout

@@ -9,7 +9,8 @@
 - absorbed MLA attention in C (decode and verification rows, each over its own causal context) == torch;
 - `attn_res` in C == its torch form; SiTU in C within two ulp of the float64 formula;
 - the MoE router's choice in C == torch's (same experts, weights to rounding);
-- `KIMI_PD_CPU_DECODE_OPS=0` keeps the torch form (a child process).
+- `KIMI_PD_CPU_DECODE_OPS=0` keeps the torch form, `KIMI_PD_CPU_DECODE_LAYERS=0` the per-operator calls
+  (a child process).
 """
 from __future__ import annotations
 
@@ -234,14 +235,18 @@ def test_situ_in_c_is_within_two_ulp_of_float64(scale, linear_beta):
 CHILD = """
 import engine, torch
 from engine.model import decode_ops
-print("ops", decode_ops.decode_ops() is not None)
+with torch.inference_mode():
+    print("ops", decode_ops.decode_ops() is not None, "layers", decode_ops.layer_usable(torch.zeros(1)) is not None)
 """
 
 
 @needs_ops
-@pytest.mark.parametrize("value, expect", [("0", "ops False"), ("1", "ops True")])
-def test_the_operator_can_turn_it_off(value, expect):
-    env = {**os.environ, decode_ops.ENABLE_ENV: value}
+@pytest.mark.parametrize("variable, value, expect", [
+    (decode_ops.ENABLE_ENV, "0", "ops False layers False"), (decode_ops.ENABLE_ENV, "1", "ops True layers True"),
+    (decode_ops.LAYERS_ENV, "0", "ops True layers False"), (decode_ops.LAYERS_ENV, "1", "ops True layers True")])
+def test_the_operator_can_turn_them_off(variable, value, expect):
+    """`KIMI_PD_CPU_DECODE_OPS=0`: no C op at all; `KIMI_PD_CPU_DECODE_LAYERS=0`: the per-operator calls only."""
+    env = {**os.environ, variable: value}
     done = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr
     assert expect in done.stdout
