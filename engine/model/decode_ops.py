@@ -37,6 +37,7 @@ import functools
 import logging
 import os
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -51,70 +52,50 @@ SOURCE = rowdot.SOURCE.with_name("decode_ops.c")
 MAX_HEAD_DIM = 256                  # the C code keeps a head's vectors on the stack
 
 
+_C_TYPES = {"l": ctypes.c_long, "p": ctypes.c_void_p, "i": ctypes.c_int, "f": ctypes.c_float}
+# attribute -> (C symbol, return type or "", argument types), one letter each (`_C_TYPES`), as decode_ops.c
+# declares them (tests/engine/model/test_decode_ops.py holds each to the source)
+_ENTRIES: dict[str, tuple[str, str, str]] = {
+    "_kda": ("kda_decode", "", "llllllplppppfpppppfp"),
+    "_attn_res": ("attn_res_rows", "", "lpllpfp"),
+    "_route": ("moe_route", "", "llplplifpp"),
+    "_rms_norm": ("rms_norm_rows", "", "llplpfp"),
+    "_mla": ("mla_attend", "", "llllllpppppppfpp"),
+    "_situ": ("situ_rows", "", "llplplffp"),
+    "moe_rows": ("moe_rows", "l", "llllllllppppifpppppfppppffpppp"),
+    "_gated_norm": ("gated_rms_norm_rows", "", "lllppfplp"),
+    "kda_rows": ("kda_rows", "", "lllllplppppfppppfppfppllpp"),
+    "_sigmoid_gate": ("sigmoid_gate_rows", "", "llpplp"),
+    "mla_rows": ("mla_rows", "", "lllllllllppppfpppfpppppppfpppp"),
+    "_attn_res_norm": ("attn_res_norm_rows", "", "lpllpfpfpp"),
+}
+
+
 class DecodeOps:
     """The loaded library."""
+
+    # the C entries, bound from `_ENTRIES` when the library loads
+    _kda: Callable[..., None]
+    _attn_res: Callable[..., None]
+    _route: Callable[..., None]
+    _rms_norm: Callable[..., None]
+    _mla: Callable[..., None]
+    _situ: Callable[..., None]
+    moe_rows: Callable[..., int]
+    _gated_norm: Callable[..., None]
+    kda_rows: Callable[..., None]
+    _sigmoid_gate: Callable[..., None]
+    mla_rows: Callable[..., None]
+    _attn_res_norm: Callable[..., None]
 
     def __init__(self, path: Path) -> None:
         self.path = path
         lib = ctypes.CDLL(str(path))
-        fn = lib.kda_decode
-        fn.restype = None
-        longs, pointers = [ctypes.c_long] * 6, [ctypes.c_void_p] * 5
-        fn.argtypes = [*longs, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                       ctypes.c_void_p, ctypes.c_float, *pointers, ctypes.c_float, ctypes.c_void_p]
-        self._kda = fn
-        mix = lib.attn_res_rows
-        mix.restype = None
-        mix.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
-                        ctypes.c_float, ctypes.c_void_p]
-        self._attn_res = mix
-        pick = lib.moe_route
-        pick.restype = None
-        pick.argtypes = ([ctypes.c_long] * 2 + [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
-                                                ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p])
-        self._route = pick
-        norm = lib.rms_norm_rows
-        norm.restype = None
-        norm.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_float,
-                         ctypes.c_void_p]
-        self._rms_norm = norm
-        attend = lib.mla_attend
-        attend.restype = None
-        attend.argtypes = [ctypes.c_long] * 6 + [ctypes.c_void_p] * 7 + [ctypes.c_float] + [ctypes.c_void_p] * 2
-        self._mla = attend
-        glu = lib.situ_rows
-        glu.restype = None
-        glu.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long,
-                        ctypes.c_float, ctypes.c_float, ctypes.c_void_p]
-        self._situ = glu
-        rows = lib.moe_rows
-        rows.restype = ctypes.c_long
-        long_, ptr, int_, float_ = ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-        rows.argtypes = [long_] * 8 + [ptr, ptr, ptr, ptr, int_, float_, ptr, ptr, ptr, ptr, ptr, float_, ptr, ptr,
-                                       ptr, ptr, float_, float_, ptr, ptr, ptr, ptr]
-        self.moe_rows = rows
-        gated = lib.gated_rms_norm_rows
-        gated.restype = None
-        gated.argtypes = [long_, long_, long_, ptr, ptr, float_, ptr, long_, ptr]
-        self._gated_norm = gated
-        kda_rows = lib.kda_rows
-        kda_rows.restype = None
-        kda_rows.argtypes = [long_] * 5 + [ptr, long_, ptr, ptr, ptr, ptr, float_, ptr, ptr, ptr, ptr, float_, ptr, ptr,
-                                           float_, ptr, ptr, long_, long_, ptr, ptr]
-        self.kda_rows = kda_rows
-        gate = lib.sigmoid_gate_rows
-        gate.restype = None
-        gate.argtypes = [long_, long_, ptr, ptr, long_, ptr]
-        self._sigmoid_gate = gate
-        mla = lib.mla_rows
-        mla.restype = None
-        mla.argtypes = ([long_] * 9 + [ptr, ptr, ptr, ptr, float_, ptr, ptr, ptr, float_, ptr, ptr, ptr, ptr, ptr, ptr,
-                                       ptr, float_, ptr, ptr, ptr, ptr])
-        self.mla_rows = mla
-        mix_norm = lib.attn_res_norm_rows
-        mix_norm.restype = None
-        mix_norm.argtypes = [long_, ptr, long_, long_, ptr, float_, ptr, float_, ptr, ptr]
-        self._attn_res_norm = mix_norm
+        for attribute, (symbol, returns, arguments) in _ENTRIES.items():
+            fn = getattr(lib, symbol)
+            fn.restype = _C_TYPES[returns] if returns else None
+            fn.argtypes = [_C_TYPES[a] for a in arguments]
+            setattr(self, attribute, fn)
 
     def situ(self, gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor | None:
         """`layers.situ` of float32 gate and up [T, n] (rows strided, columns contiguous); None for other layouts."""

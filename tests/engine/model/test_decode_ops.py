@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -250,3 +251,22 @@ def test_the_operator_can_turn_them_off(variable, value, expect):
     done = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr
     assert expect in done.stdout
+
+
+def _c_letters(source: str, symbol: str) -> tuple[str, str]:
+    """(return type, argument types) of `symbol`'s definition in decode_ops.c, one letter each as
+    decode_ops._C_TYPES names them ("" returns nothing)."""
+    found = re.search(r"^(?:HOT )?(void|long) " + symbol + r"\(([^)]*)\)", source, re.M)
+    assert found, symbol
+    letters = ""
+    for parameter in found.group(2).split(","):
+        words = parameter.split()
+        letters += "p" if "*" in parameter else {"long": "l", "int": "i", "float": "f"}[words[-2]]
+    return ("" if found.group(1) == "void" else "l"), letters
+
+
+def test_every_binding_matches_its_c_definition():
+    """A ctypes binding with a wrong argument list passes garbage silently: each one is held to the C source."""
+    source = decode_ops.SOURCE.read_text()
+    for symbol, returns, arguments in decode_ops._ENTRIES.values():
+        assert _c_letters(source, symbol) == (returns, arguments), symbol
