@@ -124,6 +124,9 @@ class ForwardBatch:
     captured: list[torch.Tensor] = field(default_factory=list)
     decode: StaticDecode | None = None              # set: a capture-safe pure decode step (slices unused)
     token_offsets: list[int] = field(init=False)
+    # every slice one new token of a running sequence (no snapshot, verification or KDA reset): the
+    # whole-layer C calls' case (engine/model/decode_ops.py), decided once per forward
+    plain_decode: bool = field(init=False)
     # built once per forward, shared by every layer of a kind: (slice indices, MLA decode plan / KDA slots)
     _mla_decode_plan: tuple[list[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] | None = field(
         default=None, init=False, repr=False)
@@ -135,6 +138,8 @@ class ForwardBatch:
             offsets.append(pos)
             pos += s.num_new_tokens
         self.token_offsets = offsets
+        self.plain_decode = bool(self.slices) and all(
+            s.num_new_tokens == 1 and not (s.snapshots or s.spec_slots or s.reset_kda_state) for s in self.slices)
 
     @property
     def num_tokens(self) -> int:

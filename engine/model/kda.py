@@ -104,8 +104,7 @@ class KimiDeltaAttention(nn.Module):
         Python path would make the same calls: bitwise its result (tests/engine/model/test_decode_layers.py).
         None elsewhere."""
         rows = x.shape[0]
-        if len(batch.slices) != rows or any(s.num_new_tokens != 1 or s.snapshots or s.spec_slots or s.reset_kda_state
-                                            for s in batch.slices):
+        if not batch.plain_decode or len(batch.slices) != rows:
             return None
         ops = decode_ops.layer_usable(x, f_b, self.o_norm.weight, self.dt_bias)
         kernel = rowdot.kernel()

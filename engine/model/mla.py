@@ -8,6 +8,7 @@ un-rotated shared key slice. Two equivalent paths:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -26,6 +27,19 @@ class MLAOptions:
 
     mode: str = "auto"                  # auto | absorbed | materialized
     absorb_max_tokens: int = 8
+
+
+class _MLARowsPlan(NamedTuple):
+    """`mla_rows`' fixed arguments: the most rows it takes, the fused input weight, (q_lora, kv_lora, rope),
+    the two latent norms, q_b's and o_proj's weights."""
+
+    max_rows: int
+    w_in: torch.Tensor
+    sizes: tuple[int, int, int]
+    q_norm: RMSNorm
+    kv_norm: RMSNorm
+    w_qb: torch.Tensor
+    w_o: torch.Tensor
 
 
 class GatedMLA(nn.Module):
@@ -94,9 +108,8 @@ class GatedMLA(nn.Module):
         projection, q_b and o_proj on the rowdot kernels, the C attention): bitwise its result
         (tests/engine/model/test_decode_layers.py). None elsewhere."""
         rows = x.shape[0]
-        if len(batch.slices) != rows or not self._use_absorbed(1) or self.options.mode == "materialized":
-            return None
-        if any(s.num_new_tokens != 1 for s in batch.slices):
+        if (not batch.plain_decode or len(batch.slices) != rows or not self._use_absorbed(1)
+                or self.options.mode == "materialized"):
             return None
         pages = batch.cache.mla_pages[self.layer_id]
         ops = decode_ops.layer_usable(x, pages)
@@ -104,9 +117,9 @@ class GatedMLA(nn.Module):
         if ops is None or kernel is None or not rowdot_now(x) or not pages.is_contiguous():
             return None
         plan = self._rows_plan()
-        if plan is None or rows > plan[0]:
+        if plan is None or rows > plan.max_rows:
             return None
-        _, w_in, sizes, q_norm, kv_norm, w_qb, w_o = plan
+        w_in, sizes, q_norm, kv_norm, w_qb, w_o = plan.w_in, plan.sizes, plan.q_norm, plan.kv_norm, plan.w_qb, plan.w_o
         row_major = rowdot.row_major_max_rows()
         panels = ([panel_weight(w, kernel).data_ptr() for w in (w_in, w_qb, w_o)] if rows > row_major
                   else [None, None, None])
@@ -124,9 +137,9 @@ class GatedMLA(nn.Module):
                      panels[2], scratch.data_ptr(), y.data_ptr())
         return y
 
-    def _rows_plan(self) -> tuple | None:
-        """(most rows, fused input weight, (QL, KL, RP), q norm, kv norm, q_b weight, o_proj weight) where the
-        C call reproduces the Python path, else None; made again when the fusing changes."""
+    def _rows_plan(self) -> _MLARowsPlan | None:
+        """What `_rows_in_c` passes that is fixed per fusing, where the C call reproduces the Python path,
+        else None; made again when the fusing changes."""
         fused = self.__dict__.get(FUSED_ATTR)
         key = id(fused)
         held = self.__dict__.get("_rows_plan_held")
@@ -141,8 +154,8 @@ class GatedMLA(nn.Module):
                 and row_major_weights((fused.groups[0].weight, self.q_b_proj.weight, self.o_proj.weight))
                 and all(n.weight.dtype == torch.float32 and n.weight.is_contiguous()
                         for n in (self.q_a_layernorm, self.kv_a_layernorm))):
-            plan = (min(fused._max_rows, rowdot.linear_max_rows()), fused.groups[0].weight, sizes,
-                    self.q_a_layernorm, self.kv_a_layernorm, self.q_b_proj.weight, self.o_proj.weight)
+            plan = _MLARowsPlan(min(fused._max_rows, rowdot.linear_max_rows()), fused.groups[0].weight, sizes,
+                                self.q_a_layernorm, self.kv_a_layernorm, self.q_b_proj.weight, self.o_proj.weight)
         self.__dict__["_rows_plan_held"] = (key, plan)
         return plan
 
