@@ -17,6 +17,7 @@ from typing import Any
 from engine.core.cache_manager import bytes_per_slot
 from engine.core.engine import EngineConfig, LLMEngine
 from engine.host_threads import openmp_settings, process_threads
+from engine.model.gemm import kept_copies
 from kimi_pd.planner.measure import decode_step_seconds as measured_decode_step
 from shared.sampling_params import SamplingParams
 
@@ -138,7 +139,8 @@ def decode_answer(engine: LLMEngine, req: dict[str, Any]) -> dict[str, Any]:
     """The median step and the routed experts its MoE layers read (mean distinct per layer and step)."""
     with routed_experts(req["batch"]) as counts:
         step = decode(engine, req)
-    return {"step_s": step, "experts_per_layer": statistics.fmean(counts) if counts else None}
+    return {"step_s": step, "experts_per_layer": statistics.fmean(counts) if counts else None,
+            "kept_copies": kept_copies()}
 
 
 def ttft(engine: LLMEngine, prompt_tokens: int) -> dict[str, Any]:

@@ -11,7 +11,9 @@ Each OpenMP variant (`--variants`: the engine's default, libgomp's spinning defa
 thread) is its own engine process (benchmarks/engine_step_child.py), since libgomp reads its settings
 when torch loads. The benchmark starts 0, 1 and 2 busy competitors (`yes > /dev/null`; 2 takes both
 cores' worth on a 2-core host) around each measurement and stops them after it, interleaving variants
-and conditions round by round. Writes benchmarks/results/engine_throughput.json and a summary
+and conditions round by round. Before the first round each engine decodes untimed until it makes no new
+weight copies (`warm_up`; the steps that made them are in `warmup_step_ms`), so every round times a warmed
+server. Writes benchmarks/results/engine_throughput.json and a summary
 table beside it (`benchmarks/results/engine_throughput_latest.md`), with the load average at start and end.
 """
 from __future__ import annotations
@@ -114,6 +116,27 @@ class Child:
             self.proc.wait()
 
 
+WARMUP_MAX_DECODES = 8
+
+
+def warm_up(children: list[Child], args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
+    """Untimed decodes per variant and batch size until the engine makes no new weight copies (oneDNN's
+    packed and the panel kernel's copies are made on first use; an expert's the first time two rows
+    choose it), so the timed rounds measure a warmed server, whatever `--rounds`. Returns each one's
+    median step ms, per variant and batch: what the first requests of a fresh server pay."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for child in children:
+        for b in args.batch_sizes:
+            seen, steps = -1, out.setdefault(child.name, {}).setdefault(str(b), [])
+            for _ in range(WARMUP_MAX_DECODES):
+                r = child.ask(op="decode", batch=b, steps=args.steps, prompt_tokens=args.prompt_tokens)
+                steps.append(r["step_s"] * 1e3)
+                if r.get("kept_copies", 0) == seen:
+                    break
+                seen = r.get("kept_copies", 0)
+    return out
+
+
 def measure(children: list[Child], args: argparse.Namespace, raw: dict[str, Any], deadline: float) -> int:
     """Rounds of (condition x variant x batch) into `raw`, the variant order rotated each round; no new
     round starts past `deadline` (one always runs). Returns the rounds done."""
@@ -194,6 +217,11 @@ def summary(result: dict[str, Any]) -> str:
                      f"{r.get('roofline_fraction_of_quiet_bandwidth', nan):.3f} | "
                      f"{r.get('roofline_fraction_bound_of_quiet_bandwidth', nan):.3f} | "
                      f"{r.get('kept_of_quiet', nan):.2f} | {r.get('fraction_of_one_thread_read', nan):.3f} |")
+    for name, per_batch in result.get("warmup_step_ms", {}).items():
+        lines.append("")
+        lines.append(f"warm-up ({name}), ms/step of each untimed decode until no new weight copies: "
+                     + "; ".join(f"batch {b}: " + ", ".join(f"{ms:.1f}" for ms in steps)
+                                 for b, steps in per_batch.items()))
     return "\n".join(lines) + "\n"
 
 
@@ -242,6 +270,7 @@ def main() -> None:
         result["variants"] = {c.name: c.hello for c in children}
         raw: dict[str, Any] = {"steps": {}, "bandwidth": {}, "read_one_thread": {}, "read_all_threads": {},
                                "experts": {}}
+        result["warmup_step_ms"] = warm_up(children, args)
         result["rounds"] = measure(children, args, raw, time.monotonic() + args.max_seconds)
         result["decode"] = rows(children, raw, args)
         if args.ttft_prompt_tokens:

@@ -124,6 +124,12 @@ def _kept_copy(cache: dict[int, tuple[tuple[int, int], torch.Tensor]], weight: t
     return held[1]
 
 
+def kept_copies() -> int:
+    """How many weights have a packed or panel copy now: a warmed-up engine makes no more (benchmarks
+    warm up until this stops growing, so no timed step pays for a copy)."""
+    return len(_PACKED) + len(_PANELS)
+
+
 def packed_weight(weight: torch.Tensor) -> torch.Tensor:
     """oneDNN's blocked copy of `weight` (`_kept_copy`)."""
     return _kept_copy(_PACKED, weight, lambda w: torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS))

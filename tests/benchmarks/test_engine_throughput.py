@@ -76,3 +76,25 @@ def test_rows_divide_by_the_best_one_thread_read_rate_of_the_condition():
     assert quiet["fraction_of_one_thread_read"] == 1000 / 0.5 / 4000.0
     assert busy["fraction_of_one_thread_read"] == 1000 / 0.5 / 2000.0
     assert quiet["roofline_fraction"] == 1000 / 0.5 / 10000.0
+
+
+class _CopyingChild:
+    """An engine child whose decodes make `made[i]` weight copies in all by the i-th call."""
+
+    def __init__(self, name: str, made: list[int]) -> None:
+        self.name, self.made, self.calls = name, made, 0
+
+    def ask(self, **req):
+        copies = self.made[min(self.calls, len(self.made) - 1)]
+        self.calls += 1
+        return {"step_s": 0.001 * self.calls, "experts_per_layer": None, "kept_copies": copies}
+
+
+def test_warm_up_decodes_until_no_new_weight_copies_and_reports_those_steps():
+    from benchmarks.engine_throughput import WARMUP_MAX_DECODES, warm_up
+    args = argparse.Namespace(batch_sizes=[8], steps=4, prompt_tokens=16)
+    settling, endless = _CopyingChild("a", [5, 9, 12, 12]), _CopyingChild("b", list(range(1, 100)))
+    out = warm_up([settling, endless], args)
+    assert settling.calls == 4                       # the 4th decode made nothing new: warm
+    assert out["a"]["8"] == [1.0, 2.0, 3.0, 4.0]    # each untimed decode's step, ms
+    assert endless.calls == WARMUP_MAX_DECODES       # bounded, even for an engine that keeps copying
