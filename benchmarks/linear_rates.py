@@ -7,7 +7,10 @@ overflow the last-level cache, then times one product per weight in turn, best o
   - `panels`: the panel kernel on its packed copy (the engine's choice for 2-16 rows);
   - `onednn_packed`: oneDNN's inner product on its blocked copy of the weight (the engine's choice above 16 rows);
   - `onednn`: oneDNN on the row-major weight; `aten`: `F.linear` (MKL);
-  - `sum`: a streaming sum of the same weights, the read rate one thread gets, as the ceiling.
+  - `sum`: a streaming sum of the same weights, the read rate one thread gets, as the ceiling;
+  - `panels_in_cache`: the panel kernel on ONE weight again and again (in cache after the first call): its
+    arithmetic ceiling at that row count. Where it is below `sum`, more rows make the product compute-bound
+    (8 float32 rows are 8 multiply-adds per weight element read), and no streaming trick helps.
 Writes `benchmarks/results/linear_rates.json` (GB/s of weight read and us per call, the load average)
 and prints a table; ratios are within this run.
 """
@@ -61,6 +64,7 @@ def products(x: torch.Tensor, weights: list[torch.Tensor], packed: list[torch.Te
         calls["rowdot"] = (weights, lambda w: kernel(x, w))
         out = weights[0].shape[0]
         calls["panels"] = (panels, lambda p: kernel.panels(x, p, out))
+        calls["panels_in_cache"] = (panels[:1] * len(panels), lambda p: kernel.panels(x, p, out))
     return calls
 
 
@@ -87,7 +91,7 @@ def measure(shape: tuple[int, int], rows_list: list[int], repeats: int) -> dict[
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    names = ["rowdot", "panels", "onednn_packed", "onednn", "aten"]
+    names = ["rowdot", "panels", "panels_in_cache", "onednn_packed", "onednn", "aten"]
     lines = ["| weight | rows | " + " | ".join(f"{n} GB/s" for n in names) + " | sum GB/s | best kernel / packed |",
              "|---|---|" + "---|" * (len(names) + 2)]
     for r in results:

@@ -14,13 +14,19 @@ def test_one_shape_measured_for_each_kernel_and_row_count(monkeypatch):
     monkeypatch.setattr(linear_rates, "CACHE_BYTES", 1 << 20)          # a few small weights: quick
     result = linear_rates.measure((64, 256), [1, 2, 3], repeats=1)
     assert result["shape"] == [64, 256] and result["weights"] == 16
-    expected = {"onednn_packed", "onednn", "aten"} | ({"rowdot", "panels"} if rowdot.kernel() else set())
+    kernels = {"rowdot", "panels", "panels_in_cache"} if rowdot.kernel() else set()
+    expected = {"onednn_packed", "onednn", "aten"} | kernels
     assert set(result["rows"]) == {"1", "2", "3"}
     for cell in result["rows"].values():
         assert set(cell) == expected
         for rate in cell.values():
             assert rate["us"] > 0 and rate["gb_per_s"] == pytest.approx(64 * 256 * 4 / rate["us"] / 1e3)
     assert result["sum_gb_per_s"] > 0
+    products = linear_rates.products(torch.zeros(1, 8), [torch.zeros(4, 8)] * 3, [], rowdot.kernel(),
+                                     [torch.zeros(1)] * 3 if rowdot.kernel() else [])
+    if rowdot.kernel():                      # the ceiling: one panel copy, called as often as all of them
+        in_cache = products["panels_in_cache"][0]
+        assert len(in_cache) == 3 and len({id(p) for p in in_cache}) == 1
     lines = linear_rates.table([result]).splitlines()
     assert len(lines) == 2 + 3 and lines[2].startswith("| 64x256 | 1 | ")
     assert lines[2].endswith("x |") == bool(rowdot.kernel())           # best kernel / packed where they ran
