@@ -24,8 +24,11 @@ concurrency for `--seconds`, targets rotated per round so drift hits all alike. 
 CPU seconds the target's process tree used (/proc, children included) per request served, wrk's
 own CPU per request, and the stubs' leg counters, which must show the legs the target implies (else
 the figures measure something else). "direct" at 32 connections is the generator's headroom: wrk
-and a stub alone, no router between. Writes benchmarks/results/router_overhead.json and a table
-beside it (benchmarks/results/router_overhead_latest.md); the load average at start and end is in `machine`.
+and a stub alone, no router between; `generator_cores` beside it is the share of a core wrk itself used
+while driving each target (a single-process stub can be slower at 32 connections than a proxy with a few
+pooled ones, so the first ratio alone can read below 1 with wrk far from busy). Writes
+benchmarks/results/router_overhead.json and a table beside it (benchmarks/results/router_overhead_latest.md);
+the load average at start and end is in `machine`.
 """
 from __future__ import annotations
 
@@ -265,7 +268,10 @@ def goals(summary: dict[str, Any], kind: str = "chat") -> dict[str, Any]:
 
 
 def headroom(summary: dict[str, Any]) -> dict[str, Any]:
-    """wrk + one stub alone at the highest concurrency against the fastest proxy of the mode."""
+    """wrk + one stub alone at the highest concurrency against the fastest proxy of the mode, and the cores wrk
+    itself used while it drove each target (its CPU per request x requests/s). The first ratio can fall below 1
+    (a single-process stub serves 32 connections more slowly than a proxy's few pooled ones); the second says
+    directly whether the generator was near a core of its own: far below 1, it was not what limited the target."""
     out: dict[str, Any] = {}
     for mode, s in summary.items():
         for key, direct in s["targets"].get("direct", {}).items():
@@ -276,7 +282,11 @@ def headroom(summary: dict[str, Any]) -> dict[str, Any]:
             out[f"{mode}/{key}"] = {"direct_requests_per_s": direct["requests_per_s"],
                                     "fastest_proxy_requests_per_s": max(proxies),
                                     "headroom": round(direct["requests_per_s"] / max(proxies), 2),
-                                    "generator_cpu_us_per_request": direct["generator_cpu_us_per_request"]}
+                                    "generator_cpu_us_per_request": direct["generator_cpu_us_per_request"],
+                                    "generator_cores": {
+                                        name: round(row[key]["generator_cpu_us_per_request"]
+                                                    * row[key]["requests_per_s"] / 1e6, 2)
+                                        for name, row in s["targets"].items() if key in row}}
     return out
 
 

@@ -39,7 +39,9 @@ def test_decode_only_added_latency_is_against_the_direct_call_of_the_same_round(
     assert g["requests_per_s_c32"] == [1000, 2000] and g["met"] is False
     h = headroom({"decode-only": s})
     assert h == {"decode-only/chat_c32": {"direct_requests_per_s": 6000, "fastest_proxy_requests_per_s": 2000,
-                                          "headroom": 3.0, "generator_cpu_us_per_request": 30.0}}
+                                          "headroom": 3.0, "generator_cpu_us_per_request": 30.0,
+                                          # wrk's CPU per request x the rate it drove: the cores it used
+                                          "generator_cores": {"direct": 0.18, "router": 0.03, "sglang-router": 0.06}}}
 
 
 def test_pd_added_latency_is_against_both_legs_done_by_the_client():
