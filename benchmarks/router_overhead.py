@@ -97,6 +97,20 @@ def stub_counts(urls: dict[str, str]) -> Counter:
     return out
 
 
+def settled_counts(urls: dict[str, str], read=stub_counts, quiet_s: float = 0.05, limit_s: float = 2.0) -> Counter:
+    """The stubs' leg counters once they stop moving: the requests a previous wrk run left in flight are
+    still being served when it exits (on a fast host more than a run's own connections), and must not
+    land in the next run's count. Gives up waiting after `limit_s`."""
+    deadline, last = time.monotonic() + limit_s, read(urls)
+    while time.monotonic() < deadline:
+        time.sleep(quiet_s)
+        now = read(urls)
+        if now == last:
+            break
+        last = now
+    return last
+
+
 def check_legs(mode: str, target: str, run: Run, seen: Counter, connections: int) -> None:
     """Each leg the target implies was served once per counted request (plus at most the requests in
     flight when wrk stopped); no other leg was served."""
@@ -113,7 +127,7 @@ def check_legs(mode: str, target: str, run: Run, seen: Counter, connections: int
 def one_run(mode: str, target: Target, script: Path, connections: int, seconds: int,
             stubs: dict[str, str]) -> dict[str, Any]:
     """One wrk run: its figures, the target's CPU per request, the legs checked."""
-    legs_before = stub_counts(stubs)
+    legs_before = settled_counts(stubs)
     cpu_before = proc_usage(target.pid)[0] if target.pid else 0.0
     run = run_wrk(target.url, script, connections, seconds)
     row: dict[str, Any] = {"requests": run.requests, "requests_per_s": round(run.requests_per_s, 1),

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 
 import pytest
 
 from benchmarks.loadgen import Run, write_script
-from benchmarks.router_overhead import check_legs, goals, headroom, summarize_mode
+from benchmarks.router_overhead import check_legs, goals, headroom, settled_counts, summarize_mode
 from benchmarks.services import BenchError
 
 
@@ -101,3 +102,11 @@ def test_python_floor_forwards_requests_and_answers_unchanged(tmp_path):
     assert all({k: v for k, v in a.json().items() if k not in strip} ==
                {k: v for k, v in direct.json().items() if k not in strip} for a in answers)
     assert after["local"] - before["local"] == 4 and after["decode"] == before["decode"]    # 3 relayed + 1 direct
+
+
+def test_leg_counts_are_read_once_the_previous_runs_stragglers_are_served():
+    reads = iter([Counter({("decode", "local"): n}) for n in (100, 130, 140, 140, 150)])
+    got = settled_counts({}, read=lambda urls: next(reads), quiet_s=0.0)
+    assert got == Counter({("decode", "local"): 140})        # the first two reads alike: settled
+    moving = iter(Counter({("decode", "local"): n}) for n in range(10**6))
+    assert settled_counts({}, read=lambda urls: next(moving), quiet_s=0.001, limit_s=0.02)   # gives up in time
