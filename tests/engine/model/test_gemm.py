@@ -122,19 +122,20 @@ def test_a_weight_copy_is_made_once_remade_when_written_and_forgotten_when_freed
         monkeypatch.setattr(rowdot.Kernel, "pack", lambda self, w: packs.append(w) or real(self, w))
     layer = Linear(256, BIG)
     x = torch.randn(rows, 256)
+    kept = gemm.kept_copies()                               # what a benchmark's warm-up watches
     with torch.no_grad():
         for _ in range(3):
             before = layer(x)
-        assert len(packs) == 1
+        assert len(packs) == 1 and gemm.kept_copies() == kept + 1
         layer.weight.mul_(2.0)                              # an in-place load bumps the version: a new copy
         after = layer(x)
-    assert len(packs) == 2
+    assert len(packs) == 2 and gemm.kept_copies() == kept + 1       # made again in place of the old one
     torch.testing.assert_close(after, F.linear(x, layer.weight.detach(), layer.bias.detach()), rtol=1e-5, atol=1e-4)
     assert not torch.allclose(after, before)
     held = len(cache)
     del layer
     gc.collect()
-    assert len(cache) == held - 1
+    assert len(cache) == held - 1 and gemm.kept_copies() == kept
 
 
 def _backend_in_child(value: str) -> subprocess.CompletedProcess:
