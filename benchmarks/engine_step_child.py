@@ -136,7 +136,8 @@ def decode(engine: LLMEngine, req: dict[str, Any]) -> float:
 
 
 def decode_answer(engine: LLMEngine, req: dict[str, Any]) -> dict[str, Any]:
-    """The median step and the routed experts its MoE layers read (mean distinct per layer and step)."""
+    """The median step, the routed experts its MoE layers read (mean distinct per layer and step) and the
+    weights with a packed or panel copy afterwards (`engine_throughput.warm_up` waits until they stop growing)."""
     with routed_experts(req["batch"]) as counts:
         step = decode(engine, req)
     return {"step_s": step, "experts_per_layer": statistics.fmean(counts) if counts else None,

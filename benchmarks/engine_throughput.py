@@ -131,9 +131,9 @@ def warm_up(children: list[Child], args: argparse.Namespace) -> dict[str, dict[s
             for _ in range(WARMUP_MAX_DECODES):
                 r = child.ask(op="decode", batch=b, steps=args.steps, prompt_tokens=args.prompt_tokens)
                 steps.append(r["step_s"] * 1e3)
-                if r.get("kept_copies", 0) == seen:
+                if r["kept_copies"] == seen:
                     break
-                seen = r.get("kept_copies", 0)
+                seen = r["kept_copies"]
     return out
 
 

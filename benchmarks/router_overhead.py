@@ -44,6 +44,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -97,7 +98,8 @@ def stub_counts(urls: dict[str, str]) -> Counter:
     return out
 
 
-def settled_counts(urls: dict[str, str], read=stub_counts, quiet_s: float = 0.05, limit_s: float = 2.0) -> Counter:
+def settled_counts(urls: dict[str, str], read: Callable[[dict[str, str]], Counter] = stub_counts,
+                   quiet_s: float = 0.05, limit_s: float = 2.0) -> Counter:
     """The stubs' leg counters once they stop moving: the requests a previous wrk run left in flight are
     still being served when it exits (on a fast host more than a run's own connections), and must not
     land in the next run's count. Gives up waiting after `limit_s`."""
