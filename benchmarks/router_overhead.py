@@ -37,6 +37,7 @@ import contextlib
 import json
 import os
 import platform
+import re
 import signal
 import statistics
 import subprocess
@@ -78,6 +79,7 @@ class Target:
     pid: int | None = None                       # the process tree charged for CPU; None: a stub (direct)
     extra: Body = field(default_factory=dict)    # fields every body sent to it carries
     concurrency: tuple[int, ...] | None = None   # None: every --concurrency
+    metrics_url: str | None = None               # our router under --workers N: /metrics, for the spread
 
 
 def bodies(words: int, count: int, stream: bool, extra: Body) -> list[Body]:
@@ -113,6 +115,30 @@ def settled_counts(urls: dict[str, str], read: Callable[[dict[str, str]], Counte
     return last
 
 
+_SERVED = re.compile(r'^kimi_pd_router_process_requests_total\{process="(\d+)"\} ([0-9.e+]+)$', re.M)
+
+
+def served_by_process(exposition: str) -> dict[str, float]:
+    """Requests each router process has served so far, from `/metrics` text
+    (`kimi_pd_router_process_requests_total{process="i"}`)."""
+    return {proc: float(n) for proc, n in _SERVED.findall(exposition)}
+
+
+def process_requests(metrics_url: str) -> dict[str, float]:
+    return served_by_process(httpx.get(metrics_url, timeout=5).text)
+
+
+def spread(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """How evenly one run's requests fell on the router's processes: each one's count, and the busiest
+    one's over the mean (1.0: even; N: one process served everything). The kernel hands a shared
+    socket's connections to whichever process accepts first, and wrk keeps its connections open, so an
+    uneven spread at start stays for the whole run."""
+    counts = [after.get(p, 0.0) - before.get(p, 0.0) for p in sorted(after, key=int)]
+    mean = sum(counts) / len(counts) if counts else 0.0
+    return {"process_requests": [int(c) for c in counts],
+            "process_spread": round(max(counts) / mean, 2) if mean else None}
+
+
 def check_legs(mode: str, target: str, run: Run, seen: Counter, connections: int) -> None:
     """Each leg the target implies was served once per counted request (plus at most the requests in
     flight when wrk stopped); no other leg was served."""
@@ -130,6 +156,7 @@ def one_run(mode: str, target: Target, script: Path, connections: int, seconds: 
             stubs: dict[str, str]) -> dict[str, Any]:
     """One wrk run: its figures, the target's CPU per request, the legs checked."""
     legs_before = settled_counts(stubs)
+    served_before = process_requests(target.metrics_url) if target.metrics_url else {}
     cpu_before = proc_usage(target.pid)[0] if target.pid else 0.0
     run = run_wrk(target.url, script, connections, seconds)
     row: dict[str, Any] = {"requests": run.requests, "requests_per_s": round(run.requests_per_s, 1),
@@ -139,6 +166,8 @@ def one_run(mode: str, target: Target, script: Path, connections: int, seconds: 
         cpu, rss = proc_usage(target.pid)
         row["cpu_us_per_request"] = round((cpu - cpu_before) / max(1, run.requests) * 1e6, 1)
         row["rss_mb"] = round(rss / 2**20, 1)
+    if target.metrics_url:
+        row.update(spread(served_before, process_requests(target.metrics_url)))
     check_legs(mode, target.name, run, stub_counts(stubs) - legs_before, connections)
     return row
 
@@ -183,8 +212,9 @@ def run_mode(mode: str, model: Path, stubs: dict[str, str], args: argparse.Names
     skipped: dict[str, str] = {}
     with contextlib.ExitStack() as stack:
         ours = stack.enter_context(router(port, MODES[mode], stubs["prefill"], stubs["decode"], model, args, tmp))
-        targets = [Target("direct", stubs["decode"] + CHAT), Target("router", f"http://127.0.0.1:{port}{CHAT}",
-                                                                    ours.pid)]
+        metrics_url = f"http://127.0.0.1:{port}/metrics" if args.router_workers > 1 else None
+        targets = [Target("direct", stubs["decode"] + CHAT),
+                   Target("router", f"http://127.0.0.1:{port}{CHAT}", ours.pid, metrics_url=metrics_url)]
         if args.baseline_tree:
             base_port = free_port()
             base = stack.enter_context(router(base_port, MODES[mode], stubs["prefill"], stubs["decode"], model, args,
@@ -230,6 +260,8 @@ def _cell(rows: list[dict[str, Any]]) -> dict[str, Any]:
     if "cpu_us_per_request" in rows[0]:
         cell["cpu_us_per_request"] = _med(rows, "cpu_us_per_request")
         cell["rss_mb"] = max(r["rss_mb"] for r in rows)
+    if "process_spread" in rows[0]:
+        cell["process_spread"] = [r["process_spread"] for r in rows]      # per round: the spread is set at connect
     return cell
 
 
@@ -339,6 +371,9 @@ def markdown(result: dict[str, Any]) -> str:
                                  f"{c.get('added_latency_us', '-')} / {c.get('added_p50_us', '-')} | "
                                  f"{c.get('cpu_us_per_request', '-')} | "
                                  f"{c['generator_cpu_us_per_request']} | {c.get('rss_mb', '-')} |")
+            spreads = s["targets"].get("router", {}).get(key, {}).get("process_spread")
+            if spreads:
+                lines += ["", f"Our processes' spread (busiest over mean, per round): {spreads}"]
             lines.append("")
     lines += ["Goals (ours, sglang-router): " + json.dumps(result["goals"]),
               "", "Headroom: " + json.dumps(result["headroom"]), ""]

@@ -76,6 +76,43 @@ def table_costs(rounds: int) -> dict:
             "shared_extra_us": round(t - a, 1)}
 
 
+def sibling_sends_us(nprocs: int, rounds: int) -> dict:
+    """What one process's placement read (`states()`) costs when each of its `nprocs - 1` siblings has
+    served one request since its last read (the steady state of N busy processes): it replays their
+    sends into its prefix index and adds up their load cells. Against the same read in a process with
+    no siblings. Only the reader's `states()` is timed; the siblings' own work is theirs."""
+    settings = RouterSettings(model=None, static_decode=STATIC, static_cache_tokens=1 << 20)
+    head = list(range(1, 25))                           # prompts share 24 blocks and end in 8 of their own
+    alone = WorkerRegistry(settings, None)
+    with tempfile.TemporaryDirectory() as tmp:
+        table = SharedTable.create(os.path.join(tmp, "t"), nprocs, threading.Lock())
+        regs = [WorkerRegistry(settings, None) for _ in range(nprocs)]
+        for i, reg in enumerate(regs):
+            ProcessShare(table, i).attach(reg)
+            reg.share.know(reg.all_infos())             # type: ignore[union-attr]
+        reader, siblings = regs[0], regs[1:]
+        shared_s = alone_s = 0.0
+        for i in range(rounds):
+            wid = STATIC[i % len(STATIC)]
+            for k, sib in enumerate(siblings):
+                sib.begin(wid)
+                leg = sib.ledger.open(wid, 512)
+                tail = 10**6 + (i * nprocs + k) * 8
+                sib.index.record_sent(wid, head + list(range(tail, tail + 8)))
+                sib.end(wid, ok=True)
+                sib.ledger.settle(leg)
+            start = time.perf_counter()
+            reader.states()
+            shared_s += time.perf_counter() - start
+            start = time.perf_counter()
+            alone.states()
+            alone_s += time.perf_counter() - start
+        table.close()
+    shared_us, alone_us = shared_s / rounds * 1e6, alone_s / rounds * 1e6
+    return {"procs": nprocs, "states_us_shared": round(shared_us, 1), "states_us_alone": round(alone_us, 1),
+            "extra_us_per_request": round(shared_us - alone_us, 1)}
+
+
 async def store_costs(url: str, rounds: int) -> dict:
     from shared.store.redis_store import RedisStore
     store = RedisStore(url, f"procs-{os.getpid()}")
@@ -199,10 +236,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--micro-rounds", type=int, default=2000)
+    p.add_argument("--procs", type=int, nargs="+", default=[2, 4, 8, 16],
+                   help="process counts for the sibling-sends sweep")
     args = p.parse_args(argv)
     out: dict = {"loadavg_start": os.getloadavg(), "cores": len(os.sched_getaffinity(0))}
     out["table"] = table_costs(args.micro_rounds)
     print(json.dumps(out["table"]), flush=True)
+    out["sibling_sends"] = [sibling_sends_us(n, args.micro_rounds) for n in args.procs]
+    print(json.dumps(out["sibling_sends"]), flush=True)
     from shared.store.embedded import EmbeddedValkey
     with EmbeddedValkey() as server:
         out["store"] = asyncio.run(store_costs(server.url, 400))
@@ -234,6 +275,9 @@ def report(out: dict) -> str:
          f"ratio {e['ratio_2_over_1']}"),
         ("router CPU per request (all its processes)",
          f"--workers 1: {e['router_cpu_ms_per_request_1']} ms; --workers 2: {e['router_cpu_ms_per_request_2']} ms")]
+    rows += [(f"one placement read in one of {n['procs']} busy processes (replaying {n['procs'] - 1} sibling sends, "
+              f"adding their load)", f"{n['states_us_shared']} us vs {n['states_us_alone']} us alone "
+              f"(+{n['extra_us_per_request']} us per request)") for n in out.get("sibling_sends", [])]
     table = "\n".join(f"| {what} | {figure} |" for what, figure in rows)
     return f"""# router_procs: `kimi-pd router --workers N`
 

@@ -57,6 +57,14 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait(timeout=5)
 
 
+def checkout_path(tree: Path, pythonpath: str) -> str:
+    """PYTHONPATH for a process run from another checkout: its modules first, this checkout's dropped (a
+    module missing there must fail, not come from here), the rest kept (where a host installed the
+    dependencies by path)."""
+    kept = [p for p in pythonpath.split(os.pathsep) if p and Path(p).resolve() != ROOT]
+    return os.pathsep.join([str(tree), *kept])
+
+
 @contextlib.contextmanager
 def service(name: str, args: list[str], ready_url: str, log_dir: Path, timeout_s: float,
             program: list[str] | None = None, cwd: Path = ROOT) -> Iterator[subprocess.Popen]:
@@ -65,7 +73,8 @@ def service(name: str, args: list[str], ready_url: str, log_dir: Path, timeout_s
     log = log_dir / f"{name}.log"
     with open(log, "wb") as out:
         # no threads run here (asyncio.run joins its executor before returning), so preexec_fn is safe
-        env = {**os.environ, "PYTHONPATH": str(cwd)} if cwd != ROOT else None
+        path = os.environ.get("PYTHONPATH", "")
+        env = None if cwd == ROOT else {**os.environ, "PYTHONPATH": checkout_path(cwd, path)}
         proc = subprocess.Popen([*(program or [sys.executable]), *args], cwd=cwd, env=env, stdout=out,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 preexec_fn=_die_with_parent)  # noqa: PLW1509

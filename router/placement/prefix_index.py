@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from itertools import chain
 from typing import Protocol
 
 from shared.kv_events import (
@@ -116,6 +117,24 @@ class ApproximatePrefixIndex:
         entries beyond capacity."""
         lru = self._lru.setdefault(worker_id, OrderedDict())
         for h in reversed(prompt_hashes):
+            lru[h] = None
+            lru.move_to_end(h)
+        self._evict(worker_id)
+
+    def record_many(self, worker_id: str, prompts: Sequence[Sequence[int]]) -> None:
+        """`record` of each prompt in turn, in one pass: the same entry afterwards, at the cost of the
+        distinct hashes rather than all of them (a router process replaying its siblings' sends gets
+        many prompts per worker that share their leading blocks).
+
+        Why it is the same: an LRU holds the `capacity` most recently touched hashes in the order of
+        their last touch, and evicting along the way or once at the end keeps the same ones."""
+        if len(prompts) == 1:
+            self.record(worker_id, prompts[0])
+            return
+        touches = list(chain.from_iterable(reversed(p) for p in prompts))       # in the order record makes them
+        newest_first = dict.fromkeys(reversed(touches))                         # each hash at its last touch
+        lru = self._lru.setdefault(worker_id, OrderedDict())
+        for h in reversed(newest_first):
             lru[h] = None
             lru.move_to_end(h)
         self._evict(worker_id)

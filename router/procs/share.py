@@ -152,17 +152,35 @@ class ProcessShare:
             self.lapped += 1
             log.warning("router process %d fell behind the shared log: some sibling sends were not replayed",
                         self.index)
+        sent: dict[str, list[list[int]]] = {}           # the siblings' sends since the last other record
         for kind, writer, payload in records:
-            if writer != self.index:
-                self._apply(kind, msgpack.unpackb(payload))
+            if writer == self.index:
+                continue
+            fields = msgpack.unpackb(payload)
+            if kind == SENT:
+                sent.setdefault(fields[0], []).append(fields[1])
+                continue
+            self._replay_sent(sent)                       # in log order: an admin or health record may change a worker
+            self._apply(kind, fields)
+        self._replay_sent(sent)
+
+    def _replay_sent(self, sent: dict[str, list[list[int]]]) -> None:
+        """The siblings' sends, one pass per worker (`record_many`): each process replays every sibling's
+        send, so at N processes a placement would otherwise pay N - 1 full records."""
+        if not sent:
+            return
+        reg = self.registry
+        assert reg is not None
+        infos = reg.all_infos()
+        for worker_id, prompts in sent.items():
+            if worker_id in infos:
+                reg.index.approximate.record_many(worker_id, prompts)
+        sent.clear()
 
     def _apply(self, kind: int, fields: Any) -> None:
         reg = self.registry
         assert reg is not None
-        if kind == SENT:
-            if fields[0] in reg.all_infos():
-                reg.index.approximate.record(fields[0], fields[1])
-        elif kind == ADD_STATIC:
+        if kind == ADD_STATIC:
             reg.add_static(fields[0], fields[1], fields[2], local=False)
         elif kind == DRAIN:
             reg.drain(fields[0], local=False)

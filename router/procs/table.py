@@ -201,10 +201,12 @@ class SharedTable:
         if pos < self.u64[6]:
             return head, [], True
         start, out = pos, []
-        while pos < head:
-            length, kind, writer, _ = _REC.unpack(self._ring_read(pos, _REC.size))
-            out.append((kind, writer, self._ring_read(pos + _REC.size, length - _REC.size)))
-            pos += length
+        data, at = self._ring_read(pos, head - pos), 0          # one copy of the span, split here
+        while at < len(data):
+            length, kind, writer, _ = _REC.unpack_from(data, at)
+            out.append((kind, writer, data[at + _REC.size:at + length]))
+            at += length
+        pos += at
         if self.u64[6] > start:
             return self.u64[4], [], True                   # overwritten while we read
         return pos, out, False

@@ -113,3 +113,39 @@ def test_leg_counts_are_read_once_the_previous_runs_stragglers_are_served():
     start = time.monotonic()
     last = settled_counts({}, read=lambda urls: next(moving), quiet_s=0.001, limit_s=0.02)
     assert time.monotonic() - start < 1.0 and last[("decode", "local")] >= 1    # never settles: gives up, latest read
+
+
+def test_spread_reads_each_process_count_from_the_routers_own_exposition(tmp_path):
+    import threading
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from benchmarks.router_overhead import served_by_process, spread
+    from router.procs.metrics import TableCollector
+    from router.procs.share import SERVED, ProcessShare
+    from router.procs.table import SharedTable
+
+    table = SharedTable.create(str(tmp_path / "table"), 3, threading.Lock())
+    shares = [ProcessShare(table, i) for i in range(3)]
+    registry = CollectorRegistry()
+    registry.register(TableCollector(shares[0]))
+    before = served_by_process(generate_latest(registry).decode())
+    assert before == {"0": 0.0, "1": 0.0, "2": 0.0}
+    for share, n in zip(shares, (10, 30, 20), strict=True):
+        for _ in range(n):
+            share.served()
+    assert table.proc(1, SERVED) == 30
+    after = served_by_process(generate_latest(registry).decode())
+    assert spread(before, after) == {"process_requests": [10, 30, 20], "process_spread": 1.5}
+    assert spread(after, after)["process_spread"] is None          # nothing served: no spread, not a crash
+
+
+def test_a_baseline_checkout_runs_on_its_own_modules_with_the_hosts_other_paths():
+    import os
+    from pathlib import Path
+
+    from benchmarks.services import ROOT, checkout_path
+
+    host = os.pathsep.join(["/tmp/site", str(ROOT), "", str(ROOT / ".")])
+    assert checkout_path(Path("/work/base"), host) == os.pathsep.join(["/work/base", "/tmp/site"])
+    assert checkout_path(Path("/work/base"), "") == "/work/base"

@@ -134,6 +134,32 @@ def test_approximate_lru_bound(capacity, sent, query, expected):
     assert index.matched_blocks("w", query) == expected
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_recording_many_prompts_at_once_leaves_what_recording_each_leaves(seed):
+    rng = random.Random(seed)
+    for _ in range(50):
+        capacity = rng.randint(1, 30)
+        one, many = ApproximatePrefixIndex(capacity), ApproximatePrefixIndex(capacity)
+        shared_head = [rng.randint(0, 40) for _ in range(rng.randint(0, 6))]
+        before = [[rng.randint(0, 40) for _ in range(rng.randint(1, 10))] for _ in range(rng.randint(0, 4))]
+        batch = [shared_head + [rng.randint(0, 40) for _ in range(rng.randint(0, 8))]
+                 for _ in range(rng.randint(1, 8))]
+        for prompt in before:
+            one.record("w", prompt)
+            many.record("w", prompt)
+        for prompt in batch:
+            one.record("w", prompt)
+        many.record_many("w", batch)
+        assert one.num_blocks("w") == many.num_blocks("w") <= capacity
+        for prompt in before + batch:                 # every prefix of every prompt: same hits
+            for end in range(len(prompt) + 1):
+                assert one.matched_blocks("w", prompt[:end]) == many.matched_blocks("w", prompt[:end])
+        one.record("w", [99, 98])                     # and the same order of recency: the same evictions next
+        many.record("w", [99, 98])
+        prompts = before + batch
+        assert [one.matched_blocks("w", p) for p in prompts] == [many.matched_blocks("w", p) for p in prompts]
+
+
 def test_approximate_queries_do_not_refresh_recency():
     index = ApproximatePrefixIndex(capacity_blocks=6)
     index.record("w", A)

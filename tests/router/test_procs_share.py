@@ -72,6 +72,29 @@ def test_a_prefix_sent_by_one_process_is_held_by_the_other(table):
     assert a.index.matched_blocks(W2, [11, 12, 13]) == 3   # its own send, once (not replayed to itself)
 
 
+def test_many_sibling_sends_replayed_at_once_leave_the_senders_own_view(table):
+    """The log since a process's last placement is replayed per worker in one pass; sends to a worker
+    added in the same stretch of log are kept, sends to one never added are not."""
+    a, b = pair(table)
+    for reg in (a, b):
+        reg.index.approximate.set_capacity(W1, 7)             # small: the replay must evict as the sender did
+    head = [1, 2, 3]
+    a.index.record_sent(W1, head + [10, 11])
+    a.index.record_sent(W2, [50, 51])
+    a.index.record_sent(W1, head + [12])
+    a.add_static("http://w3", "decode")
+    a.index.record_sent("http://w3", head + [13])
+    a.index.record_sent(W1, [20, 21, 22, 23])
+    a.index.record_sent(W1, head + [10])
+    a.index.record_sent("http://nowhere", [1])               # a worker this process never had
+    b.states()
+    for wid in (W1, W2, "http://w3"):
+        assert list(b.index.approximate._lru[wid]) == list(a.index.approximate._lru[wid])
+    assert "http://nowhere" not in b.index.approximate._lru
+    assert b.index.matched_blocks(W1, head + [10, 11]) == 4                 # 11 was evicted, in both
+    assert a.index.matched_blocks(W1, head + [10, 11]) == 4
+
+
 def test_a_pull_reported_to_one_process_prices_moves_in_the_other(table):
     a, b = pair(table, settings=dataclasses.replace(SETTINGS, transfer_aware=True))
     assert b.transfer.expected_s(W1, 100) is None             # nothing measured anywhere yet
@@ -143,3 +166,23 @@ def test_a_dead_process_load_is_cleared(table):
     a.ledger.open(W1, 3000)
     table.clear_proc(0)                           # the parent, before restarting process 0
     assert view(b)[W1] == (0, 0.0)
+
+
+def test_the_log_reads_back_every_record_across_the_rings_end_and_reports_a_reader_lapped(table):
+    from router.procs.table import LOG_CAP
+    size = 100_003                                            # not a divisor of the ring: records straddle its end
+    reader, behind = table.log_tail, table.log_tail
+    sent, got = [], []
+    for i in range(3 * LOG_CAP // size):
+        payload = bytes([i % 251]) * (size - i % 7)
+        table.append(1 + i % 5, i % 2, payload)
+        sent.append((1 + i % 5, i % 2, payload))
+        if i % 3 == 2:                                        # a reader that keeps up, a few records at a time
+            reader, records, lapped = table.read_since(reader)
+            assert not lapped
+            got += records
+    reader, records, lapped = table.read_since(reader)
+    got += records
+    assert got == sent
+    pos, records, lapped = table.read_since(behind)           # the oldest records were overwritten
+    assert lapped and records == [] and pos == table.log_head
