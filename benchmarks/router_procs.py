@@ -76,12 +76,14 @@ def table_costs(rounds: int) -> dict:
             "shared_extra_us": round(t - a, 1)}
 
 
-def sibling_sends_us(nprocs: int, rounds: int) -> dict:
+def sibling_sends_us(nprocs: int, rounds: int, workers: int = len(STATIC)) -> dict:
     """What one process's placement read (`states()`) costs when each of its `nprocs - 1` siblings has
     served one request since its last read (the steady state of N busy processes): it replays their
-    sends into its prefix index and adds up their load cells. Against the same read in a process with
-    no siblings. Only the reader's `states()` is timed; the siblings' own work is theirs."""
-    settings = RouterSettings(model=None, static_decode=STATIC, static_cache_tokens=1 << 20)
+    sends into its prefix index and adds up their load cells, for each of `workers` static workers.
+    Against the same read in a process with no siblings. Only the reader's `states()` is timed; the
+    siblings' own work is theirs."""
+    static = tuple(f"http://10.0.{i // 250}.{i % 250 + 1}:8200" for i in range(workers))
+    settings = RouterSettings(model=None, static_decode=static, static_cache_tokens=1 << 20)
     head = list(range(1, 25))                           # prompts share 24 blocks and end in 8 of their own
     alone = WorkerRegistry(settings, None)
     with tempfile.TemporaryDirectory() as tmp:
@@ -93,7 +95,7 @@ def sibling_sends_us(nprocs: int, rounds: int) -> dict:
         reader, siblings = regs[0], regs[1:]
         shared_s = alone_s = 0.0
         for i in range(rounds):
-            wid = STATIC[i % len(STATIC)]
+            wid = static[i % len(static)]
             for k, sib in enumerate(siblings):
                 sib.begin(wid)
                 leg = sib.ledger.open(wid, 512)
@@ -109,7 +111,8 @@ def sibling_sends_us(nprocs: int, rounds: int) -> dict:
             alone_s += time.perf_counter() - start
         table.close()
     shared_us, alone_us = shared_s / rounds * 1e6, alone_s / rounds * 1e6
-    return {"procs": nprocs, "states_us_shared": round(shared_us, 1), "states_us_alone": round(alone_us, 1),
+    return {"procs": nprocs, "workers": workers, "states_us_shared": round(shared_us, 1),
+            "states_us_alone": round(alone_us, 1),
             "extra_us_per_request": round(shared_us - alone_us, 1)}
 
 
@@ -238,11 +241,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro-rounds", type=int, default=2000)
     p.add_argument("--procs", type=int, nargs="+", default=[2, 4, 8, 16],
                    help="process counts for the sibling-sends sweep")
+    p.add_argument("--sweep-workers", type=int, nargs="+", default=[8, 64],
+                   help="static worker counts for the sibling-sends sweep (each sibling's cells are read per worker)")
     args = p.parse_args(argv)
     out: dict = {"loadavg_start": os.getloadavg(), "cores": len(os.sched_getaffinity(0))}
     out["table"] = table_costs(args.micro_rounds)
     print(json.dumps(out["table"]), flush=True)
-    out["sibling_sends"] = [sibling_sends_us(n, args.micro_rounds) for n in args.procs]
+    out["sibling_sends"] = [sibling_sends_us(n, args.micro_rounds, w) for w in args.sweep_workers for n in args.procs]
     print(json.dumps(out["sibling_sends"]), flush=True)
     from shared.store.embedded import EmbeddedValkey
     with EmbeddedValkey() as server:
@@ -275,9 +280,10 @@ def report(out: dict) -> str:
          f"ratio {e['ratio_2_over_1']}"),
         ("router CPU per request (all its processes)",
          f"--workers 1: {e['router_cpu_ms_per_request_1']} ms; --workers 2: {e['router_cpu_ms_per_request_2']} ms")]
-    rows += [(f"one placement read in one of {n['procs']} busy processes (replaying {n['procs'] - 1} sibling sends, "
-              f"adding their load)", f"{n['states_us_shared']} us vs {n['states_us_alone']} us alone "
-              f"(+{n['extra_us_per_request']} us per request)") for n in out.get("sibling_sends", [])]
+    rows += [(f"one placement read in one of {n['procs']} busy processes over {n.get('workers', 8)} workers "
+              f"(replaying {n['procs'] - 1} sibling sends, adding their load)",
+              f"{n['states_us_shared']} us vs {n['states_us_alone']} us alone (+{n['extra_us_per_request']} us per "
+              "request)") for n in out.get("sibling_sends", [])]
     table = "\n".join(f"| {what} | {figure} |" for what, figure in rows)
     return f"""# router_procs: `kimi-pd router --workers N`
 
