@@ -40,7 +40,22 @@ from shared.workers import WorkerInfo
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-STATIC = tuple(f"http://10.0.0.{i}:8200" for i in range(1, 9))
+
+
+def static_workers(n: int) -> tuple[str, ...]:
+    return tuple(f"http://10.0.{i // 250}.{i % 250 + 1}:8200" for i in range(n))
+
+
+STATIC = static_workers(8)
+
+
+def sharing_registries(table: SharedTable, settings: RouterSettings) -> list[WorkerRegistry]:
+    """One registry per process of `table`, each attached as that process and knowing every worker."""
+    regs = [WorkerRegistry(settings, None) for _ in range(table.nprocs)]
+    for i, reg in enumerate(regs):
+        ProcessShare(table, i).attach(reg)
+        reg.share.know(reg.all_infos())             # type: ignore[union-attr]
+    return regs
 
 
 def per_request_us(a: WorkerRegistry, b: WorkerRegistry, rounds: int) -> float:
@@ -62,10 +77,7 @@ def table_costs(rounds: int) -> dict:
     plain = [WorkerRegistry(settings, None) for _ in range(2)]
     with tempfile.TemporaryDirectory() as tmp:
         table = SharedTable.create(os.path.join(tmp, "t"), 2, threading.Lock())
-        shared = [WorkerRegistry(settings, None) for _ in range(2)]
-        for i, reg in enumerate(shared):
-            ProcessShare(table, i).attach(reg)
-            reg.share.know(reg.all_infos())             # type: ignore[union-attr]
+        shared = sharing_registries(table, settings)
         alone, with_table = [], []
         for _ in range(5):                               # interleaved
             alone.append(per_request_us(*plain, rounds))
@@ -82,17 +94,13 @@ def sibling_sends_us(nprocs: int, rounds: int, workers: int = len(STATIC)) -> di
     sends into its prefix index and adds up their load cells, for each of `workers` static workers.
     Against the same read in a process with no siblings. Only the reader's `states()` is timed; the
     siblings' own work is theirs."""
-    static = tuple(f"http://10.0.{i // 250}.{i % 250 + 1}:8200" for i in range(workers))
+    static = static_workers(workers)
     settings = RouterSettings(model=None, static_decode=static, static_cache_tokens=1 << 20)
     head = list(range(1, 25))                           # prompts share 24 blocks and end in 8 of their own
     alone = WorkerRegistry(settings, None)
     with tempfile.TemporaryDirectory() as tmp:
         table = SharedTable.create(os.path.join(tmp, "t"), nprocs, threading.Lock())
-        regs = [WorkerRegistry(settings, None) for _ in range(nprocs)]
-        for i, reg in enumerate(regs):
-            ProcessShare(table, i).attach(reg)
-            reg.share.know(reg.all_infos())             # type: ignore[union-attr]
-        reader, siblings = regs[0], regs[1:]
+        reader, *siblings = sharing_registries(table, settings)
         shared_s = alone_s = 0.0
         for i in range(rounds):
             wid = static[i % len(static)]
@@ -280,10 +288,10 @@ def report(out: dict) -> str:
          f"ratio {e['ratio_2_over_1']}"),
         ("router CPU per request (all its processes)",
          f"--workers 1: {e['router_cpu_ms_per_request_1']} ms; --workers 2: {e['router_cpu_ms_per_request_2']} ms")]
-    rows += [(f"one placement read in one of {n['procs']} busy processes over {n.get('workers', 8)} workers "
+    rows += [(f"one placement read in one of {n['procs']} busy processes over {n['workers']} workers "
               f"(replaying {n['procs'] - 1} sibling sends, adding their load)",
               f"{n['states_us_shared']} us vs {n['states_us_alone']} us alone (+{n['extra_us_per_request']} us per "
-              "request)") for n in out.get("sibling_sends", [])]
+              "request)") for n in out["sibling_sends"]]
     table = "\n".join(f"| {what} | {figure} |" for what, figure in rows)
     return f"""# router_procs: `kimi-pd router --workers N`
 

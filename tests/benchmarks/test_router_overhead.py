@@ -4,15 +4,30 @@ script quoting bodies so Lua reads them back exactly."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import threading
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from benchmarks.loadgen import Run, write_script
-from benchmarks.router_overhead import check_legs, goals, headroom, settled_counts, summarize_mode
-from benchmarks.services import BenchError
+from benchmarks.router_overhead import (
+    check_legs,
+    goals,
+    headroom,
+    served_by_process,
+    settled_counts,
+    spread,
+    summarize_mode,
+)
+from benchmarks.services import ROOT, BenchError, checkout_path
+from router.procs.metrics import TableCollector
+from router.procs.share import SERVED, ProcessShare
+from router.procs.table import SharedTable
 
 
 def row(rps: float, mean: float, p50: float | None = None, cpu: float | None = None) -> dict:
@@ -116,15 +131,6 @@ def test_leg_counts_are_read_once_the_previous_runs_stragglers_are_served():
 
 
 def test_spread_reads_each_process_count_from_the_routers_own_exposition(tmp_path):
-    import threading
-
-    from prometheus_client import CollectorRegistry, generate_latest
-
-    from benchmarks.router_overhead import served_by_process, spread
-    from router.procs.metrics import TableCollector
-    from router.procs.share import SERVED, ProcessShare
-    from router.procs.table import SharedTable
-
     table = SharedTable.create(str(tmp_path / "table"), 3, threading.Lock())
     shares = [ProcessShare(table, i) for i in range(3)]
     registry = CollectorRegistry()
@@ -141,11 +147,6 @@ def test_spread_reads_each_process_count_from_the_routers_own_exposition(tmp_pat
 
 
 def test_a_baseline_checkout_runs_on_its_own_modules_with_the_hosts_other_paths():
-    import os
-    from pathlib import Path
-
-    from benchmarks.services import ROOT, checkout_path
-
     host = os.pathsep.join(["/tmp/site", str(ROOT), "", str(ROOT / ".")])
     assert checkout_path(Path("/work/base"), host) == os.pathsep.join(["/work/base", "/tmp/site"])
     assert checkout_path(Path("/work/base"), "") == "/work/base"
