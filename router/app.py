@@ -50,6 +50,7 @@ from shared.http import (
     read_json_object,
     until_disconnect,
 )
+from shared.loop_watch import watch_loop
 from shared.openai.errors import BadRequest, OpenAIError, error_response
 from shared.openai.fanout import AnyRequest, R, fan_out, needs_fan_out
 from shared.openai.helpers import check_admin, check_model, install_helpers
@@ -127,11 +128,14 @@ def create_app(settings: RouterSettings, share: ProcessShare | None = None) -> F
 
 
 def _loops(st: Any, client: httpx.AsyncClient, stop: asyncio.Event) -> list[asyncio.Task]:
-    """The loops beside the requests: store refresh, rate-limit heartbeat, queue pump, health rounds and,
+    """The loops beside the requests: store refresh, rate-limit heartbeat, queue pump, the stall watch, health
+    rounds and,
     under `--workers N`, following the sibling processes (process 0 alone probes; the others apply its rounds)."""
     settings, registry, admission, share = st.settings, st.registry, st.admission, st.share
     tasks = [asyncio.create_task(registry.run(stop)), asyncio.create_task(admission.limiter.run(stop)),
-             asyncio.create_task(admission_http.pump_loop(admission, stop, 0.25 if share is None else 0.1))]
+             asyncio.create_task(admission_http.pump_loop(admission, stop, 0.25 if share is None else 0.1)),
+             asyncio.create_task(watch_loop(stop, st.metrics.loop_lag.observe,
+                                            "router" if share is None else f"router process {share.index}"))]
     if share is None or share.is_leader:
         tasks.append(asyncio.create_task(health_checker.run(
             client, registry, settings.health_check_s, stop, st.metrics, settings.health_timeout_s,

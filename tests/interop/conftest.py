@@ -28,3 +28,16 @@ def vllm_python():
 def tiny_llama(vllm_python, tmp_path_factory):
     from tests.interop.vllm_fleet import cache_dir, tiny_llama
     return tiny_llama(vllm_python, cache_dir() / "tiny-llama-v2")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test that used a fleet shows what its processes were doing: each one's log tail and the
+    host's busiest processes (an interop failure on a 2-core CI host is often a starved process, and the
+    logs are gone with the fleet's temporary directory)."""
+    outcome = yield
+    report = outcome.get_result()
+    fleet = getattr(item, "funcargs", {}).get("fleet")
+    if report.failed and report.when == "call" and fleet is not None:
+        from tests.interop.vllm_fleet import fleet_report
+        report.sections.append(("fleet at the failure", fleet_report(fleet)))

@@ -37,7 +37,7 @@ def per_engine(url: str, name: str, **labels: str) -> dict[str, float]:
 
 def test_each_engine_is_a_worker_and_every_request_is_pinned_to_its_rank(fleet):
     router, server = fleet.urls["router"], fleet.urls["dp"]
-    listed = httpx.get(router + "/admin/workers", headers={"authorization": f"Bearer {ADMIN}"}, timeout=10)
+    listed = httpx.get(router + "/admin/workers", headers={"authorization": f"Bearer {ADMIN}"}, timeout=60)
     assert sorted(w["worker_id"] for w in listed.json()["workers"]) == [f"{server}#dp0", f"{server}#dp1"]
     done_before = per_engine(server, "vllm:request_success_total")
     hits_before = per_engine(server, "vllm:prefix_cache_hits_total")

@@ -118,7 +118,7 @@ def test_pd_answers_equal_one_vllm_instance(fleet, stream):
 
 def test_aliases_and_models(fleet):
     router = fleet.urls["router"]
-    names = [m["id"] for m in httpx.get(router + "/v1/models", timeout=10).json()["data"]]
+    names = [m["id"] for m in httpx.get(router + "/v1/models", timeout=60).json()["data"]]
     assert names == [SERVED, "tiny"]
     path, body = requests_for(300)[1]
     expected = answer(post(fleet.urls["p2"], path, body))
@@ -148,7 +148,7 @@ def pool_view(router: str, workers) -> dict[str, dict]:
 
 def explain(router: str, prompt: str, wanted: str, got: str, view: dict) -> str:
     """What the router saw just before a placement the test did not expect, and its failure counters."""
-    counters = [line for line in httpx.get(router + "/metrics", timeout=10).text.splitlines()
+    counters = [line for line in httpx.get(router + "/metrics", timeout=60).text.splitlines()
                 if not line.startswith("#") and any(k in line for k in ("retries", "failures", "fallbacks"))]
     return json.dumps({"prompt": prompt[:40], "wanted": wanted, "got": got, "view": view, "counters": counters},
                       indent=1)
@@ -269,7 +269,7 @@ def test_two_prefill_instances_get_prefix_affinity(fleet):
 
 
 def test_router_metrics_for_vllm_workers(fleet):
-    text = httpx.get(fleet.urls["router"] + "/metrics", timeout=10).text
+    text = httpx.get(fleet.urls["router"] + "/metrics", timeout=60).text
     assert 'kimi_pd_router_prefill_fallbacks_total{reason="no_kv_transfer_params"}' not in text
-    ready = httpx.get(fleet.urls["router"] + "/ready", timeout=10).json()
+    ready = httpx.get(fleet.urls["router"] + "/ready", timeout=60).json()
     assert ready == {"ready": True, "workers": {"prefill": 2, "decode": 1, "both": 0}, "store": "none"}

@@ -234,6 +234,15 @@ class VllmFleet:
         return seen
 
 
+def fleet_report(fleet: VllmFleet, lines: int = 30) -> str:
+    """Each process's log tail and the host's busiest processes: what a failed test prints."""
+    parts = [f"--- {name} (exit {child.popen.poll()}) ---\n{child.tail(lines)}"
+             for name, child in fleet.children.items()]
+    top = subprocess.run(["ps", "-eo", "pid,ni,pcpu,rss,etime,args", "--sort=-pcpu"], capture_output=True, text=True)
+    parts.append("--- busiest processes ---\n" + "\n".join(line[:160] for line in top.stdout.splitlines()[:15]))
+    return "\n".join(parts)
+
+
 def metric(url: str, name: str) -> float:
     """The sum of a vLLM metric's samples (over engines) from its /metrics page."""
     from prometheus_client.parser import text_string_to_metric_families
