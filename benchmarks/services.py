@@ -92,14 +92,23 @@ def stub_worker(role: str, port: int, args: argparse.Namespace, log_dir: Path):
     return service(f"stub-{role}", cmd, f"http://127.0.0.1:{port}/health", log_dir, args.startup_timeout)
 
 
+def knows_router_workers(tree: Path) -> bool:
+    """Whether checkout `tree`'s router takes `--workers N` (from its flag definitions, without running it)."""
+    cli = tree / "router" / "cli.py"
+    return cli.is_file() and '"--workers"' in cli.read_text()
+
+
 def router(port: int, threshold: int, prefill: str, decode: str, model: Path, args: argparse.Namespace,
            log_dir: Path, tree: Path = ROOT, name: str = "router"):
-    """`kimi-pd router` of checkout `tree` over the two stubs with `--workers N` (this tree's router defaults to
-    one process per core; an older `--baseline-tree` may not know the flag, so it gets it only when N > 1)."""
+    """`kimi-pd router` of checkout `tree` over the two stubs with `--workers N`: a router that knows the flag
+    defaults to one process per core, so it is always given; an older `--baseline-tree` that does not know it
+    runs one process, and asking it for more is an error."""
     cmd = ["-m", "kimi_pd", "router", "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
            "--prefill", prefill, "--decode", decode, "--disagg-threshold", str(threshold), "--log-level", "warning"]
-    if args.router_workers > 1 or tree == ROOT:
+    if knows_router_workers(tree):
         cmd += ["--workers", str(args.router_workers)]
+    elif args.router_workers > 1:
+        raise BenchError(f"the router of {tree} has no --workers flag: it runs one process only")
     return service(f"{name}-t{threshold}", cmd, f"http://127.0.0.1:{port}/ready", log_dir, args.startup_timeout,
                    cwd=tree)
 

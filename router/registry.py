@@ -63,6 +63,9 @@ def dp_worker_ids(url: str, ranks: int | None) -> list[str]:
     return [url] if ranks is None else [f"{url}#dp{r}" for r in range(ranks)]
 
 
+_NO_PEERS = (0, 0.0)
+
+
 class CombinedIndex:
     """Exact index for workers that publish events, approximate for the rest."""
 
@@ -174,23 +177,28 @@ class WorkerRegistry:
         return {**self.static, **self.discovered}
 
     def states(self) -> list[WorkerState]:
-        out = []
-        ledger, health = self.ledger, self.health
+        """Every worker as placement sees it now. Built per request for the whole fleet, so the loop
+        reads each table once per worker through bound lookups (benchmarks/placement_cost.py)."""
         siblings: dict[str, tuple[int, float]] = {}
         if self.share is not None:                   # sibling processes: their sends and load, now
             self.share.catch_up()
             siblings = self.share.peers()
-        for wid, info in self.all_infos().items():
-            load = self.loads.get(wid)
-            since = self._since.get(wid)
-            peer_inflight, peer_backlog_s = self.peers.get(wid, (0, 0.0))
+        load_of, since_of, peer_of, inflight_of = self.loads.get, self._since.get, self.peers.get, self.inflight.get
+        health_of, drained = self.health.view, self.drained
+        ledger_of = self.ledger.view
+        out = []
+        for wid, info in (self.static.items() if not self.discovered else self.all_infos().items()):
+            load = load_of(wid)
+            since = since_of(wid)
+            peer_inflight, peer_backlog_s = peer_of(wid, _NO_PEERS)
             if wid in siblings:
                 peer_inflight, peer_backlog_s = (peer_inflight + siblings[wid][0], peer_backlog_s + siblings[wid][1])
-            out.append(WorkerState(
-                info=info, load=load, inflight=self.inflight.get(wid, 0) + peer_inflight,
-                healthy=health.is_healthy(wid), circuit=health.circuit(wid), draining=wid in self.drained,
-                since_report=since.after(load.ts) if since is not None and load is not None else 0,
-                backlog_s=ledger.backlog_s(wid) + peer_backlog_s, tokens_per_s=ledger.tokens_per_s(wid)))
+            healthy, circuit = health_of(wid)
+            backlog_s, tokens_per_s = ledger_of(wid)
+            out.append(WorkerState(               # in field order: keywords double a state's cost
+                info, load, inflight_of(wid, 0) + peer_inflight, healthy, circuit, wid in drained,
+                since.after(load.ts) if since is not None and load is not None else 0,
+                backlog_s + peer_backlog_s, tokens_per_s))
         return out
 
     def add_static(self, url: str, role: Role, kv_connector: str | None = None, local: bool = True) -> None:

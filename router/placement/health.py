@@ -158,5 +158,10 @@ class HealthTracker:
         w = self._workers.get(worker_id)
         return CircuitState.CLOSED if w is None else w.breaker.state
 
+    def view(self, worker_id: str) -> tuple[bool, CircuitState]:
+        """(is_healthy, circuit) in one lookup: placement reads both for every worker on every request."""
+        w = self._workers.get(worker_id)
+        return (True, CircuitState.CLOSED) if w is None else (w.healthy, w.breaker.state)
+
     def forget(self, worker_id: str) -> None:
         self._workers.pop(worker_id, None)

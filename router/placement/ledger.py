@@ -118,6 +118,13 @@ class WorkLedger:
         progress = (self._clock() - max(head_sent, w.last_settle)) * w.speed
         return max(w.open_tokens - min(max(progress, 0.0), head_tokens), 0) / w.speed
 
+    def view(self, worker_id: str) -> tuple[float, float]:
+        """(backlog_s, tokens_per_s) in one lookup: placement reads both for every worker on every request."""
+        w = self._workers.get(worker_id)
+        if w is None:
+            return 0.0, self._speeds.get(worker_id, self.config.tokens_per_s)
+        return (self.backlog_s(worker_id) if w.legs else 0.0), w.speed
+
     def backlog_bounds(self, worker_id: str) -> tuple[float, float]:
         """(backlog_s now, the backlog it falls to once the oldest leg's progress is spent): with no
         leg opened or settled in between, backlog_s(t) = max(floor, now_value - (t - now))."""

@@ -150,3 +150,18 @@ def test_a_baseline_checkout_runs_on_its_own_modules_with_the_hosts_other_paths(
     host = os.pathsep.join(["/tmp/site", str(ROOT), "", str(ROOT / ".")])
     assert checkout_path(Path("/work/base"), host) == os.pathsep.join(["/work/base", "/tmp/site"])
     assert checkout_path(Path("/work/base"), "") == "/work/base"
+
+
+def test_a_baseline_router_is_given_the_same_process_count_or_refused(tmp_path):
+    """A checkout whose router takes --workers defaults to one process per core: the A/B must pass the
+    count to both (a baseline run as two processes beside one once read as a 1.5x gain)."""
+    from argparse import Namespace
+
+    from benchmarks.services import knows_router_workers, router
+    old = tmp_path / "old"
+    (old / "router").mkdir(parents=True)
+    (old / "router" / "cli.py").write_text('p.add_argument("--port", type=int)\n')
+    assert knows_router_workers(ROOT) and not knows_router_workers(old)
+    args = Namespace(router_workers=2, startup_timeout=5.0)
+    with pytest.raises(BenchError, match="no --workers flag"):
+        router(0, 0, "http://p", "http://d", tmp_path, args, tmp_path, tree=old)

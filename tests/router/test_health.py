@@ -131,3 +131,16 @@ def test_requests_that_cannot_be_sent_say_nothing_about_the_worker():
     assert local.health_outcome is None and local.status == 500
     assert classify(httpx.ConnectError("refused"), "decode").health_outcome is False
     assert classify(httpx.ReadTimeout("slow"), "decode").health_outcome is False
+
+
+def test_view_reads_health_and_circuit_as_their_own_calls_do():
+    from router.placement.health import BreakerConfig, HealthConfig, HealthTracker
+    tracker = HealthTracker(HealthConfig(unhealthy_after=2, breaker=BreakerConfig(consecutive_failures=2)))
+    tracker.record_check("sick", False)
+    tracker.record_check("sick", False)
+    tracker.record_outcome("tripped", False)
+    tracker.record_outcome("tripped", False)
+    tracker.record_check("fine", True)
+    for wid in ("sick", "tripped", "fine", "never-seen"):
+        assert tracker.view(wid) == (tracker.is_healthy(wid), tracker.circuit(wid)), wid
+    assert tracker.view("sick")[0] is False and tracker.view("tripped")[1] != tracker.view("fine")[1]

@@ -244,3 +244,18 @@ def test_approximate_index_evicts_per_worker_capacity():
 ])
 def test_capacity_from_metrics(text, expected):
     assert capacity_tokens_from_metrics(text) == expected
+
+
+def test_view_reads_backlog_and_speed_as_their_own_calls_do():
+    now = [100.0]
+    ledger = WorkLedger(LedgerConfig(tokens_per_s=1000.0, worker_tokens_per_s=(("known", 4000.0),)),
+                        clock=lambda: now[0])
+    legs = [ledger.open("busy", 2000), ledger.open("busy", 500)]
+    ledger.open("idle", 100)
+    ledger.settle(ledger.open("idle", 300))
+    for t in (100.0, 100.5, 101.0, 104.0):
+        now[0] = t
+        for wid in ("busy", "idle", "known", "never-seen"):
+            assert ledger.view(wid) == (ledger.backlog_s(wid), ledger.tokens_per_s(wid)), (wid, t)
+    ledger.settle(legs[0])
+    assert ledger.view("busy") == (ledger.backlog_s("busy"), ledger.tokens_per_s("busy"))

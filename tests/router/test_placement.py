@@ -273,3 +273,32 @@ def test_context_is_immutable():
     with pytest.raises(AttributeError):
         context.now = 1.0                                 # type: ignore[misc]
     assert replace(context, role="prefill").cached_blocks == {"a": 1}
+
+
+def test_a_worker_state_is_immutable_and_reads_as_before():
+    state = w("a", running=2, waiting=1, inflight=1)
+    with pytest.raises(AttributeError):
+        state.inflight = 5                                # type: ignore[misc]
+    assert (state.worker_id, state.active_requests, state.is_draining, state.backlog_s) == ("a", 3, False, 0.0)
+    assert WorkerState(info=state.info, inflight=4).active_requests == 4        # keywords and defaults
+
+
+def test_the_tie_break_winner_is_the_highest_rendezvous_weight():
+    """`rendezvous_winner` feeds the request's part once: the same winner as hashing each pair whole."""
+    from router.placement.pipeline import rendezvous, rendezvous_winner
+    fleet = [w(f"http://10.0.0.{i}:8200#dp{i % 3}") for i in range(40)]
+    for n in range(200):
+        request_id = f"chatcmpl-{n}-ü"
+        expected = max(fleet, key=lambda x: rendezvous(request_id, x.worker_id))
+        assert rendezvous_winner(request_id, fleet) is expected
+        assert rendezvous_winner(request_id, fleet[n % 40:n % 40 + 1]) is fleet[n % 40]
+
+
+def test_uncached_tokens_is_kept_per_context_and_equals_its_formula():
+    fleet = [w("a"), w("b"), w("c")]
+    context = ctx(tokens=16, cached={"a": 4, "b": 1})     # 4 blocks of 4
+    for _ in range(2):                                    # asked again: the kept value
+        assert [context.uncached_tokens(x.info) for x in fleet] == [1, 12, 16]
+    prefill = replace(context, role="prefill", cached_blocks={"a": 2})
+    assert [prefill.uncached_tokens(x.info) for x in fleet] == [8, 16, 16]       # its own numbers
+    assert context == replace(context)                    # the kept values are not part of its identity
