@@ -164,6 +164,16 @@ def table(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _commit(tree: Path) -> str | None:
+    """The checkout's commit (and `+changes` when its tree differs from it), or None outside git."""
+    head = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    if head.returncode != 0:
+        return None
+    dirty = subprocess.run(["git", "-C", str(tree), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True).stdout.strip()
+    return head.stdout.strip() + ("+changes" if dirty else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", type=int, nargs="+", default=[2, 16, 64, 256], help="static fleet sizes")
@@ -179,7 +189,10 @@ def main(argv: list[str] | None = None) -> int:
         child()
         return 0
     trees = {"ours": ROOT} | ({"baseline": args.baseline_tree.resolve()} if args.baseline_tree else {})
-    doc: dict[str, Any] = {"loadavg_start": list(os.getloadavg()), "cpus": os.cpu_count(),
+    doc: dict[str, Any] = {"argv": sys.argv[1:] if argv is None else argv,
+                           "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                           "commits": {name: _commit(tree) for name, tree in trees.items()},
+                           "loadavg_start": list(os.getloadavg()), "cpus": os.cpu_count(),
                            "python": sys.version.split()[0], "workers": args.workers, "slices": args.slices,
                            "seconds": args.seconds, "trees": {k: str(v) for k, v in trees.items()}}
     doc |= measure(trees, args.workers, args.slices, args.seconds)
@@ -187,9 +200,11 @@ def main(argv: list[str] | None = None) -> int:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(doc, indent=1) + "\n")
     text = table(doc)
-    args.output.with_suffix(".md").write_text(f"# Placement cost per request\n\n{text}\n\nload average "
-                                              f"{doc['loadavg_start'][0]:.2f} -> {doc['loadavg_end'][0]:.2f}, "
-                                              f"{doc['cpus']} cpus\n")
+    trees_line = ", ".join(f"{name} {doc['commits'][name] or doc['trees'][name]}" for name in trees)
+    args.output.with_suffix(".md").write_text(
+        f"# Placement cost per request\n\n`python -m benchmarks.placement_cost {' '.join(doc['argv'])}`, "
+        f"{doc['when']} ({trees_line}; docs/router-performance.md reads it)\n\n{text}\n\nload average "
+        f"{doc['loadavg_start'][0]:.2f} -> {doc['loadavg_end'][0]:.2f}, {doc['cpus']} cpus\n")
     print(text)
     return 0
 

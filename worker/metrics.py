@@ -7,6 +7,7 @@ Names (all prefixed `kimi_pd_worker_`):
   queue_seconds                        arrival -> first scheduled in the engine
   kv_pull_seconds, kv_pull_failures_total{policy}   decode side: loading a prefill state
   running, waiting, held, cache_usage  engine gauges, sampled at scrape time
+  event_loop_lag_seconds               how late a 0.25 s timer ran on the HTTP side (shared/loop_watch.py)
 """
 from __future__ import annotations
 
@@ -36,6 +37,9 @@ class WorkerMetrics:
         self.waiting = Gauge(p + "waiting", "Waiting requests", registry=r)
         self.held = Gauge(p + "held", "Prefill states held for a decode worker", registry=r)
         self.cache_usage = Gauge(p + "cache_usage", "Fraction of MLA pages in use", registry=r)
+        self.loop_lag = Histogram(p + "event_loop_lag_seconds", "Lateness of a periodic timer: the HTTP side's "
+                                  "event loop blocked or starved (e.g. of the GIL by the engine)", registry=r,
+                                  buckets=(0.001, 0.005, 0.025, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
 
     def sample_engine(self, stats: dict) -> None:
         self.running.set(stats["running"])

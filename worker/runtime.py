@@ -14,6 +14,7 @@ from kv_transfer.interface import TransferConfig
 from kv_transfer.metrics import get_metrics
 from kv_transfer.payload import ModelIdentity
 from shared.kv_transfer_params import KVTransferParams, LegKind
+from shared.loop_watch import watch_loop
 from shared.model_config import ModelConfig
 from shared.prompt.tokenizer import KimiTokenizer
 from shared.store.factory import make_store
@@ -99,6 +100,8 @@ class WorkerRuntime:
             self.presence.start()
         from worker.watchdog import watch_engine
         self._watchdog = asyncio.create_task(watch_engine(self), name="engine-watchdog")
+        self._stalls = asyncio.create_task(watch_loop(asyncio.Event(), self.metrics.loop_lag.observe,
+                                                      f"worker {s.worker_id}"), name="stall-watch")
         log.info("worker %s (%s) serving %s at %s", s.worker_id, self.role.name, s.served_model_name, s.url)
 
     def worker_info(self) -> WorkerInfo:
@@ -125,9 +128,9 @@ class WorkerRuntime:
 
     async def stop(self) -> None:
         """Deregister first (routers stop sending), then stop the legs' transfers and the engine."""
-        watchdog = getattr(self, "_watchdog", None)
-        if watchdog is not None:
-            watchdog.cancel()
+        for task in (getattr(self, "_watchdog", None), getattr(self, "_stalls", None)):
+            if task is not None:
+                task.cancel()
         if self.presence:
             await self.presence.stop()
         for leg in self.legs.values():

@@ -77,6 +77,9 @@ def test_per_leg_metrics_are_exported(fleet):
     assert metric(fleet.r.url, "kimi_pd_router_decisions_total", decision="prefill-decode") >= 1
     assert metric(fleet.p.url, "kimi_pd_kv_transfers_total") >= 1
     assert metric(fleet.d.url, "kimi_pd_worker_kv_pull_seconds_count") >= 1
+    for url in (fleet.r.url, fleet.p.url, fleet.d.url):       # the stall watch ticks in every server
+        assert metric(url, "kimi_pd_router_event_loop_lag_seconds_count" if url == fleet.r.url
+                      else "kimi_pd_worker_event_loop_lag_seconds_count") >= 1, url
 
 
 def test_sigterm_deregisters_the_worker(tmp_path, e2e_model, redis_url):
