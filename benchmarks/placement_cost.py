@@ -27,6 +27,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -108,8 +109,10 @@ class Child:
         from benchmarks.services import checkout_path
         env = {**os.environ, "PYTHONPATH": checkout_path(tree, os.environ.get("PYTHONPATH", ""))}
         self.tree = tree
+        # a file, not a pipe: a chatty child never blocks on it; closed in close()
+        self.errors = tempfile.TemporaryFile("w+")  # noqa: SIM115
         self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child"], cwd=tree, env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.errors, text=True)
 
     def measure(self, size: int, seconds: float) -> dict[str, float]:
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -117,21 +120,26 @@ class Child:
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"the placement child for {self.tree} failed:\n{self.proc.communicate()[1][-2000:]}")
+            self.proc.wait()
+            self.errors.seek(0)
+            raise RuntimeError(f"the placement child for {self.tree} failed:\n{self.errors.read()[-2000:]}")
         return json.loads(line)
 
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
-        self.proc.wait()
+        self.proc.communicate()                          # closes its pipes
+        self.errors.close()
 
 
 def measure(trees: dict[str, Path], sizes: list[int], slices: int, seconds: float) -> dict[str, Any]:
     """`slices` short timings per tree and fleet size, the trees taking turns slice by slice (order flipped
     every slice) so that a noisy neighbour's bursts land on both; the medians are what the table shows."""
-    children = {name: Child(tree) for name, tree in trees.items()}
+    children: dict[str, Child] = {}
     runs: dict[str, dict[str, list[dict[str, float]]]] = {name: {str(n): [] for n in sizes} for name in trees}
     try:
+        for name, tree in trees.items():
+            children[name] = Child(tree)
         for size in sizes:
             for k in range(slices):
                 for name in (list(trees) if k % 2 == 0 else list(reversed(trees))):

@@ -392,7 +392,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--token-delay-ms", type=float, default=0.0, help="stub time per token")
     p.add_argument("--prompt-words", type=int, default=200, help="words in each prompt")
     p.add_argument("--modes", nargs="+", choices=tuple(MODES), default=list(MODES))
-    p.add_argument("--router-workers", type=int, default=1, help="our router's processes (--workers N if N > 1)")
+    p.add_argument("--router-workers", type=int, default=1,
+                   help="router processes (--workers N), ours and a --baseline-tree's alike")
     p.add_argument("--baseline-tree", type=Path,
                    help="another checkout (e.g. a worktree of main): its router runs beside ours as router_baseline")
     p.add_argument("--no-peers", dest="peers", action="store_false",

@@ -129,8 +129,8 @@ def create_app(settings: RouterSettings, share: ProcessShare | None = None) -> F
 
 def _loops(st: Any, client: httpx.AsyncClient, stop: asyncio.Event) -> list[asyncio.Task]:
     """The loops beside the requests: store refresh, rate-limit heartbeat, queue pump, the stall watch, health
-    rounds and,
-    under `--workers N`, following the sibling processes (process 0 alone probes; the others apply its rounds)."""
+    rounds and, under `--workers N`, following the sibling processes (process 0 alone probes; the others apply
+    its rounds)."""
     settings, registry, admission, share = st.settings, st.registry, st.admission, st.share
     tasks = [asyncio.create_task(registry.run(stop)), asyncio.create_task(admission.limiter.run(stop)),
              asyncio.create_task(admission_http.pump_loop(admission, stop, 0.25 if share is None else 0.1)),

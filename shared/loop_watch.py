@@ -20,8 +20,9 @@ QUIET_S = 30.0              # at most one such line per this many seconds (a sta
 
 async def watch_loop(stop: asyncio.Event, observe: Callable[[float], None], name: str,
                      tick_s: float = TICK_S, warn_s: float = WARN_S, quiet_s: float = QUIET_S) -> None:
-    """Until `stop`: `observe(lateness)` every `tick_s`, and a warning for each stall of `warn_s` or more
-    (the longest since the last line is the one reported)."""
+    """Until `stop`: `observe(lateness)` every `tick_s`, and a warning for stalls of `warn_s` or more: at once
+    for the first, then at most one line per `quiet_s` naming the longest since the last line (a stall
+    held back is reported by the first tick after `quiet_s`, stalled or not)."""
     loop = asyncio.get_running_loop()
     last_line, worst, stalls = -quiet_s, 0.0, 0
     while not stop.is_set():
@@ -30,10 +31,9 @@ async def watch_loop(stop: asyncio.Event, observe: Callable[[float], None], name
         now = loop.time()
         late = max(0.0, now - due)
         observe(late)
-        if late < warn_s:
-            continue
-        worst, stalls = max(worst, late), stalls + 1
-        if now - last_line >= quiet_s:
+        if late >= warn_s:
+            worst, stalls = max(worst, late), stalls + 1
+        if stalls and now - last_line >= quiet_s:
             log.warning("%s: the event loop stalled %.1f s (%d stall(s) of %.1f s or more since the last such "
                         "line): a blocking call in a handler, or more busy processes than cores",
                         name, worst, stalls, warn_s)

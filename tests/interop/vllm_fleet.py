@@ -238,8 +238,12 @@ def fleet_report(fleet: VllmFleet, lines: int = 30) -> str:
     """Each process's log tail and the host's busiest processes: what a failed test prints."""
     parts = [f"--- {name} (exit {child.popen.poll()}) ---\n{child.tail(lines)}"
              for name, child in fleet.children.items()]
-    top = subprocess.run(["ps", "-eo", "pid,ni,pcpu,rss,etime,args", "--sort=-pcpu"], capture_output=True, text=True)
-    parts.append("--- busiest processes ---\n" + "\n".join(line[:160] for line in top.stdout.splitlines()[:15]))
+    try:
+        top = subprocess.run(["ps", "-eo", "pid,ni,pcpu,rss,etime,args", "--sort=-pcpu"], capture_output=True,
+                             text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired) as exc:       # no procps: the logs are still worth showing
+        top = f"(ps: {exc})"
+    parts.append("--- busiest processes ---\n" + "\n".join(line[:160] for line in top.splitlines()[:15]))
     return "\n".join(parts)
 
 

@@ -1,11 +1,15 @@
-"""shared/loop_watch.py: a blocked event loop is measured and logged; a free one is not."""
+"""shared/loop_watch.py: a blocked event loop is measured and logged; a free one is not; stalls close
+together are summed up in one line, which comes out even when no later stall follows."""
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 
 from shared.loop_watch import watch_loop
+
+BLOCK_S, WARN_S = 0.5, 0.35           # far above what a busy 2-core host adds to a 20 ms timer
 
 
 async def _watch_while(work, **kw) -> list[float]:
@@ -18,32 +22,46 @@ async def _watch_while(work, **kw) -> list[float]:
     return seen
 
 
+def _stalled(records) -> list[tuple[float, int]]:
+    """(longest stall, count) of each warning line."""
+    found = [re.search(r"test: the event loop stalled ([\d.]+) s \((\d+) stall", r.getMessage()) for r in records]
+    assert all(found), [r.getMessage() for r in records]
+    return [(float(m.group(1)), int(m.group(2))) for m in found if m]
+
+
 def test_a_blocking_call_is_measured_and_logged(caplog):
     async def block():
         await asyncio.sleep(0.05)            # the watcher's timer is armed
-        time.sleep(0.3)                      # a synchronous call on the loop
+        time.sleep(BLOCK_S)                  # a synchronous call on the loop
         await asyncio.sleep(0.05)
 
     with caplog.at_level(logging.WARNING, logger="shared.loop_watch"):
-        seen = asyncio.run(_watch_while(block, tick_s=0.02, warn_s=0.2, quiet_s=30))
-    assert max(seen) >= 0.25, seen
-    assert sum(late >= 0.2 for late in seen) == 1, seen
-    lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 1 and "test: the event loop stalled 0.3 s" in lines[0], lines
+        seen = asyncio.run(_watch_while(block, tick_s=0.02, warn_s=WARN_S, quiet_s=30))
+    assert max(seen) >= BLOCK_S - 0.1, seen
+    [(longest, count)] = _stalled(caplog.records)
+    assert longest >= BLOCK_S - 0.1 and count == 1
 
 
-def test_a_free_loop_is_quiet_and_repeated_stalls_are_rate_limited(caplog):
+def test_a_free_loop_is_quiet(caplog):
     async def idle():
-        await asyncio.sleep(0.2)
-
-    async def stall_twice():
-        for _ in range(2):
-            await asyncio.sleep(0.05)
-            time.sleep(0.25)
+        await asyncio.sleep(0.4)
 
     with caplog.at_level(logging.WARNING, logger="shared.loop_watch"):
-        idle_seen = asyncio.run(_watch_while(idle, tick_s=0.02, warn_s=1.0))
-        assert len(idle_seen) >= 5 and not caplog.records and max(idle_seen) < 1.0, idle_seen
-        twice = asyncio.run(_watch_while(stall_twice, tick_s=0.02, warn_s=0.2, quiet_s=30))
-    assert sum(late >= 0.2 for late in twice) == 2, twice
-    assert len(caplog.records) == 1, [r.getMessage() for r in caplog.records]    # the second one is held back
+        seen = asyncio.run(_watch_while(idle, tick_s=0.02, warn_s=1.0))
+    assert len(seen) >= 3 and not caplog.records and max(seen) < 1.0, seen
+
+
+def test_stalls_within_the_quiet_time_are_summed_up_once_it_is_over(caplog):
+    """Two stalls 0.1 s apart with a quiet time of 0.8 s: the first is logged at once; the second is held
+    back, then reported by a tick after the quiet time although nothing stalls then."""
+    async def stall_twice_then_idle():
+        for _ in range(2):
+            await asyncio.sleep(0.05)
+            time.sleep(BLOCK_S)
+        await asyncio.sleep(1.0)
+
+    with caplog.at_level(logging.WARNING, logger="shared.loop_watch"):
+        seen = asyncio.run(_watch_while(stall_twice_then_idle, tick_s=0.02, warn_s=WARN_S, quiet_s=0.8))
+    assert sum(late >= WARN_S for late in seen) >= 2, seen
+    lines = _stalled(caplog.records)
+    assert len(lines) == 2 and lines[0][1] == 1 and lines[1][1] >= 1, lines
