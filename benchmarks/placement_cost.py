@@ -16,8 +16,8 @@ Each tree is timed in a child process of its own (its modules first on the path,
 (the order flipped every slice), so the bursts of a noisy host land on both alike, and the table shows
 each tree's median slice. On the shared 2-core host the same slice varied up to 1.7x between runs a few
 seconds apart, which a few long rounds per tree did not average out.
-Writes benchmarks/results/placement_cost.json and a table beside it (placement_cost.md), with the load
-average at start and end.
+Writes benchmarks/results/placement_cost.json and a table beside it (benchmarks/results/placement_cost.md),
+with the load average at start and end.
 """
 from __future__ import annotations
 
