@@ -187,7 +187,7 @@ class WorkerRegistry:
         health_of, drained = self.health.view, self.drained
         ledger_of = self.ledger.view
         out = []
-        for wid, info in (self.static.items() if not self.discovered else self.all_infos().items()):
+        for wid, info in self.all_infos().items():
             load = load_of(wid)
             since = since_of(wid)
             peer_inflight, peer_backlog_s = peer_of(wid, _NO_PEERS)

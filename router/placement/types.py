@@ -113,7 +113,7 @@ class RoutingContext:
 
     def prefix_fraction(self, info: WorkerInfo) -> float:
         """Share of the prompt's full blocks cached on the worker; 0.0 when there are none."""
-        total = len(self.prompt_hashes.get((info.hash_root, info.block_size), ()))
+        total = len(self.hashes_for(info))
         return min(self.cached_blocks.get(info.worker_id, 0), total) / total if total else 0.0
 
     def uncached_tokens(self, info: WorkerInfo) -> int:
@@ -123,7 +123,6 @@ class RoutingContext:
         known = self._uncached.get(info.worker_id)
         if known is not None:
             return known
-        cached = min(self.cached_blocks.get(info.worker_id, 0),
-                     len(self.prompt_hashes.get((info.hash_root, info.block_size), ())))
+        cached = min(self.cached_blocks.get(info.worker_id, 0), len(self.hashes_for(info)))
         known = self._uncached[info.worker_id] = max(self.num_prompt_tokens - cached * info.block_size, 1)
         return known
