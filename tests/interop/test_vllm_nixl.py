@@ -123,12 +123,13 @@ def test_aliases_and_models(fleet):
     path, body = requests_for(300)[1]
     expected = answer(post(fleet.urls["p2"], path, body))
     assert answer(post(router, path, {**body, "model": "tiny"})) == expected   # the alias reaches vLLM as its name
-    bad = httpx.post(router + path, json={**body, "model": "nope"}, timeout=30)
+    bad = httpx.post(router + path, json={**body, "model": "nope"}, timeout=120)
     assert bad.status_code == 404 and bad.json()["error"]["message"]
 
 
 def workers_view(router: str) -> dict[str, dict]:
-    return {w["worker_id"]: w for w in httpx.get(router + "/admin/workers", headers=AUTH, timeout=30).json()["workers"]}
+    listed = httpx.get(router + "/admin/workers", headers=AUTH, timeout=120).json()["workers"]
+    return {w["worker_id"]: w for w in listed}
 
 
 def wait_for_load(router: str, worker: str, check, timeout_s: float = 120) -> dict:
