@@ -77,3 +77,34 @@ def test_kimi_pd_up_exits_at_once_on_a_taken_port(tmp_path) -> None:
     assert "kimi-pd is up" not in done.stdout
     assert not (tmp_path / "logs" / "router.log").exists()     # nothing was started
     assert time.monotonic() - started < 60
+
+
+def test_a_nice_child_is_lowered_as_a_session_too(tmp_path) -> None:
+    """`spawn(..., nice=10)`: the process runs at niceness 10 and, where the kernel groups sessions
+    (autogroup), its whole session does too, children included: a nice process alone in its own session
+    would otherwise take as much CPU as the router beside it."""
+    from pathlib import Path
+
+    from kimi_pd.processes import Processes
+    own = Path(f"/proc/{os.getpid()}/autogroup")
+    own_before = own.read_text() if own.exists() else None
+    fleet = Processes()
+    # the child forks a grandchild (same session) and prints its pid
+    child = fleet.spawn("nice", [sys.executable, "-c", "import subprocess, sys, time; "
+                                 "g = subprocess.Popen(['sleep', '60']); print(g.pid, flush=True); time.sleep(60)"],
+                        dict(os.environ), Path(tmp_path / "nice.log"), nice=10)
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "nice.log").read_text().strip() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        grandchild = int((tmp_path / "nice.log").read_text().split()[0])
+        for pid in (child.popen.pid, grandchild):
+            with open(f"/proc/{pid}/stat") as f:
+                assert int(f.read().split(")")[-1].split()[16]) == 10, pid      # field 19: nice
+        autogroup = Path(f"/proc/{child.popen.pid}/autogroup")
+        if autogroup.exists() and Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1":
+            assert autogroup.read_text().split()[-1] == "10"
+            assert Path(f"/proc/{grandchild}/autogroup").read_text() == autogroup.read_text()
+        assert (own.read_text() if own.exists() else None) == own_before        # the caller's group untouched
+    finally:
+        fleet.stop(grace_s=5)
