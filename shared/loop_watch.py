@@ -8,8 +8,9 @@ a histogram, and a stall of `warn_s` or more is logged (at most once per `quiet_
 A stall cannot explain itself from inside the loop, so a thread looks at it from outside: when the loop
 has not ticked for `inspect_s`, it logs what the loop thread is doing (its stack and every other
 thread's), how much CPU the loop thread used meanwhile, and how late the inspector itself woke. Those
-tell the three causes apart: computing (the loop thread's CPU time grows), starved (its time waiting for a
-CPU grows: Linux's per-thread schedstat), or blocked (neither: a lock, the GIL, a system call).
+tell the causes apart: computing (the loop thread's CPU time grows), starved (its time waiting for a CPU
+grows: Linux's per-thread schedstat), stopped (neither, and the inspector itself woke late: SIGSTOP, a
+frozen cgroup, a paused host), or blocked (none of these: a lock, the GIL, a system call).
 """
 from __future__ import annotations
 
@@ -121,9 +122,11 @@ def explain_stall(stalled: float, loop_cpu: float, queued: float | None, own_lat
         verdict = "it is computing (a long synchronous step on the loop)"
     elif queued is not None and queued >= stalled / 2:
         verdict = "it is starved: runnable but waiting for a CPU (more busy processes than cores)"
+    elif own_lateness >= stalled / 2:
+        verdict = ("the whole process was stopped: neither thread ran nor waited for a CPU (SIGSTOP, a debugger, "
+                   "a frozen cgroup, or the host paused)")
     else:
-        verdict = ("it is blocked, not computing (a lock, the GIL held by another thread, a system call; or the "
-                   "whole host paused)")
+        verdict = "it is blocked, not computing (a lock, the GIL held by another thread, or a system call)"
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     waited = "unknown" if queued is None else f"{queued:.2f} s"
     lines = [f"{verdict}: the loop thread used {loop_cpu:.2f} s of CPU and waited {waited} for one meanwhile; "

@@ -121,4 +121,5 @@ def test_the_verdict_follows_the_evidence():
     assert "computing" in explain_stall(4.0, 3.0, 0.5, 0.0, me)
     assert "starved" in explain_stall(4.0, 0.2, 3.5, 0.0, me)
     assert "blocked" in explain_stall(4.0, 0.0, 0.0, 0.0, me)
-    assert "blocked" in explain_stall(4.0, 0.0, None, 3.9, me)      # no schedstat: not called starvation
+    assert "blocked" in explain_stall(4.0, 0.0, None, 0.1, me)      # no schedstat: not called starvation
+    assert "stopped" in explain_stall(8.0, 0.0, 0.0, 7.7, me)       # SIGSTOP: the inspector froze with it
