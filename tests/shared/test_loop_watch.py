@@ -84,17 +84,23 @@ def _spin_on_the_loop():
         pass
 
 
-def test_a_blocked_loop_is_explained_from_outside_with_its_stack(caplog):
-    """The inspector thread sees the loop silent for 0.4 s, finds its thread used no CPU, and names the
-    call it is stuck in; one line per stall."""
-    async def block():
+def _explain(caplog, sync_call) -> str:
+    """The one explanation the inspector (0.4 s) logs while `sync_call` runs on the loop."""
+    async def work():
         await asyncio.sleep(0.05)
-        _sleep_on_the_loop()
+        sync_call()
         await asyncio.sleep(0.05)
 
     with caplog.at_level(logging.WARNING, logger="shared.loop_watch"):
-        asyncio.run(_watch_while(block, tick_s=0.02, warn_s=5, inspect_s=0.4))
+        asyncio.run(_watch_while(work, tick_s=0.02, warn_s=5, inspect_s=0.4))
     [line] = _explained(caplog.records)
+    return line
+
+
+def test_a_blocked_loop_is_explained_from_outside_with_its_stack(caplog):
+    """The inspector thread sees the loop silent for 0.4 s, finds its thread used no CPU, and names the
+    call it is stuck in; one line per stall."""
+    line = _explain(caplog, _sleep_on_the_loop)
     assert "it is blocked, not computing" in line, line
     cpu = float(re.search(r"used ([\d.]+) s of CPU", line).group(1))
     assert cpu < 0.1, line
@@ -103,14 +109,7 @@ def test_a_blocked_loop_is_explained_from_outside_with_its_stack(caplog):
 
 
 def test_a_computing_loop_is_explained_with_its_cpu_and_stack(caplog):
-    async def spin():
-        await asyncio.sleep(0.05)
-        _spin_on_the_loop()
-        await asyncio.sleep(0.05)
-
-    with caplog.at_level(logging.WARNING, logger="shared.loop_watch"):
-        asyncio.run(_watch_while(spin, tick_s=0.02, warn_s=5, inspect_s=0.4))
-    [line] = _explained(caplog.records)
+    line = _explain(caplog, _spin_on_the_loop)
     assert "blocked" not in line.split(":")[1], line       # computing, or starved on a crowded host
     assert float(re.search(r"used ([\d.]+) s of CPU", line).group(1)) > 0.1, line
     assert "in _spin_on_the_loop" in line, line
