@@ -40,7 +40,9 @@ async def watch_loop(stop: asyncio.Event, observe: Callable[[float], None], name
     held back is reported by the first tick after `quiet_s`, stalled or not). With `inspect_s`, a
     `StallInspector` thread explains stalls that long (None: no thread)."""
     loop = asyncio.get_running_loop()
-    inspector = None if inspect_s is None else StallInspector(name, inspect_s, quiet_s)
+    # a thread's CPU clock, read from another thread, is POSIX; without it no inspector
+    inspector = (StallInspector(name, inspect_s, quiet_s)
+                 if inspect_s is not None and hasattr(time, "pthread_getcpuclockid") else None)
     last_line, worst, stalls = -quiet_s, 0.0, 0
     try:
         while not stop.is_set():

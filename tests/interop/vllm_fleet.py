@@ -154,7 +154,7 @@ class VllmFleet:
         launch = sum(log.name.startswith(f"{name}.") for log in self.tmp.iterdir())
         log = self.tmp / (f"{name}.log" if launch == 0 else f"{name}.{launch}.log")
         # below the router, as a session: nice alone does not count across autogroup sessions, and a
-        # starved router loop waited 3 s for a CPU on a 2-core host (its stall inspector's finding)
+        # starved router loop waited up to 26 s for a CPU on a 2-core host (its stall inspector's finding)
         self.children[name] = self.processes.spawn(name, cmd, env, log, nice=10)
         self.urls[name] = f"http://127.0.0.1:{port}"
         return self.urls[name]
