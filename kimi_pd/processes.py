@@ -36,18 +36,14 @@ class Child:
 AUTOGROUP = "/proc/{pid}/autogroup"
 
 
-def lower_priority(session_leader: int, nice: int) -> bool:
+def lower_priority(session_leader: int, nice: int) -> None:
     """Give the session that `session_leader` heads the niceness `nice` as a whole. With Linux's
     autogroup (on by default on desktops and many VMs) each session is one scheduling group and the groups
     share the CPUs equally, whatever their processes' own niceness: a nice-10 child in its own session takes
-    as much CPU as the router beside it. Raising a group's niceness needs no privilege. False where there is
-    no autogroup to set (then the process's own niceness, set by `nice`, is what counts)."""
-    try:
-        with open(AUTOGROUP.format(pid=session_leader), "w") as f:
-            f.write(str(nice))
-        return True
-    except OSError:
-        return False
+    as much CPU as the router beside it. Raising a group's niceness needs no privilege. Where there is no
+    autogroup to set, the process's own niceness (set by `nice`) is what counts, and this does nothing."""
+    with contextlib.suppress(OSError), open(AUTOGROUP.format(pid=session_leader), "w") as f:
+        f.write(str(nice))
 
 
 @dataclass

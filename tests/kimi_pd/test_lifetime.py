@@ -1,4 +1,5 @@
-"""`kimi-pd up` leaves nothing behind when it is killed, and refuses a port somebody else holds."""
+"""`kimi-pd up` leaves nothing behind when it is killed, refuses a port somebody else holds, and lowers a
+nice child's whole session."""
 from __future__ import annotations
 
 import os
@@ -8,9 +9,11 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
+from kimi_pd.processes import Processes
 from kimi_pd.up import PortTaken, check_port_free
 
 # A parent that spawns one long-lived child through Processes (as `kimi-pd up` does), prints the child's
@@ -83,16 +86,13 @@ def test_a_nice_child_is_lowered_as_a_session_too(tmp_path) -> None:
     """`spawn(..., nice=10)`: the process runs at niceness 10 and, where the kernel groups sessions
     (autogroup), its whole session does too, children included: a nice process alone in its own session
     would otherwise take as much CPU as the router beside it."""
-    from pathlib import Path
-
-    from kimi_pd.processes import Processes
     own = Path(f"/proc/{os.getpid()}/autogroup")
     own_before = own.read_text() if own.exists() else None
     fleet = Processes()
     # the child forks a grandchild (same session) and prints its pid
-    child = fleet.spawn("nice", [sys.executable, "-c", "import subprocess, sys, time; "
+    child = fleet.spawn("nice", [sys.executable, "-c", "import subprocess, time; "
                                  "g = subprocess.Popen(['sleep', '60']); print(g.pid, flush=True); time.sleep(60)"],
-                        dict(os.environ), Path(tmp_path / "nice.log"), nice=10)
+                        dict(os.environ), tmp_path / "nice.log", nice=10)
     try:
         deadline = time.monotonic() + 30
         while not (tmp_path / "nice.log").read_text().strip() and time.monotonic() < deadline:
