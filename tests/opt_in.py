@@ -2,8 +2,9 @@
 ten minutes on two cores, each run as its own CI step (`.ci/run`).
 
 A suite is named once (in its folder's conftest, or in tests/conftest.py when its files live beside default
-tests); every test under its paths then carries the marker, and is skipped unless `-m MARKER` selects it or
-`$ENV=1` is set (`-m "not MARKER"` keeps it skipped)."""
+tests); every test under its paths then carries the marker, as does a single test marked by hand
+(`@pytest.mark.parallel` in a default file), and is skipped unless `-m MARKER` selects it or `$ENV=1` is set
+(`-m "not MARKER"` keeps it skipped)."""
 from __future__ import annotations
 
 import os
@@ -38,5 +39,5 @@ class OptInSuite:
             path = Path(item.path).resolve()
             if any(p == path or p in path.parents for p in paths):
                 item.add_marker(getattr(pytest.mark, self.marker))
-                if not enabled:
-                    item.add_marker(skip)
+            if item.get_closest_marker(self.marker) is not None and not enabled:    # also a test marked by hand
+                item.add_marker(skip)

@@ -61,13 +61,22 @@ Answerer = Callable[[list[Instance], bool], list[Answer]]
 
 def evaluate(answer_all: Answerer, families: Iterable[str] = FAMILIES, n: int = 50,
              thinking_modes: Iterable[bool] = (False, True), seed: int = 1234) -> list[FamilyScore]:
+    """Scores per (thinking, family). Every family's instances go to `answer_all` in one call per thinking
+    mode, so the engine (or the router's clients) batch across families instead of draining per family."""
+    families = list(families)
+    per_family = {family: eval_instances(family, n, seed) for family in families}
     scores = []
     for thinking in thinking_modes:
+        every = [inst for family in families for inst in per_family[family]]
+        answers = answer_all(every, thinking)
+        if len(answers) != len(every):
+            raise ValueError(f"{len(every)} instances were asked, {len(answers)} answers came back")
+        start = 0
         for family in families:
-            insts = eval_instances(family, n, seed)
-            answers = answer_all(insts, thinking)
+            insts = per_family[family]
+            mine, start = answers[start:start + len(insts)], start + len(insts)
             wrong = [(i.key, repr(a.tool_calls or a.content))
-                     for i, a in zip(insts, answers, strict=False) if not is_correct(i, a)]
+                     for i, a in zip(insts, mine, strict=True) if not is_correct(i, a)]
             scores.append(FamilyScore(family, thinking, len(insts) - len(wrong), len(insts), tuple(wrong[:3])))
     return scores
 
@@ -83,7 +92,7 @@ def format_scores(scores: list[FamilyScore], where: str) -> str:
 
 # ---- offline: the engine's LLM ------------------------------------------------------------------
 
-def offline_answerer(model_dir: str, max_num_seqs: int = 16) -> Answerer:
+def offline_answerer(model_dir: str, max_num_seqs: int = 32) -> Answerer:
     from engine.llm import LLM
     from shared.openai.shaping import SpecialTokenStrip, shape_chat_message
     from shared.prompt.parsers import parse_tool_calls, split_reasoning

@@ -23,7 +23,7 @@ def stub(tmp_path_factory, bench_model):
 @pytest.mark.parametrize("backend", ["openai", "openai-chat"])
 def test_bench_recovers_injected_delays(stub, bench_model, tmp_path, backend):
     result, pngs = run_bench(stub, bench_model, tmp_path, "--backend", backend, "--num-prompts", "16",
-                             "--random-input-len", "48", "--random-output-len", str(TOKENS), "--max-concurrency", "4",
+                             "--random-input-len", "48", "--random-output-len", str(TOKENS), "--max-concurrency", "8",
                              "--request-rate", "20", "--seed", "1", "--goodput", "ttft:1000", "tpot:100")
     assert result["completed"] == 16 and result["failed"] == 0
     assert set(LATENCY_KEYS) <= set(result)

@@ -25,10 +25,11 @@ def stub_counts(url: str) -> dict[str, int]:
     return httpx.get(url + "/stats", timeout=5).json()
 
 
-@pytest.fixture()
-def slow_fleet(tmp_path, e2e_model):
-    """P and D stubs generating 100 tokens at 20 ms each (2 s per answer), a P/D router."""
-    with Fleet(tmp_path, e2e_model) as f:
+@pytest.fixture(scope="module")
+def slow_fleet(tmp_path_factory, e2e_model):
+    """P and D stubs generating 100 tokens at 20 ms each (2 s per answer), a P/D router; shared by the
+    tests that use it, each of which ends with nothing in flight."""
+    with Fleet(tmp_path_factory.mktemp("slow-fleet"), e2e_model) as f:
         f.p = f.stub("prefill", "p", "--tokens", "100", "--token-delay-ms", "20")
         f.d = f.stub("decode", "d", "--tokens", "100", "--token-delay-ms", "20")
         for proc in (f.p, f.d):

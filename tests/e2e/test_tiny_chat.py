@@ -67,7 +67,7 @@ def router_url(tmp_path_factory):
 @pytest.fixture(scope="module")
 def routed_scores_and_answers(router_url):
     answers: dict = {}
-    scores = evaluate(_recording(router_answerer(router_url), answers), FAMILIES, SAMPLE_PER_FAMILY)
+    scores = evaluate(_recording(router_answerer(router_url, concurrency=16), answers), FAMILIES, SAMPLE_PER_FAMILY)
     return scores, answers
 
 

@@ -1,6 +1,8 @@
 """router.transport.front: the router's own HTTP protocol for the two OpenAI POST routes, served by uvicorn as
 `kimi-pd router` serves it, in front of stub workers on loopback. Same answers as the ASGI path,
-the body bound before parsing, OpenAI errors, keep-alive, chunked streams, a leaving client cancels."""
+the body bound before parsing, OpenAI errors, keep-alive, chunked streams, a leaving client cancels,
+header and body deadlines, poisoned request ids. (The fleet-sized forms of the last two, 200 slowloris
+connections and a P/D fleet of four workers, are in the fault suite: tests/faults/.)"""
 from __future__ import annotations
 
 import json
@@ -142,3 +144,44 @@ def test_a_body_that_never_finishes_is_cut_at_its_deadline():
         assert httpx.post(url + "/v1/chat/completions", json=CHAT, timeout=20).status_code == 200
     finally:
         r.should_exit = d.should_exit = True
+
+
+def test_headers_that_never_finish_are_cut_at_the_header_deadline():
+    """A slowloris client (one more header byte now and then, never the blank line) is closed once the header
+    deadline passes; whole requests on the same server are answered meanwhile."""
+    decode_url, d = _serve(stub_app(StubSettings(role="both", tokens=2)))
+    app = create_app(RouterSettings(model=None, static_both=(decode_url,), max_request_bytes=MAX_BYTES))
+    url, r = _serve(app, http=front_protocol_class(0.5, app, MAX_BYTES))
+    try:
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as slow:
+            started = time.monotonic()
+            slow.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n")
+            closed = False
+            while not closed and time.monotonic() - started < 5:
+                try:
+                    slow.sendall(b"x")
+                    slow.settimeout(0.1)
+                    closed = slow.recv(1024) == b""
+                except TimeoutError:
+                    pass
+                except OSError:                        # reset by the server
+                    closed = True
+            assert closed and 0.4 < time.monotonic() - started < 5
+        assert httpx.post(url + "/v1/chat/completions", json=CHAT, timeout=20).status_code == 200
+    finally:
+        r.should_exit = d.should_exit = True
+
+
+@pytest.mark.parametrize("bad", ["abc\u0000def", "a b", "x" * 129, "line\r\nx-evil: 1", "", "quote\"id"])
+def test_a_poisoned_request_id_is_the_clients_400_not_a_worker_failure(router, bad):
+    """Client ids never reach a worker's headers: a bad one is refused before placement, so no circuit opens."""
+    admin = {"authorization": "Bearer admin-token"}
+    with httpx.Client(base_url=router, timeout=20) as client:
+        for _ in range(6):                                     # more than the breaker's 5 consecutive failures
+            refused = client.post("/v1/chat/completions", content=json.dumps({**CHAT, "request_id": bad}),
+                                  headers={**AUTH, "content-type": "application/json"})
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == "request_id", refused.text
+        assert client.post("/v1/chat/completions", json=CHAT, headers=AUTH).status_code == 200
+        (worker,) = client.get("/admin/workers", headers=admin).json()["workers"]
+    assert worker["circuit"] == "closed" and worker["inflight"] == 0

@@ -31,7 +31,7 @@ from tests.stub_worker import create_app as stub_app
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = ROOT / "engine" / "presets_data" / "tiny-chat"
-DELAY_S = 2.5
+DELAY_S = 1.5
 ADMIN = "procs-admin-token"
 PREFIX = "the shared system prompt says hello " * 60
 

@@ -134,6 +134,7 @@ def test_instances_follow_the_templates():
     assert inst.messages[0]["content"] == "What is 12 - 700?" and inst.content == "-688"
 
 
+@pytest.mark.parallel          # two gloo ranks, twice: 14 s on two cores, so in the parallel suite
 def test_data_parallel_training_is_deterministic_and_writes_the_checkpoint(tmp_path):
     """Two worker processes (gloo all-reduce): same seed, same losses and tensors; the result loads."""
     from safetensors.torch import load_file
