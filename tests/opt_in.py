@@ -4,7 +4,8 @@ ten minutes on two cores, each run as its own CI step (`.ci/run`).
 A suite is named once (in its folder's conftest, or in tests/conftest.py when its files live beside default
 tests); every test under its paths then carries the marker, as does a single test marked by hand
 (`@pytest.mark.parallel` in a default file), and is skipped unless `-m MARKER` selects it or `$ENV=1` is set
-(`-m "not MARKER"` keeps it skipped)."""
+(`-m "not MARKER"` keeps it skipped). A test marked by hand outside its suite's folder is skipped only
+where the conftest naming that suite is loaded: tests/conftest.py's suites (parallel) always are."""
 from __future__ import annotations
 
 import os

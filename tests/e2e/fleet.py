@@ -119,14 +119,16 @@ class Fleet:
 
     def static_pd(self, prefill_flags: tuple[str, ...] = (), decode_flags: tuple[str, ...] = (),
                   router_flags: tuple[str, ...] = ()) -> Fleet:
-        """One prefill worker, one decode worker and a router that always disaggregates, all ready;
-        they are `self.p`, `self.d`, `self.r`. The three start at once (the router's health checks find
-        the workers when they are up), which saves the router's start-up time on every fleet."""
+        """One prefill worker, one decode worker and a router that always disaggregates, all ready and the
+        router listing both healthy; they are `self.p`, `self.d`, `self.r`. The three start at once (the
+        router's health checks find the workers when they are up), which saves the router's start-up time
+        on every fleet; /ready needs only the decode worker, so both are awaited in the admin view."""
         p, d = self.worker("prefill", "p0", *prefill_flags), self.worker("decode", "d0", *decode_flags)
         r = self.router("r0", "--prefill", p.url, "--decode", d.url, "--disagg-threshold", "0", *router_flags)
         for proc in (p, d):
             self.wait(proc)
         self.wait(r, "/ready")
+        eventually(lambda: healthy_workers(r) == {p.url, d.url}, timeout_s=60, what="r0 to list p0 and d0 healthy")
         self.p, self.d, self.r = p, d, r
         return self
 

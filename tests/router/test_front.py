@@ -157,6 +157,8 @@ def test_headers_that_never_finish_are_cut_at_the_header_deadline():
         with socket.create_connection((host, int(port)), timeout=10) as slow:
             started = time.monotonic()
             slow.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n")
+            # answered while the trickle is open: a slow connection blocks nobody
+            assert httpx.post(url + "/v1/chat/completions", json=CHAT, timeout=5).status_code == 200
             closed = False
             while not closed and time.monotonic() - started < 5:
                 try:
@@ -185,3 +187,31 @@ def test_a_poisoned_request_id_is_the_clients_400_not_a_worker_failure(router, b
         assert client.post("/v1/chat/completions", json=CHAT, headers=AUTH).status_code == 200
         (worker,) = client.get("/admin/workers", headers=admin).json()["workers"]
     assert worker["circuit"] == "closed" and worker["inflight"] == 0
+
+
+def _status_of_raw_post(url: str, header: bytes) -> bytes:
+    """POST a chat request with one extra header httpx refuses to build (a NUL, raw UTF-8); the status code."""
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps(CHAT).encode()
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer client-key\r\n"
+                     b"content-type: application/json\r\n" + header + b"\r\ncontent-length: %d\r\n"
+                     b"connection: close\r\n\r\n%s" % (len(body), body))
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    return reply.split(b"\r\n", 1)[0].split()[1]
+
+
+def test_client_request_ids_never_reach_a_worker_and_bad_headers_are_never_a_5xx(router):
+    """The router names every request itself: a client's id (body or header) is not in the answer's id, and
+    a poisoned x-request-id header (NUL, raw UTF-8, 300 bytes) is answered or refused, never a 5xx."""
+    for header in (b"x-request-id: a\x00b", b"x-request-id: \xc3\xa9t\xc3\xa9", b"x-request-id: " + b"y" * 300):
+        assert _status_of_raw_post(router, header) in (b"200", b"400"), header
+    resp = httpx.post(router + "/v1/chat/completions", json={**CHAT, "request_id": "client-id-42"},
+                      headers={**AUTH, "x-request-id": "hdr-7"}, timeout=20)
+    assert resp.status_code == 200
+    assert "client-id-42" not in resp.headers["x-request-id"] and "hdr-7" not in resp.headers["x-request-id"]
+    (worker,) = httpx.get(router + "/admin/workers", headers={"authorization": "Bearer admin-token"},
+                          timeout=5).json()["workers"]
+    assert worker["circuit"] == "closed"
