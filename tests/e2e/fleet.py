@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -122,13 +123,13 @@ class Fleet:
         """One prefill worker, one decode worker and a router that always disaggregates, all ready and the
         router listing both healthy; they are `self.p`, `self.d`, `self.r`. The three start at once (the
         router's health checks find the workers when they are up), which saves the router's start-up time
-        on every fleet; /ready needs only the decode worker, so both are awaited in the admin view."""
+        on every fleet."""
         p, d = self.worker("prefill", "p0", *prefill_flags), self.worker("decode", "d0", *decode_flags)
         r = self.router("r0", "--prefill", p.url, "--decode", d.url, "--disagg-threshold", "0", *router_flags)
         for proc in (p, d):
             self.wait(proc)
         self.wait(r, "/ready")
-        eventually(lambda: healthy_workers(r) == {p.url, d.url}, timeout_s=60, what="r0 to list p0 and d0 healthy")
+        wait_listed(r, p, d)
         self.p, self.d, self.r = p, d, r
         return self
 
@@ -172,6 +173,27 @@ def healthy_workers(router: Proc) -> set[str]:
     return {w["url"] for w in listed.json()["workers"] if w["healthy"]}
 
 
+def raw_post(url: str, path: str, body: bytes, extra_header: bytes) -> bytes:
+    """POST JSON with header lines httpx refuses to build (a NUL or raw UTF-8 in a value; several lines may
+    be joined with CRLF); the reply's status line."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST " + path.encode() + b" HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     + extra_header + b"\r\ncontent-length: " + str(len(body)).encode()
+                     + b"\r\nconnection: close\r\n\r\n" + body)
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    return reply.split(b"\r\n", 1)[0]
+
+
+def wait_listed(router: Proc, prefill: Proc, decode: Proc) -> None:
+    """Until `router` lists both its workers healthy: /ready needs only the decode worker, and the prefill
+    worker is placed once the router's health check passed it."""
+    eventually(lambda: healthy_workers(router) == {prefill.url, decode.url}, timeout_s=60,
+               what=f"{router.name} to list {prefill.name} and {decode.name}")
+
+
 def pd_routers(fleet: Fleet, pairs: dict[str, tuple[Proc, Proc]]) -> list[Proc]:
     """One always-disaggregating router per named (prefill, decode) pair, started together, each ready and
     listing both its workers healthy (/ready needs only the decode worker; the prefill worker is placed
@@ -180,8 +202,7 @@ def pd_routers(fleet: Fleet, pairs: dict[str, tuple[Proc, Proc]]) -> list[Proc]:
                for name, (p, d) in pairs.items()]
     for router, (prefill, decode) in zip(routers, pairs.values(), strict=True):
         fleet.wait(router, "/ready")
-        eventually(lambda router=router, pair={prefill.url, decode.url}: healthy_workers(router) == pair,
-                   timeout_s=60, what=f"{router.name} to list {prefill.name} and {decode.name}")
+        wait_listed(router, prefill, decode)
     return routers
 
 

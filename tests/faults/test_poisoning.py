@@ -9,31 +9,17 @@ are answered 4xx, then 10 normal requests all get 200 and every circuit is still
 from __future__ import annotations
 
 import json
-import socket
 
 import httpx
 import pytest
 
-from tests.e2e.fleet import ADMIN, Fleet
+from tests.e2e.fleet import ADMIN, Fleet, raw_post
 
 pytestmark = pytest.mark.timeout(180)
 ADMIN_HEADERS = {"authorization": f"Bearer {ADMIN}"}
 CHAT = {"model": "kimi-k3", "messages": [{"role": "user", "content": "hello there, how are you"}], "max_tokens": 4}
 POISONED_IDS = ["abc\u0000def", "\u00e9t\u00e9", "a b", "x" * 129, "line\r\nx-evil: 1", "", "\ud800", "tab\tid",
                 "quote\"id", "\u0000", "emoji-\U0001F600", "del\u007f"]
-
-
-def raw_post(url: str, path: str, body: bytes, extra_header: bytes) -> bytes:
-    """POST with a header httpx refuses to build (a NUL in a header value); the reply's status line."""
-    host, port = url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(b"POST " + path.encode() + b" HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                     + extra_header + b"\r\ncontent-length: " + str(len(body)).encode()
-                     + b"\r\nconnection: close\r\n\r\n" + body)
-        reply = b""
-        while chunk := sock.recv(65536):
-            reply += chunk
-    return reply.split(b"\r\n", 1)[0]
 
 
 @pytest.fixture()

@@ -5,10 +5,12 @@ header and body deadlines, poisoned request ids. (The fleet-sized forms of the l
 connections and a P/D fleet of four workers, are in the fault suite: tests/faults/.)"""
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -17,6 +19,7 @@ import uvicorn
 from router.app import create_app
 from router.settings import RouterSettings
 from router.transport.front import front_protocol_class
+from tests.e2e.fleet import raw_post
 from tests.stub_worker import StubSettings
 from tests.stub_worker import create_app as stub_app
 
@@ -126,14 +129,22 @@ def test_a_client_leaving_mid_stream_cancels_the_relay(router):
         time.sleep(0.1)
 
 
+@contextlib.contextmanager
+def router_with_deadlines(header_timeout_s: float, **front: float) -> Iterator[str]:
+    """A router of its own in front of a quick stub, its front protocol given these deadlines; its URL."""
+    decode_url, d = _serve(stub_app(StubSettings(role="both", tokens=2)))
+    app = create_app(RouterSettings(model=None, static_both=(decode_url,), max_request_bytes=MAX_BYTES))
+    url, r = _serve(app, http=front_protocol_class(header_timeout_s, app, MAX_BYTES, **front))
+    try:
+        yield url
+    finally:
+        r.should_exit = d.should_exit = True
+
+
 def test_a_body_that_never_finishes_is_cut_at_its_deadline():
     """Headers in time, then a trickle: the connection is closed once the body deadline passes, so slow-body
     clients cannot hold connections and buffers; whole requests on the same server still get answers."""
-    decode_url, d = _serve(stub_app(StubSettings(role="both", tokens=2)))
-    settings = RouterSettings(model=None, static_both=(decode_url,), max_request_bytes=MAX_BYTES)
-    app = create_app(settings)
-    url, r = _serve(app, http=front_protocol_class(5.0, app, MAX_BYTES, body_timeout_s=0.5))
-    try:
+    with router_with_deadlines(5.0, body_timeout_s=0.5) as url:
         host, port = url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port)), timeout=10) as slow:
             slow.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
@@ -142,17 +153,12 @@ def test_a_body_that_never_finishes_is_cut_at_its_deadline():
             assert slow.recv(1024) == b""                                  # closed by the server, no answer
             assert 0.4 < time.monotonic() - started < 5
         assert httpx.post(url + "/v1/chat/completions", json=CHAT, timeout=20).status_code == 200
-    finally:
-        r.should_exit = d.should_exit = True
 
 
 def test_headers_that_never_finish_are_cut_at_the_header_deadline():
     """A slowloris client (one more header byte now and then, never the blank line) is closed once the header
     deadline passes; whole requests on the same server are answered meanwhile."""
-    decode_url, d = _serve(stub_app(StubSettings(role="both", tokens=2)))
-    app = create_app(RouterSettings(model=None, static_both=(decode_url,), max_request_bytes=MAX_BYTES))
-    url, r = _serve(app, http=front_protocol_class(0.5, app, MAX_BYTES))
-    try:
+    with router_with_deadlines(0.5) as url:
         host, port = url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port)), timeout=10) as slow:
             started = time.monotonic()
@@ -171,8 +177,6 @@ def test_headers_that_never_finish_are_cut_at_the_header_deadline():
                     closed = True
             assert closed and 0.4 < time.monotonic() - started < 5
         assert httpx.post(url + "/v1/chat/completions", json=CHAT, timeout=20).status_code == 200
-    finally:
-        r.should_exit = d.should_exit = True
 
 
 @pytest.mark.parametrize("bad", ["abc\u0000def", "a b", "x" * 129, "line\r\nx-evil: 1", "", "quote\"id"])
@@ -189,25 +193,13 @@ def test_a_poisoned_request_id_is_the_clients_400_not_a_worker_failure(router, b
     assert worker["circuit"] == "closed" and worker["inflight"] == 0
 
 
-def _status_of_raw_post(url: str, header: bytes) -> bytes:
-    """POST a chat request with one extra header httpx refuses to build (a NUL, raw UTF-8); the status code."""
-    host, port = url.removeprefix("http://").split(":")
-    body = json.dumps(CHAT).encode()
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer client-key\r\n"
-                     b"content-type: application/json\r\n" + header + b"\r\ncontent-length: %d\r\n"
-                     b"connection: close\r\n\r\n%s" % (len(body), body))
-        reply = b""
-        while chunk := sock.recv(65536):
-            reply += chunk
-    return reply.split(b"\r\n", 1)[0].split()[1]
-
-
 def test_client_request_ids_never_reach_a_worker_and_bad_headers_are_never_a_5xx(router):
     """The router names every request itself: a client's id (body or header) is not in the answer's id, and
     a poisoned x-request-id header (NUL, raw UTF-8, 300 bytes) is answered or refused, never a 5xx."""
     for header in (b"x-request-id: a\x00b", b"x-request-id: \xc3\xa9t\xc3\xa9", b"x-request-id: " + b"y" * 300):
-        assert _status_of_raw_post(router, header) in (b"200", b"400"), header
+        status = raw_post(router, "/v1/chat/completions", json.dumps(CHAT).encode(),
+                          b"authorization: Bearer client-key\r\n" + header)
+        assert status.split()[1] in (b"200", b"400"), (header, status)
     resp = httpx.post(router + "/v1/chat/completions", json={**CHAT, "request_id": "client-id-42"},
                       headers={**AUTH, "x-request-id": "hdr-7"}, timeout=20)
     assert resp.status_code == 200
