@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +19,7 @@ from pathlib import Path
 import httpx
 
 from kimi_pd.processes import Child, Processes
+from shared.net import PLAN
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -68,46 +67,6 @@ class PortClash(RuntimeError):
     server never turns healthy, so waiting on it would only run out the clock)."""
 
 
-def ephemeral_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-class ListenPorts:
-    """Ports for the fleet's listeners, below the kernel's ephemeral range and never handed out twice.
-
-    A port found free in the ephemeral range can be taken, before the instance binds it, as the source
-    port of any outgoing connection on the host (vLLM opens many), and UCX listens anywhere in its own
-    40-port window: CI once lost a run to a NIXL side channel port found taken. Outside that range only
-    another listener can take a port, and every port handed out here is bind-checked."""
-
-    def __init__(self, low: int = 20000) -> None:
-        self.low, self.high = low, ephemeral_low() - 1
-        self.given: set[int] = set()
-        self.rng = random.Random()
-
-    def block(self, count: int = 1) -> int:
-        """The first of `count` consecutive free ports."""
-        for _ in range(200):
-            first = self.rng.randrange(self.low, self.high - count)
-            ports = range(first, first + count)
-            if not self.given.intersection(ports) and all(map(bindable, ports)):
-                self.given.update(ports)
-                return first
-        raise RuntimeError(f"no {count} consecutive free ports in {self.low}-{self.high}")
-
-
-def bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def wait_ready(child: Child, url: str, timeout_s: float, path: str = "/health") -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -130,7 +89,8 @@ class VllmFleet:
         self.processes = Processes()
         self.urls: dict[str, str] = {}
         self.children: dict[str, Child] = {}
-        self.ports = ListenPorts()
+        self.ports = PLAN                                  # below the ephemeral range: vLLM opens many
+                                                           # outgoing connections, UCX listens in a 40-port window
         self.launches: dict[str, tuple[dict | None, tuple[str, ...]]] = {}
 
     def __enter__(self) -> VllmFleet:
