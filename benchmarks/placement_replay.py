@@ -175,18 +175,25 @@ def run_grid(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 # ---- tuning, on the first part only ---------------------------------------------------------------
 
-# (own_weight, idle_own_weight or None, slack_s, with_request): the completion scorer and backlog filter
-# the first is the policy before the held-out split (tuned on whole traces): `--baselines` runs it as
-# kimi-pd-before. (A first, wider search on the 4-worker conversation cells' tuning part dropped idle weights, slack 3 s
-# (hit < 0.97) and own_weight 32 with slack 6 s)
-TUNE_GRID = [(16.0, None, 6.0, False), (16.0, None, 4.0, True), (32.0, None, 4.0, True), (16.0, 4.0, 4.0, True)]
+# (own_weight, idle_own_weight or None, slack_s, with_request, tail_share or None): the completion scorer and
+# backlog filter. The first is the policy before the held-out split (tuned on whole traces): `--baselines` runs it
+# as kimi-pd-before. (A first, wider search on the 4-worker conversation cells' tuning part dropped idle weights,
+# slack 3 s (hit < 0.97) and own_weight 32 with slack 6 s.) tail_share: the slack follows the ledger's recent
+# long prefills (router.placement.filters.BacklogFilter); a wider search of its quantile (0.95, 0.99), window
+# (500-4000 legs) and share (0.6-1.0) on the tuning part found 0.99 over 2000 legs at 0.8 best.
+TUNE_GRID: list[tuple[float, float | None, float, bool, float | None]] = [
+    (16.0, None, 6.0, False, None), (16.0, None, 4.0, True, None), (32.0, None, 4.0, True, None),
+    (16.0, 4.0, 4.0, True, None), (32.0, None, 4.0, True, 0.7), (32.0, None, 4.0, True, 0.8),
+    (32.0, None, 4.0, True, 0.9)]
 
 
 def variant_args(args: argparse.Namespace, own: float, idle: float | None, slack: float,
-                 with_request: bool) -> argparse.Namespace:
+                 with_request: bool, tail_share: float | None = None) -> argparse.Namespace:
     """`args` with kimi-pd's completion scorer and backlog filter set to one candidate of the grid."""
     scorer: dict[str, Any] = {"own_weight": own} if idle is None else {"own_weight": own, "idle_own_weight": idle}
-    backlog = ["not-backlogged", {"slack_s": slack, "with_request": with_request}]
+    backlog: list[Any] = ["not-backlogged", {"slack_s": slack, "with_request": with_request}]
+    if tail_share is not None:
+        backlog[1]["tail_share"] = tail_share
     filters = [backlog if not isinstance(f, str) and f[0] == "not-backlogged" else
                (f if isinstance(f, str) else [f[0], dict(f[1])]) for f in RouterSettings(model="").placement_filters]
     return argparse.Namespace(**{**vars(args), "scorers": json.dumps({"completion": [1.0, scorer]}),
@@ -222,7 +229,7 @@ def tune(args: argparse.Namespace) -> dict[str, Any]:
         mine = [r for r in cells if r["candidate"] == candidate]
         met = sum(r["hit_vs_pooled_lru"] >= GOAL_HIT and r["p99_vs_oracle"] <= GOAL_P99 for r in mine)
         ranking.append({"own_weight": candidate[0], "idle_own_weight": candidate[1], "slack_s": candidate[2],
-                        "with_request": candidate[3], "cells_met": met,
+                        "with_request": candidate[3], "tail_share": candidate[4], "cells_met": met,
                         "worst_p99_vs_oracle": max(r["p99_vs_oracle"] for r in mine),
                         "worst_hit_vs_pooled_lru": min(r["hit_vs_pooled_lru"] for r in mine)})
     ranking.sort(key=lambda r: (-r["cells_met"], r["worst_p99_vs_oracle"]))

@@ -230,7 +230,8 @@ class _RouterSim:
         registry = self.registry
         states = registry.states()
         ctx = context_from_hashes(f"r{i}", req.tokens, {self.key: req.blocks}, states, registry.index,
-                                  model=MODEL, role="prefill", now=req.arrival)
+                                  model=MODEL, role="prefill", now=req.arrival,
+                                  tail_prefill_s=registry.ledger.tail_prefill_s())
         chosen = self.pipeline.pick(ctx, states).worker
         url = chosen.worker_id
         registry.begin(url)

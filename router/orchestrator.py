@@ -109,7 +109,8 @@ class Orchestrator:
                  ) -> RoutingContext:
         return build_context(trace.request_id, prepared.token_ids, states, self.registry.index,
                              model=self.s.served_model_name, role=role, now=time.time(),
-                             images=prepared.image_spans(), cache_salt=prepared.cache_salt)
+                             images=prepared.image_spans(), cache_salt=prepared.cache_salt,
+                             tail_prefill_s=self.registry.ledger.tail_prefill_s())
 
     def _decide(self, ctx: RoutingContext, decode: WorkerState, states: list[WorkerState]
                 ) -> tuple[Decision, Reason, RoutingContext | None, tuple[WorkerState, ...] | None]:

@@ -55,8 +55,9 @@ class RouterSettings:
     #                                                                    info, request templates, image URLs)
     # placement (router/placement): expected completion time, in seconds of prefill work, with a
     # recomputed token charged `own_weight` times (it also costs every later request its cache); a
-    # worker whose expected completion of the request is more than `slack_s` behind the earliest is
-    # skipped; request counts guard only against load this replica did not send. Tuned on the first half
+    # worker whose expected completion of the request is more than the slack behind the earliest is
+    # skipped (0.8 x the 99th percentile of the last 2000 legs' uncached prefill seconds, `slack_s` until 50
+    # legs were sent); request counts guard only against load this replica did not send. Tuned on the first half
     # of the Mooncake traces and measured on the second (benchmarks/placement_replay.py, --tune).
     scorer_weights: tuple[tuple[str, Any], ...] = (("completion", (1.0, (("own_weight", 32.0),))),)
     # admission (docs/admission.md): tenants and their limits; slots per usable decode worker (0: no queue),
@@ -66,7 +67,8 @@ class RouterSettings:
     max_queued: int = 1024
     queue_timeout_s: float = 30.0
     placement_filters: tuple[Any, ...] = ("model", "role", "healthy", "circuit-not-open", "not-draining", "not-stuck",
-                                          ("not-backlogged", (("slack_s", 4.0), ("with_request", True))),
+                                          ("not-backlogged", (("slack_s", 4.0), ("with_request", True),
+                                                              ("tail_share", 0.8))),
                                           ("not-overloaded", (("unseen_only", True),)))
 
     def pipeline_spec(self) -> dict[str, Any]:

@@ -11,7 +11,8 @@ from shared.workers import Role
 
 def build_context(request_id: str, token_ids: Sequence[int], workers: Sequence[WorkerState],
                   index: PrefixQuery, *, model: str, role: Role, now: float,
-                  images: Sequence[ImageSpan] = (), cache_salt: str | None = None) -> RoutingContext:
+                  images: Sequence[ImageSpan] = (), cache_salt: str | None = None,
+                  tail_prefill_s: float | None = None) -> RoutingContext:
     """Context for one request over the workers serving `model`.
 
     The prompt is hashed once per distinct (hash_root, block_size) among those workers, since
@@ -22,15 +23,16 @@ def build_context(request_id: str, token_ids: Sequence[int], workers: Sequence[W
     keys = [HashKey(*chain) for chain in {(w.info.hash_root, w.info.block_size) for w in serving}]
     hashes: dict[tuple[int, int], tuple[int, ...]] = {
         k: tuple(block_hashes(token_ids, k.block_size, salted_root(k.hash_root, cache_salt), images)) for k in keys}
-    return context_from_hashes(request_id, len(token_ids), hashes, serving, index, model=model, role=role, now=now)
+    return context_from_hashes(request_id, len(token_ids), hashes, serving, index, model=model, role=role, now=now,
+                               tail_prefill_s=tail_prefill_s)
 
 
 def context_from_hashes(request_id: str, num_prompt_tokens: int, hashes: Mapping[tuple[int, int], tuple[int, ...]],
                         workers: Sequence[WorkerState], index: PrefixQuery, *, model: str, role: Role,
-                        now: float) -> RoutingContext:
+                        now: float, tail_prefill_s: float | None = None) -> RoutingContext:
     """Context from block hashes already computed (`build_context`, or a trace replay that has
     block ids instead of tokens): reads each serving worker's cached prefix once."""
     cached = {info.worker_id: index.matched_blocks(info.worker_id, hashes.get((info.hash_root, info.block_size), ()))
               for info in (w.info for w in workers) if info.model_id == model}
     return RoutingContext(request_id=request_id, model=model, role=role, num_prompt_tokens=num_prompt_tokens,
-                          prompt_hashes=hashes, cached_blocks=cached, now=now)
+                          prompt_hashes=hashes, cached_blocks=cached, now=now, tail_prefill_s=tail_prefill_s)

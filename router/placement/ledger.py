@@ -8,6 +8,10 @@ speed, so placement can compare expected completion times:
 
     backlog_s(w) = (sum of open legs' tokens - progress on the oldest leg) / tokens_per_s(w)
 
+The ledger also keeps the uncached prefill seconds of the last `tail_window` legs it opened, so placement can
+ask how long the fleet's long prefills take (`tail_prefill_s`, a high quantile): a bound on waiting that
+follows the traffic and the hardware instead of a fixed number of seconds.
+
 Speed is learnt from the answers themselves: each settled leg was worked on from the later of its
 send time and the previous settle on that worker, so tokens / busy time, averaged with a decay
 (token-weighted, so fixed per-request overheads of small legs barely move it), tracks what the
@@ -15,9 +19,10 @@ worker really does, whatever the starting guess. Time comes from an injected clo
 """
 from __future__ import annotations
 
+import bisect
 import itertools
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -39,10 +44,16 @@ class LedgerConfig:
     # time says nothing about per-token speed; 64 let short legs timed on a starved host price an
     # idle vLLM worker 6x slower than its twin and send prefixes away from their holder
     min_leg_tokens: int = 512
+    # the recent legs behind `tail_prefill_s`: how many, which quantile, and how many before it answers
+    tail_window: int = 2000
+    tail_quantile: float = 0.99
+    tail_min_legs: int = 50
 
     def __post_init__(self) -> None:
         if self.tokens_per_s <= 0 or self.decay_tokens <= 0 or any(v <= 0 for _, v in self.worker_tokens_per_s):
             raise ValueError("ledger speeds and decay_tokens must be > 0")
+        if not 0 < self.tail_quantile <= 1 or not 1 <= self.tail_min_legs <= self.tail_window:
+            raise ValueError("ledger tail needs 0 < tail_quantile <= 1 and 1 <= tail_min_legs <= tail_window")
 
 
 @dataclass
@@ -70,6 +81,8 @@ class WorkLedger:
         self._speeds = dict(config.worker_tokens_per_s)
         self._workers: dict[str, _Worker] = {}
         self._ids = itertools.count()
+        self._recent: deque[float] = deque()      # uncached prefill seconds of the last legs, in order
+        self._recent_sorted: list[float] = []     # the same, sorted (a quantile is one index)
         self.on_change: Callable[[str], None] | None = None    # router processes: publish the worker's work
 
     def _get(self, worker_id: str) -> _Worker:
@@ -83,9 +96,26 @@ class WorkLedger:
         w, leg = self._get(worker_id), Leg(worker_id, next(self._ids), max(int(tokens), 0))
         w.legs[leg.leg_id] = (leg.tokens, self._clock())
         w.open_tokens += leg.tokens
+        if leg.tokens:                             # a decode leg after a transfer computes no prompt
+            self._remember(leg.tokens / w.speed)
         if self.on_change is not None:
             self.on_change(worker_id)
         return leg
+
+    def _remember(self, seconds: float) -> None:
+        self._recent.append(seconds)
+        bisect.insort(self._recent_sorted, seconds)
+        if len(self._recent) > self.config.tail_window:
+            gone = self._recent.popleft()
+            del self._recent_sorted[bisect.bisect_left(self._recent_sorted, gone)]
+
+    def tail_prefill_s(self) -> float | None:
+        """The `tail_quantile` of the last `tail_window` legs' uncached prefill seconds (each at its worker's
+        speed when sent); None until `tail_min_legs` legs were opened."""
+        ordered = self._recent_sorted
+        if len(ordered) < self.config.tail_min_legs:
+            return None
+        return ordered[min(int(self.config.tail_quantile * len(ordered)), len(ordered) - 1)]
 
     def settle(self, leg: Leg, *, calibrate: bool = True) -> None:
         """The leg's answer arrived (or it failed / was cancelled: `calibrate=False`). Idempotent."""

@@ -88,7 +88,8 @@ class RoutingContext:
     Invariants: `prompt_hashes[k]` holds the hashes of every FULL block of the prompt under chain
     `k` (so `len * k.block_size <= num_prompt_tokens`); `cached_blocks[w] <= len(hashes for w)` is
     the number of those blocks that worker `w` holds as a contiguous chain from block 0, read from
-    a prefix index once, so every plugin (scorer, decider) sees the same snapshot.
+    a prefix index once, so every plugin (scorer, decider) sees the same snapshot. `tail_prefill_s`
+    is how long the fleet's long prefills recently took (`WorkLedger.tail_prefill_s`; None: not known yet).
     """
 
     request_id: str
@@ -98,6 +99,7 @@ class RoutingContext:
     prompt_hashes: Mapping[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)     # HashKey -> ...
     cached_blocks: Mapping[str, int] = field(default_factory=dict)
     now: float = 0.0
+    tail_prefill_s: float | None = None
     _uncached: dict[str, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -2,7 +2,6 @@
 own block hashes rehashed over our chain from the events' token ids, through a real ZMQ socket."""
 from __future__ import annotations
 
-import socket
 import time
 
 import msgpack
@@ -15,6 +14,7 @@ from router.placement.prefix_index import PrefixIndex
 from router.settings import RouterSettings
 from shared.hashing import block_hashes, root_hash
 from shared.kv_events import decode_batch
+from shared.net import free_port
 from tests.router.fake_vllm import FakeVllm, Servers
 
 BS = 4
@@ -53,9 +53,7 @@ def test_flag_parsing():
 
 def test_events_over_zmq_reach_placement(tmp_path):
     import zmq
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = zmq.Context()
     pub = ctx.socket(zmq.PUB)
     pub.bind(f"tcp://127.0.0.1:{port}")

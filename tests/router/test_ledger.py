@@ -106,6 +106,33 @@ def test_ledger_config_rejects_nonsense():
 
 
 # ------------------------------------------------------------------------------- scorer and filters
+# the recent legs' long prefills: (legs as (worker, tokens) at 1000 tokens/s, window, expected tail in s)
+TAIL_CASES = [
+    ([("a", 1000)] * 4, 10, None),                                  # under tail_min_legs (5): not known yet
+    ([("a", 1000)] * 4 + [("a", 0)] * 3, 10, None),                 # a decode leg after a transfer computes nothing
+    ([("a", n) for n in range(100, 1100, 100)], 10, 1.0),           # q 0.9 of ten legs: the largest (index 9)
+    ([("a", n) for n in range(100, 2100, 100)], 10, 2.0),           # only the last ten legs count
+    ([("a", 5000)] + [("a", 100)] * 10, 10, 0.1),                   # a long leg drops out of the window
+    ([("b", 4000)] + [("a", 100)] * 9, 10, 1.0),                    # each leg at its own worker's speed (b: 4000/s)
+]
+
+
+@pytest.mark.parametrize("legs,window,expected", TAIL_CASES)
+def test_tail_prefill_seconds(legs, window, expected):
+    book = WorkLedger(LedgerConfig(tokens_per_s=1000.0, worker_tokens_per_s=(("b", 4000.0),), tail_window=window,
+                                   tail_quantile=0.9, tail_min_legs=5, calibrate=False))
+    for worker, tokens in legs:
+        book.settle(book.open(worker, tokens))
+    assert book.tail_prefill_s() == (None if expected is None else pytest.approx(expected))
+
+
+def test_ledger_tail_settings_are_checked():
+    for bad in ({"tail_quantile": 0.0}, {"tail_quantile": 1.5}, {"tail_min_legs": 0},
+                {"tail_window": 10, "tail_min_legs": 11}):
+        with pytest.raises(ValueError):
+            LedgerConfig(**bad)
+
+
 def w(wid: str, *, backlog: float = 0.0, tps: float = 1000.0, running: int | None = None, inflight: int = 0,
       since: int = 0) -> WorkerState:
     load = None if running is None else LoadReport(running, 0, ts=50.0)
@@ -113,8 +140,9 @@ def w(wid: str, *, backlog: float = 0.0, tps: float = 1000.0, running: int | Non
     return WorkerState(info, load, inflight, since_report=since, backlog_s=backlog, tokens_per_s=tps)
 
 
-def ctx(tokens: int = 1000, cached: dict[str, int] | None = None) -> RoutingContext:
-    return RoutingContext("r", "m", "prefill", tokens, {HashKey(ROOT, BS): tuple(range(tokens // BS))}, cached or {})
+def ctx(tokens: int = 1000, cached: dict[str, int] | None = None, tail: float | None = None) -> RoutingContext:
+    return RoutingContext("r", "m", "prefill", tokens, {HashKey(ROOT, BS): tuple(range(tokens // BS))}, cached or {},
+                          tail_prefill_s=tail)
 
 
 COMPLETION_CASES = [
@@ -165,6 +193,28 @@ def test_work_filters(name, config, workers, expected):
     assert [x.worker_id for x in FILTERS.build(name, **config)(ctx(), workers)] == expected
 
 
+# tail_share: the slack is that share of the context's tail (when there is one), else slack_s
+TAIL_SLACK_CASES = [
+    ({"slack_s": 4.0, "tail_share": 0.5}, 2.0, [w("a", backlog=0.5), w("b", backlog=1.4), w("c", backlog=1.6)],
+     ["a", "b"]),                                                    # slack 1 s
+    ({"slack_s": 4.0, "tail_share": 0.5}, None, [w("a", backlog=0.5), w("b", backlog=1.4), w("c", backlog=1.6)],
+     ["a", "b", "c"]),                                               # no tail yet: 4 s
+    ({"slack_s": 4.0}, 2.0, [w("a", backlog=0.5), w("c", backlog=4.6)], ["a"]),    # no share: the tail is ignored
+    ({"slack_s": 0.0, "tail_share": 2.0, "with_request": True}, 1.0,
+     [w("a", backlog=0.5), w("b", backlog=2.4), w("c", backlog=2.6)], ["a", "b"]),  # completions 1.5, 3.4, 3.6 s
+]
+
+
+@pytest.mark.parametrize("config,tail,workers,expected", TAIL_SLACK_CASES)
+def test_backlog_slack_follows_the_tail(config, tail, workers, expected):
+    assert [x.worker_id for x in FILTERS.build("not-backlogged", **config)(ctx(tail=tail), workers)] == expected
+
+
+def test_backlog_filter_rejects_a_negative_tail_share():
+    with pytest.raises(ValueError):
+        FILTERS.build("not-backlogged", tail_share=-0.1)
+
+
 def test_router_policy_waits_for_a_hit_but_not_without_bound():
     settings = RouterSettings(model="", static_prefill=("http://a", "http://b"))
     pipe = build_pipeline(**settings.pipeline_spec())
@@ -174,6 +224,11 @@ def test_router_policy_waits_for_a_hit_but_not_without_bound():
     # the 4 s slack bounds what the client waits: a finishes at 4.7 s against b's 1 s, 3.7 s behind
     assert pipe.pick(context, queued(4.5)).worker.worker_id == "a"
     assert pipe.pick(context, queued(5.0)).worker.worker_id == "b"   # 5.2 s: beyond the slack
+    # once the fleet's recent long prefills are known to take 2 s, the slack is 0.8 x 2 s: a's 3.2 s is
+    # 2.2 s behind b's 1 s, so the hit is not worth the wait
+    tailed = ctx(tokens=20000, cached={"a": 4000}, tail=2.0)
+    assert pipe.pick(tailed, queued(1.5)).worker.worker_id == "a"    # 1.7 s: 0.7 s behind
+    assert pipe.pick(tailed, queued(3.0)).worker.worker_id == "b"
 
 
 def test_backlog_filter_with_request_lets_a_prefix_holder_be_as_far_behind_as_its_hit_saves():

@@ -49,6 +49,22 @@ def test_prefill_connect_failure_is_retried_on_another_prefill_worker():
     assert "kv_transfer_params" not in out and out["usage"]["prompt_tokens_details"] == {"cached_tokens": 8}
 
 
+def test_placement_reads_the_ledgers_tail_of_recent_prefills(monkeypatch):
+    import router.orchestrator as orchestrator_module
+    build, built = orchestrator_module.build_context, []
+    monkeypatch.setattr(orchestrator_module, "build_context",
+                        lambda *a, **kw: built.append(build(*a, **kw)) or built[-1])
+    s = FakeSession({D1: [ANSWER, ANSWER]}, [PREFILLED, PREFILLED])
+    orch = orchestrator(s, prefill=(P1,), decode=(D1,))
+    run(orch.handle(trace(), chat(), prompt()))
+    assert built[-1].tail_prefill_s is None                          # no legs seen yet
+    ledger = orch.registry.ledger
+    for _ in range(ledger.config.tail_min_legs):
+        ledger.settle(ledger.open(P1, 40000), calibrate=False)
+    run(orch.handle(trace(), chat(), prompt()))
+    assert built[-1].tail_prefill_s == pytest.approx(40000 / ledger.tokens_per_s(P1))
+
+
 def test_a_failing_prefill_pool_falls_back_to_decode_only():
     s = FakeSession({P1: [Reply(status=500)], D1: [ANSWER]})
     orch, t = orchestrator(s, prefill=(P1,), decode=(D1,)), trace()
