@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import os
 import secrets
 from collections.abc import Awaitable, Callable
@@ -315,6 +316,8 @@ async def _ready(request: Request) -> JSONResponse:
 async def _metrics(request: Request) -> Response:
     st = request.app.state
     st.metrics.store_up.set(1 if st.registry.store_ok else 0)
+    tail = st.registry.ledger.tail_prefill_s()
+    st.metrics.tail_prefill.set(math.nan if tail is None else tail)
     counts: dict[tuple[str, str], int] = {}
     for s in st.registry.states():
         key = (s.info.role, str(s.healthy).lower())

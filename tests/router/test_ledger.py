@@ -314,3 +314,23 @@ def test_view_reads_backlog_and_speed_as_their_own_calls_do():
             assert ledger.view(wid) == (ledger.backlog_s(wid), ledger.tokens_per_s(wid)), (wid, t)
     ledger.settle(legs[0])
     assert ledger.view("busy") == (ledger.backlog_s("busy"), ledger.tokens_per_s("busy"))
+
+
+def test_the_tail_that_bounds_a_holders_wait_is_on_the_metrics_page():
+    from fastapi.testclient import TestClient
+
+    from router.app import create_app
+
+    def tail_line(client: TestClient) -> str:
+        page = client.get("/metrics").text
+        return next(line for line in page.splitlines() if line.startswith("kimi_pd_router_placement_tail_prefill"))
+
+    settings = RouterSettings(model=None, served_model_name="m", static_prefill=("http://127.0.0.1:9",),
+                              static_decode=("http://127.0.0.1:9",), prefill_tokens_per_s=1000.0)
+    app = create_app(settings)
+    with TestClient(app) as client:
+        assert tail_line(client).endswith(" NaN")                   # no legs yet
+        ledger = app.state.registry.ledger
+        for tokens in range(100, 100 * (ledger.config.tail_min_legs + 1), 100):
+            ledger.settle(ledger.open("http://127.0.0.1:9", tokens), calibrate=False)
+        assert tail_line(client) == "kimi_pd_router_placement_tail_prefill_seconds 5.0"   # 5000 tokens at 1000/s
