@@ -20,9 +20,9 @@
   prefill_releases_total{outcome}                prefill states released by the router (client gone)
   workers{role, healthy}                         fleet size as this replica sees it
   store_up                                       1 if the state store answered the last refresh
-  placement_tail_prefill_seconds                 the 99th percentile of the recent prefill legs' uncached
-                                                 seconds (router/placement/ledger.py): the backlog filter
-                                                 lets a prefix holder be 0.8 x this behind; NaN until known
+  placement_tail_prefill_seconds                 the recent prefill legs' tail of uncached seconds
+                                                 (WorkLedger.tail_prefill_s): the backlog filter lets a prefix
+                                                 holder be its tail_share x this behind; NaN until known
   event_loop_lag_seconds                         how late a 0.25 s timer ran (shared/loop_watch.py): a blocked
                                                  or starved process; stalls of 1 s or more are also logged
   tenant_requests_total{tenant, outcome}         admission (docs/admission.md): finished requests per tenant
@@ -108,8 +108,8 @@ class RouterMetrics:
         self.workers = Gauge(p + "workers", "Workers known to this replica", ["role", "healthy"], registry=r,
                              multiprocess_mode="livemostrecent")
         self.store_up = Gauge(p + "store_up", "State store reachable", registry=r, multiprocess_mode="livemostrecent")
-        self.tail_prefill = Gauge(p + "placement_tail_prefill_seconds", "99th percentile of the recent prefill legs' "
-                                  "uncached seconds, which bounds a prefix holder's wait (NaN until 50 legs)",
+        self.tail_prefill = Gauge(p + "placement_tail_prefill_seconds", "High quantile of the recent prefill legs' "
+                                  "uncached seconds, which bounds a prefix holder's wait (NaN until known)",
                                   registry=r, multiprocess_mode="livemostrecent")
         self.loop_lag = Histogram(p + "event_loop_lag_seconds", "Lateness of a periodic timer: the event loop "
                                   "blocked or starved of CPU", registry=r,
