@@ -1,8 +1,9 @@
 """The simulator behind benchmarks/placement_replay.py: FIFO prefill workers with LRU prefix caches, the
 baselines, and the router's real registry and placement pipeline driven on a simulated clock.
 
-Every run serves the whole request list (the part before `start` warms the caches and the router's
-ledger) and reports only requests `start..end`: a figure on a held-out part never includes its warm-up.
+Every run serves the whole request list and reports only the scored requests: `start..` (the part
+before warms the caches and the router's ledger), or a list of indices (interleaved windows, where the
+other windows are served but not scored): a figure on a held-out part never includes its warm-up.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import argparse
 import heapq
 import itertools
 import math
+import random
 import statistics
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -60,8 +62,36 @@ class LRU:
         return hit
 
 
+Scored = int | Sequence[int]     # the first scored request, or the scored requests' indices
+
+
+def scored_indices(n: int, scored: Scored) -> Sequence[int]:
+    return range(scored, n) if isinstance(scored, int) else scored
+
+
 def nearest_rank(ordered: Sequence[float], q: float) -> float:
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+def _p99(values: Sequence[float]) -> float:
+    """nearest_rank(sorted(values), 0.99) without sorting all of them."""
+    k = len(values) - max(0, math.ceil(0.99 * len(values)) - 1)       # rank from the top
+    return heapq.nlargest(k, values)[-1]
+
+
+def p99_ratio_interval(ttft: Sequence[float], oracle_ttft: Sequence[float], scored: Sequence[int],
+                       draws: int = 200, seed: int = 0) -> tuple[float, float]:
+    """5th and 95th percentiles of p99(ttft) / p99(oracle_ttft) over the scored requests resampled with
+    replacement (the same draw for both: a paired bootstrap). How far a cell's ratio moves with which
+    requests happen to fall in the tail: a p99 over a few thousand requests rests on its top few dozen."""
+    rng = random.Random(seed)
+    picked = list(scored)
+    ratios = []
+    for _ in range(draws):
+        sample = rng.choices(picked, k=len(picked))
+        ratios.append(_p99([ttft[i] for i in sample]) / _p99([oracle_ttft[i] for i in sample]))
+    ratios.sort()
+    return nearest_rank(ratios, 0.05), nearest_rank(ratios, 0.95)
 
 
 class Fleet:
@@ -108,10 +138,11 @@ class Fleet:
                 hi = mid
         return len(ends) - lo
 
-    def result(self, start: int = 0, end: int | None = None) -> dict[str, float]:
-        """Hit ratio and TTFT percentiles over requests start..end only."""
-        ordered = sorted(self.ttft[start:end])
-        return {"hit_ratio": sum(self.hits[start:end]) / sum(self.tokens[start:end]),
+    def result(self, scored: Scored = 0) -> dict[str, float]:
+        """Hit ratio and TTFT percentiles over the scored requests only."""
+        picked = scored_indices(len(self.ttft), scored)
+        ordered = sorted(self.ttft[i] for i in picked)
+        return {"hit_ratio": sum(self.hits[i] for i in picked) / sum(self.tokens[i] for i in picked),
                 "ttft_p50_s": nearest_rank(ordered, 0.50), "ttft_p90_s": nearest_rank(ordered, 0.90),
                 "ttft_p99_s": nearest_rank(ordered, 0.99), "ttft_mean_s": statistics.fmean(ordered)}
 
@@ -135,12 +166,18 @@ def new_fleet(n: int, args: argparse.Namespace, shared_cache: bool = False, shar
 Chooser = Callable[[Fleet, Request, int], int]
 
 
-def run_simple(reqs: Sequence[Request], n: int, args: argparse.Namespace, choose: Chooser,
-               shared_cache: bool = False, start: int = 0, shared_blocks: int | None = None) -> dict[str, float]:
+def simple_fleet(reqs: Sequence[Request], n: int, args: argparse.Namespace, choose: Chooser,
+                 shared_cache: bool = False, shared_blocks: int | None = None) -> Fleet:
+    """The fleet after `choose` dispatched every request (read its figures with `Fleet.result`)."""
     fleet = new_fleet(n, args, shared_cache, shared_blocks)
     for i, req in enumerate(reqs):
         fleet.serve(choose(fleet, req, i), req)
-    return fleet.result(start)
+    return fleet
+
+
+def run_simple(reqs: Sequence[Request], n: int, args: argparse.Namespace, choose: Chooser,
+               shared_cache: bool = False, start: Scored = 0, shared_blocks: int | None = None) -> dict[str, float]:
+    return simple_fleet(reqs, n, args, choose, shared_cache, shared_blocks).result(start)
 
 
 def round_robin(fleet: Fleet, req: Request, i: int) -> int:
@@ -170,13 +207,19 @@ def clairvoyant(own_weight: float) -> Chooser:
     return choose
 
 
-def pooled_lru_hit(reqs: Sequence[Request], blocks: int, start: int = 0) -> float:
-    cache, hit, total = LRU(blocks), 0, 0
-    for i, req in enumerate(reqs):
-        got = min(cache.serve(req.blocks) * TRACE_BLOCK, req.tokens)
-        if i >= start:
-            hit, total = hit + got, total + req.tokens
-    return hit / total
+def pooled_lru_hits(reqs: Sequence[Request], blocks: int) -> list[int]:
+    """Tokens each request finds in one LRU of `blocks` (the fleet's caches pooled)."""
+    cache = LRU(blocks)
+    return [min(cache.serve(req.blocks) * TRACE_BLOCK, req.tokens) for req in reqs]
+
+
+def hit_share(hits: Sequence[int], reqs: Sequence[Request], scored: Scored) -> float:
+    picked = scored_indices(len(reqs), scored)
+    return sum(hits[i] for i in picked) / sum(reqs[i].tokens for i in picked)
+
+
+def pooled_lru_hit(reqs: Sequence[Request], blocks: int, start: Scored = 0) -> float:
+    return hit_share(pooled_lru_hits(reqs, blocks), reqs, start)
 
 
 # ---- the router -----------------------------------------------------------------------------------
@@ -242,13 +285,19 @@ class _RouterSim:
         heapq.heappush(self.events, (seen, next(self.seq), "reply", (url, leg)))
 
 
-def run_router(reqs: Sequence[Request], n: int, args: argparse.Namespace, settings: RouterSettings,
-               start: int = 0) -> dict[str, Any]:
-    """The router's registry and pipeline against the simulated fleet, on a simulated clock; figures over
-    requests `start..` only."""
+def router_fleet(reqs: Sequence[Request], n: int, args: argparse.Namespace,
+                 settings: RouterSettings) -> tuple[Fleet, list[int]]:
+    """The fleet after the router's registry and pipeline placed every request on a simulated clock, and
+    the prefill speeds the router's ledger had calibrated by the end."""
     sim = _RouterSim(n, args, settings)
     for i, req in enumerate(reqs):
         sim.place(i, req)
     sim.advance(math.inf)
-    speeds = [round(sim.registry.ledger.tokens_per_s(u)) for u in sim.urls]
-    return {**sim.fleet.result(start), "calibrated_tokens_per_s": speeds}
+    return sim.fleet, [round(sim.registry.ledger.tokens_per_s(u)) for u in sim.urls]
+
+
+def run_router(reqs: Sequence[Request], n: int, args: argparse.Namespace, settings: RouterSettings,
+               start: Scored = 0) -> dict[str, Any]:
+    """`router_fleet`'s figures over the scored requests only."""
+    fleet, speeds = router_fleet(reqs, n, args, settings)
+    return {**fleet.result(start), "calibrated_tokens_per_s": speeds}

@@ -6,14 +6,18 @@ import argparse
 
 import pytest
 
-from benchmarks.placement_replay import part_bounds, router_settings, scaled
+from benchmarks.placement_replay import interleaved_windows, part_bounds, router_settings, scaled
 from benchmarks.placement_sim import (
     TRACE_BLOCK,
     Request,
     clairvoyant,
     earliest_free,
+    nearest_rank,
     new_fleet,
+    p99_ratio_interval,
+    pooled_lru_hit,
     round_robin,
+    router_fleet,
     run_router,
     run_simple,
 )
@@ -58,3 +62,39 @@ def test_load_is_that_of_the_reported_part():
     reqs = scaled(rows, 1.2, 1000.0, basis=(2, 5))                  # 12000 tokens over the last 2 (trace) s
     span = reqs[4].arrival - reqs[2].arrival
     assert sum(r.tokens for r in reqs[2:]) / span == pytest.approx(1.2 * 1000.0)
+
+
+def test_interleaved_windows_alternate_after_the_warm_up():
+    stamps = [float(t) for t in range(100)]                        # one request per second
+    tuning, held_out = interleaved_windows(stamps, warmup=0.2, windows=4)
+    assert tuning[0] == 20 and min(held_out) > 20                   # the first 20 are warm-up, scored by neither
+    assert sorted(tuning + held_out) == list(range(20, 100))        # every later request in exactly one set
+    # windows of ~19.75 s: tuning 20..39 and 60..79, held out 40..59 and 80..99
+    assert tuning == [*range(20, 40), *range(60, 80)] and held_out == [*range(40, 60), *range(80, 100)]
+
+
+def test_scored_indices_give_the_figures_of_those_requests_only():
+    a, reqs = args(), workload()
+    picked = list(range(10, 120, 3))
+    fleet, _ = router_fleet(reqs, 2, a, router_settings(2, a, legacy=False))
+    got = fleet.result(picked)
+    ttfts = sorted(fleet.ttft[i] for i in picked)
+    assert got["ttft_mean_s"] == pytest.approx(sum(ttfts) / len(ttfts))
+    assert got["ttft_p99_s"] == ttfts[-1]                           # nearest rank of 37 values: the largest
+    assert got["hit_ratio"] == pytest.approx(sum(fleet.hits[i] for i in picked) / sum(reqs[i].tokens for i in picked))
+    # one scored index list and one start give the same figures where they name the same requests
+    assert fleet.result(list(range(30, 120))) == fleet.result(30)
+    assert pooled_lru_hit(reqs, 64, list(range(30, 120))) == pooled_lru_hit(reqs, 64, 30)
+
+
+def test_p99_interval_is_paired_and_brackets_the_ratio():
+    import random
+    rng = random.Random(1)
+    oracle = [rng.expovariate(1.0) for _ in range(3000)]
+    assert p99_ratio_interval([1.5 * t for t in oracle], oracle, range(3000)) == pytest.approx((1.5, 1.5))
+    ours = [t * rng.uniform(0.8, 1.6) for t in oracle]             # a noisy tail
+    lo, hi = p99_ratio_interval(ours, oracle, range(3000), draws=300)
+    point = nearest_rank(sorted(ours), 0.99) / nearest_rank(sorted(oracle), 0.99)
+    assert lo < point < hi and hi - lo > 0.02                        # a p99 over 3,000 requests is not exact
+    # only the scored requests count: a huge outlier outside them changes nothing
+    assert p99_ratio_interval([*ours, 1e9], [*oracle, 1.0], range(3000), draws=300) == (lo, hi)
