@@ -13,8 +13,9 @@ the second, held-out part, with the first part replayed before it only as warm-u
 equal time, alternately tuning and held out (both sides then see every regime of a trace that changes
 over time), replays every candidate of TUNE_GRID over the whole trace once and scores each side apart:
 the pick is made on the tuning windows, every candidate's held-out figures are written beside it
-(placement_interleaved.json and its _latest.md). Each p99 ratio of ours comes with its 90 % paired-
-bootstrap interval (`p99_vs_oracle_90`): a p99 over a few thousand requests rests on a few dozen.
+(benchmarks/results/placement_interleaved.json, benchmarks/results/placement_interleaved_latest.md). Each
+p99 ratio of ours comes with its 90 % paired-bootstrap interval (`p99_vs_oracle_90`): a p99 over a few
+thousand requests rests on a few dozen.
 Arrivals keep the trace's order and bursts, with time scaled so that the REPORTED part's offered prompt
 tokens are `load` x the fleet's capacity (workers x tokens/s, every prompt token counted as uncached);
 the load left after a pooled LRU's hits is reported beside it (`uncached_load`).
