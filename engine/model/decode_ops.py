@@ -26,7 +26,7 @@ Every row is computed on its own, so a row's value does not depend on its batch.
 forms they differ in rounding only (exp and tanh are polynomials of about one ulp); the load-time check
 and tests/engine/model/test_decode_ops.py hold them to those forms.
 
-Used where `rowdot.kernel()` can be (x86-64 Linux, AVX-512F, a C compiler or a prebuilt library, not
+Used where `rowdot.kernel()` can be (x86-64 Linux, AVX-512F or AVX2, a C compiler or a prebuilt library, not
 switched off) on float32 tensors outside autograd and compiling, at any thread count.
 `KIMI_PD_CPU_DECODE_OPS=0` keeps torch's operators; `set_enabled` switches them in-process (A/B runs).
 """

@@ -9,16 +9,49 @@
  * and the odd 16-float chunks of the input), added, reduced across lanes by the compiler's fixed
  * sequence, then the scalar tail. So a row computed alone is bitwise the same row computed in a pair.
  *
- * Built at first use by engine/model/rowdot.py with the host's C compiler; the AVX-512 code is
- * compiled for that target only and runs only where rowdot_supported() says the CPU has it.
+ * Built at first use by engine/model/rowdot.py with the host's C compiler. Each kernel comes twice, for
+ * AVX-512 and for AVX2 (the AMD and older Intel hosts without AVX-512), each compiled for its target only;
+ * the exported functions pick one on first call, AVX-512 where the CPU has it, and rowdot_supported()
+ * says whether either runs. The AVX2 code keeps the AVX-512 code's arithmetic lane for lane: a 16-lane
+ * sum is two 8-lane halves, reduced in the sequence GCC's _mm512_reduce_add_ps uses, and a panel output
+ * is the same single multiply-add chain. So both give the same bits (tests/engine/model/test_rowdot.py).
  */
 #include <immintrin.h>
+#include <stdlib.h>
+#include <string.h>
 
 #define AVX512 __attribute__((target("avx512f,fma")))
+#define AVX2 __attribute__((target("avx2,fma")))
 
-int rowdot_supported(void) {
+static int has_avx512(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
+}
+
+static int has_avx2(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+/* 512 or 256 (the vector width the kernels run at here), 0 where neither runs; read once per process.
+ * KIMI_PD_ROWDOT_ISA=avx2 takes the AVX2 code on an AVX-512 host (to compare the two there). */
+static int isa_width(void) {
+    static int width = -1;
+    if (width < 0) {
+        const char *forced = getenv("KIMI_PD_ROWDOT_ISA");
+        const int avx2_only = forced != NULL && strcmp(forced, "avx2") == 0;
+        width = has_avx512() && !avx2_only ? 512 : (has_avx2() ? 256 : 0);
+    }
+    return width;
+}
+
+int rowdot_supported(void) {
+    return isa_width() != 0;
+}
+
+/* 512 or 256: which code the exported functions run (for the tests and the benchmarks' records) */
+int rowdot_width(void) {
+    return isa_width();
 }
 
 /* y[q * ldy] = dot(w, x + q * n) + bias for q < rows (rows is 1 or 2, a constant after inlining) */
@@ -56,7 +89,7 @@ AVX512 static void two_rows(const float *w, const float *x, long n, float bias, 
 }
 
 /* weight [out, n] row-major, x [rows, n], bias [out] or NULL, y [rows, out]; all contiguous float32 */
-AVX512 void rowdot(const float *weight, const float *x, const float *bias, float *y, long out, long n, long rows) {
+AVX512 static void rowdot_512(const float *weight, const float *x, const float *bias, float *y, long out, long n, long rows) {
     for (long o = 0; o < out; o++) {
         const float *w = weight + o * n;
         const float b = bias ? bias[o] : 0.0f;
@@ -68,11 +101,84 @@ AVX512 void rowdot(const float *weight, const float *x, const float *bias, float
     }
 }
 
+/* ---- the same kernels on AVX2 -------------------------------------------------------------------- */
+
+/* _mm512_reduce_add_ps of the 16 lanes (lo = lanes 0-7, hi = lanes 8-15), in GCC's sequence: the two
+ * 256-bit halves added, then the two 128-bit halves of that, then lanes (0,2) and (1,3), then those two. */
+AVX2 static inline float reduce16(__m256 lo, __m256 hi) {
+    const __m256 t3 = _mm256_add_ps(hi, lo);
+    const __m128 t6 = _mm_add_ps(_mm256_extractf128_ps(t3, 1), _mm256_castps256_ps128(t3));
+    const __m128 t8 = _mm_add_ps(t6, _mm_shuffle_ps(t6, t6, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm_cvtss_f32(t8) + _mm_cvtss_f32(_mm_shuffle_ps(t8, t8, _MM_SHUFFLE(1, 1, 1, 1)));
+}
+
+/* `dots` with each 16-lane accumulator as two 8-lane halves: the same multiply-adds lane for lane */
+AVX2 static inline void dots_256(const float *w, const float *x, long n, int rows, float bias, float *y, long ldy) {
+    const long n32 = n & ~31L, n16 = n & ~15L;
+    __m256 even_lo[2], even_hi[2], odd_lo[2], odd_hi[2];
+    for (int q = 0; q < 2; q++)
+        even_lo[q] = even_hi[q] = odd_lo[q] = odd_hi[q] = _mm256_setzero_ps();
+    long i = 0;
+    for (; i < n32; i += 32) {
+        const __m256 w0 = _mm256_loadu_ps(w + i), w1 = _mm256_loadu_ps(w + i + 8);
+        const __m256 w2 = _mm256_loadu_ps(w + i + 16), w3 = _mm256_loadu_ps(w + i + 24);
+        for (int q = 0; q < rows; q++) {
+            const float *xq = x + q * n + i;
+            even_lo[q] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xq), even_lo[q]);
+            even_hi[q] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xq + 8), even_hi[q]);
+            odd_lo[q] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xq + 16), odd_lo[q]);
+            odd_hi[q] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xq + 24), odd_hi[q]);
+        }
+    }
+    if (i < n16) {
+        const __m256 w0 = _mm256_loadu_ps(w + i), w1 = _mm256_loadu_ps(w + i + 8);
+        for (int q = 0; q < rows; q++) {
+            even_lo[q] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + q * n + i), even_lo[q]);
+            even_hi[q] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + q * n + i + 8), even_hi[q]);
+        }
+    }
+    for (int q = 0; q < rows; q++) {
+        float s = reduce16(_mm256_add_ps(even_lo[q], odd_lo[q]), _mm256_add_ps(even_hi[q], odd_hi[q]));
+        for (long j = n16; j < n; j++)
+            s += w[j] * x[q * n + j];
+        y[q * ldy] = s + bias;
+    }
+}
+
+AVX2 static void one_row_256(const float *w, const float *x, long n, float bias, float *y, long ldy) {
+    dots_256(w, x, n, 1, bias, y, ldy);
+}
+
+AVX2 static void two_rows_256(const float *w, const float *x, long n, float bias, float *y, long ldy) {
+    dots_256(w, x, n, 2, bias, y, ldy);
+}
+
+AVX2 static void rowdot_256(const float *weight, const float *x, const float *bias, float *y, long out, long n,
+                            long rows) {
+    for (long o = 0; o < out; o++) {
+        const float *w = weight + o * n;
+        const float b = bias ? bias[o] : 0.0f;
+        long r = 0;
+        for (; r + 2 <= rows; r += 2)
+            two_rows_256(w, x + r * n, n, b, y + r * out + o, out);
+        if (r < rows)
+            one_row_256(w, x + r * n, n, b, y + r * out + o, out);
+    }
+}
+
+/* weight [out, n] row-major, x [rows, n], bias [out] or NULL, y [rows, out]; all contiguous float32 */
+void rowdot(const float *weight, const float *x, const float *bias, float *y, long out, long n, long rows) {
+    if (isa_width() == 512)
+        rowdot_512(weight, x, bias, y, out, n, rows);
+    else
+        rowdot_256(weight, x, bias, y, out, n, rows);
+}
+
 /* Several products of one shape in one call (a MoE layer's chosen experts): for j < jobs,
  * y_j = x_j W_j^T with W_j [out, n], x_j [rows_j, n], y_j [rows_j, out], each as `rowdot` computes it,
  * so bitwise the same as one `rowdot` call per job. The pointers come as integers (one ctypes array each). */
-AVX512 void rowdot_jobs(long jobs, const long *weights, const long *xs, const long *ys, const long *rows,
-                        long out, long n) {
+void rowdot_jobs(long jobs, const long *weights, const long *xs, const long *ys, const long *rows,
+                 long out, long n) {
     for (long j = 0; j < jobs; j++)
         rowdot((const float *)weights[j], (const float *)xs[j], 0, (float *)ys[j], out, n, rows[j]);
 }
@@ -130,7 +236,7 @@ typedef void (*panel_fn)(const float *, const float *, long, float *, long);
 static const panel_fn PANEL_FNS[9] = {0, panel_1, panel_2, panel_3, panel_4, panel_5, panel_6, panel_7, panel_8};
 
 /* packed from panel_pack, x [rows, n], bias [out] or NULL, y [rows, out]; all contiguous float32 */
-AVX512 void paneldot(const float *packed, const float *x, const float *bias, float *y, long out, long n, long rows) {
+AVX512 static void paneldot_512(const float *packed, const float *x, const float *bias, float *y, long out, long n, long rows) {
     const long panels = (out + PANEL - 1) / PANEL;
     float tail[8 * PANEL];
     for (long p = 0; p < panels; p++) {
@@ -151,4 +257,77 @@ AVX512 void paneldot(const float *packed, const float *x, const float *bias, flo
                 }
         }
     }
+}
+
+/* The panels on AVX2: half a panel (16 outputs, two 8-lane accumulators a row) for up to four rows a
+ * pass, so the accumulators stay in the sixteen registers; each output is the same single multiply-add
+ * chain over i as on AVX-512. A panel row is two cache lines and each half reads one of them. */
+AVX2 static inline void panel_half_rows(const float *panel, int half, const float *x, long n, int rows, float *y,
+                                        long ldy) {
+    __m256 lo[4], hi[4];
+    for (int q = 0; q < 4; q++)
+        lo[q] = hi[q] = _mm256_setzero_ps();
+    const float *p = panel + 16 * half;
+    for (long i = 0; i < n; i++) {
+        const __m256 w0 = _mm256_loadu_ps(p + i * PANEL), w1 = _mm256_loadu_ps(p + i * PANEL + 8);
+        for (int q = 0; q < rows; q++) {
+            const __m256 xq = _mm256_set1_ps(x[q * n + i]);
+            lo[q] = _mm256_fmadd_ps(w0, xq, lo[q]);
+            hi[q] = _mm256_fmadd_ps(w1, xq, hi[q]);
+        }
+    }
+    for (int q = 0; q < rows; q++) {
+        _mm256_storeu_ps(y + q * ldy + 16 * half, lo[q]);
+        _mm256_storeu_ps(y + q * ldy + 16 * half + 8, hi[q]);
+    }
+}
+
+#define PANEL_HALF_ROWS(R) \
+    AVX2 static void panel_half_##R(const float *panel, int half, const float *x, long n, float *y, long ldy) { \
+        panel_half_rows(panel, half, x, n, R, y, ldy); \
+    }
+PANEL_HALF_ROWS(1) PANEL_HALF_ROWS(2) PANEL_HALF_ROWS(3) PANEL_HALF_ROWS(4)
+
+typedef void (*panel_half_fn)(const float *, int, const float *, long, float *, long);
+static const panel_half_fn PANEL_HALF_FNS[5] = {0, panel_half_1, panel_half_2, panel_half_3, panel_half_4};
+
+/* up to 8 rows of one panel into dst (ld apart), as panel_rows does on AVX-512 */
+AVX2 static void panel_rows_256(const float *panel, const float *x, long n, long rows, float *dst, long ld) {
+    for (long r = 0; r < rows; r += 4) {
+        const long take = rows - r < 4 ? rows - r : 4;
+        for (int half = 0; half < 2; half++)
+            PANEL_HALF_FNS[take](panel, half, x + r * n, n, dst + r * ld, ld);
+    }
+}
+
+AVX2 static void paneldot_256(const float *packed, const float *x, const float *bias, float *y, long out, long n,
+                              long rows) {
+    const long panels = (out + PANEL - 1) / PANEL;
+    float tail[8 * PANEL];
+    for (long p = 0; p < panels; p++) {
+        const float *panel = packed + p * n * PANEL;
+        const long o0 = p * PANEL, width = out - o0 < PANEL ? out - o0 : PANEL;
+        for (long r = 0; r < rows; r += 8) {
+            const long take = rows - r < 8 ? rows - r : 8;
+            float *dst = width == PANEL ? y + r * out + o0 : tail;
+            const long ld = width == PANEL ? out : PANEL;
+            panel_rows_256(panel, x + r * n, n, take, dst, ld);
+            for (long q = 0; q < take; q++)
+                for (long j = 0; j < width; j++) {
+                    float *cell = y + (r + q) * out + o0 + j;
+                    if (width < PANEL)
+                        *cell = tail[q * PANEL + j];
+                    if (bias)
+                        *cell += bias[o0 + j];
+                }
+        }
+    }
+}
+
+/* packed from panel_pack, x [rows, n], bias [out] or NULL, y [rows, out]; all contiguous float32 */
+void paneldot(const float *packed, const float *x, const float *bias, float *y, long out, long n, long rows) {
+    if (isa_width() == 512)
+        paneldot_512(packed, x, bias, y, out, n, rows);
+    else
+        paneldot_256(packed, x, bias, y, out, n, rows);
 }

@@ -26,15 +26,21 @@ small hosts, engine/host_threads.py; a threaded forward keeps oneDNN's threaded 
 were not measured), for float32 weights of at least 128K elements.
 
 What it costs: a C compiler on the host at first use (a fraction of a second; the library is cached per
-source and compiler in `$KIMI_PD_KERNEL_CACHE`, default `~/.cache/kimi-pd/kernels`; the CPU image builds
-it in, deploy/docker/Dockerfile), a CPU with AVX-512F, and the panel copy of every large weight that a
-forward of 2-16 rows meets (as oneDNN's packed copy is kept for the larger ones: up to three copies of a
-weight in all). Without a compiler or AVX-512F, or with `KIMI_PD_CPU_ROWDOT=0`, the linears stay on
-oneDNN/MKL as before and one log line says why; `KIMI_PD_CPU_PANELS=0` keeps the row-major kernel for
-one to three rows and oneDNN above (the engine before the panels). Rounding: the row-major kernel sums
-every dot in one order, so a row alone is bitwise that row beside one or two others; the panel kernel
-sums every output as one multiply-add chain, so any of its rows is bitwise the same in a batch of 2 to
-16 (or more); the two kernels and oneDNN differ from each other in rounding only.
+source and compiler in `$KIMI_PD_KERNEL_CACHE`, default `~/.cache/kimi-pd/kernels`; the CPU image builds it
+in, deploy/docker/Dockerfile), a CPU with AVX-512F or AVX2 with FMA, and the panel copy of every large
+weight that a forward of 2-16 rows meets (as oneDNN's packed copy is kept for the larger ones: up to three
+copies of a weight in all). Each kernel is compiled for AVX-512 and for AVX2 and runs the first where the
+CPU has it (`Kernel.width`: 512 or 256); the AVX2 code makes the same multiply-adds lane for lane and
+reduces in the same order, so both give the same bits. On an AVX2 host (2-core AMD EPYC, 5 Dec 2026) one row
+read 15-19 GB/s against packed oneDNN's 10-18, and the panels 8-11 GB/s at eight rows against 7-10
+(`benchmarks/results/linear_rates_avx2.json`); a decode step of the small preset ran 1.87x (batch 1) and
+1.61x (batch 8) faster than with the kernels off (`benchmarks/results/engine_throughput.md`). Without a
+compiler or either ISA, or with `KIMI_PD_CPU_ROWDOT=0`, the linears stay on oneDNN/MKL as before and one log
+line says why; `KIMI_PD_CPU_PANELS=0` keeps the row-major kernel for one to three rows and oneDNN above (the
+engine before the panels). Rounding: the row-major kernel sums every dot in one order, so a row alone is
+bitwise that row beside one or two others; the panel kernel sums every output as one multiply-add chain, so
+any of its rows is bitwise the same in a batch of 2 to 16 (or more); the two kernels and oneDNN differ from
+each other in rounding only.
 """
 from __future__ import annotations
 
@@ -152,6 +158,8 @@ class Kernel:
         self._lib.paneldot.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3
         self._lib.panel_width.restype = ctypes.c_long
         self.panel = int(self._lib.panel_width())          # outputs per panel, as rowdot.c lays them out
+        self._lib.rowdot_width.restype = ctypes.c_int
+        self.width = int(self._lib.rowdot_width())         # 512 (AVX-512) or 256 (AVX2): the code that runs here
 
     def supported(self) -> bool:
         return bool(self._lib.rowdot_supported())
@@ -239,7 +247,7 @@ def kernel() -> Kernel | None:
         log.warning("rowdot kernel unavailable, linears of one to sixteen rows stay on oneDNN/MKL: %s", exc)
         return None
     if not k.supported():
-        log.info("rowdot kernel not used: this CPU lacks AVX-512F")
+        log.info("rowdot kernel not used: this CPU has neither AVX-512F nor AVX2 with FMA")
         return None
     if not _agrees(k):
         log.warning("rowdot kernel disagrees with F.linear on its check product; not used")

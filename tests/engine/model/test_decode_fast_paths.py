@@ -81,7 +81,7 @@ def test_one_token_moe_equals_sorted_dispatch(expert_range):
         assert torch.equal(fast, moe._sorted_dispatch(h, weights, ids))
 
 
-@pytest.mark.skipif(rowdot.kernel() is None, reason="the rowdot kernel does not run here (no cc or AVX-512F)")
+@pytest.mark.skipif(rowdot.kernel() is None, reason="the rowdot kernel does not run here (no cc, no AVX-512F or AVX2)")
 @pytest.mark.parametrize("tokens", [1, 8])
 def test_moe_experts_in_one_kernel_call_equal_one_linear_per_expert(monkeypatch, one_thread, tokens):
     """The chosen experts' products in one rowdot call per weight kind (`gemm.grouped_kernel`) give

@@ -37,7 +37,7 @@ from engine.presets import preset_config
 from tests.engine.conftest import tiny_model
 
 T = TypeVar("T")
-needs_ops = pytest.mark.skipif(decode_ops.decode_ops() is None, reason="no C compiler / not x86-64 Linux with AVX-512F")
+needs_ops = pytest.mark.skipif(decode_ops.decode_ops() is None, reason="no C compiler / not x86-64 Linux / no AVX2")
 
 
 def _moe(shared: int = 1, norm: bool = True, seed: int = 0) -> LatentMoE:

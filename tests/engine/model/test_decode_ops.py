@@ -29,7 +29,7 @@ from engine.model.kda_ops import causal_conv_steps, kda_gate, kda_recurrent_stat
 from engine.model.layers import l2norm
 from tests.engine.conftest import kda_layer_and_cache, tiny_model
 
-needs_ops = pytest.mark.skipif(decode_ops.decode_ops() is None, reason="no C compiler / not x86-64 Linux with AVX-512F")
+needs_ops = pytest.mark.skipif(decode_ops.decode_ops() is None, reason="no C compiler / not x86-64 Linux / no AVX2")
 close = dict(rtol=1e-4, atol=2e-5)
 
 

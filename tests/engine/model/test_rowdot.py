@@ -16,7 +16,7 @@ from engine.model import gemm, rowdot
 
 ROOT = Path(__file__).resolve().parents[3]
 KERNEL = rowdot.kernel()
-needs_kernel = pytest.mark.skipif(KERNEL is None, reason="the rowdot kernel does not run here (no cc or AVX-512F)")
+needs_kernel = pytest.mark.skipif(KERNEL is None, reason="the rowdot kernel does not run here (no cc or AVX2)")
 
 
 @needs_kernel
@@ -174,3 +174,52 @@ def test_a_host_without_a_compiler_loads_a_library_built_beforehand(tmp_path):
     done = _in_child(CHILD, CC=str(tmp_path / "no-such-cc"), **{rowdot.CACHE_ENV: str(tmp_path)})
     assert done.returncode == 0, done.stderr
     assert "kernel True" in done.stdout
+
+
+def _cpu_flags() -> set[str]:
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.split(":", 1)[-1].split())
+
+
+@needs_kernel
+def test_the_code_that_runs_is_the_widest_this_cpu_has():
+    flags = _cpu_flags()
+    assert KERNEL.width == (512 if {"avx512f", "fma"} <= flags else 256)
+    assert KERNEL.width == 512 or {"avx2", "fma"} <= flags
+
+
+_PRODUCTS = """
+import sys, torch
+from engine.model import rowdot
+k = rowdot.kernel()
+gen = torch.Generator().manual_seed(11)
+out = {"width": torch.tensor(k.width)}
+for n in (16, 83, 1000, 1024):
+    w, b = torch.randn(70, n, generator=gen), torch.randn(70, generator=gen)
+    packed = k.pack(w)
+    for rows in (1, 2, 3, 5, 8, 11, 16):
+        x = torch.randn(rows, n, generator=gen)
+        out[f"rowdot-{n}-{rows}"] = k(x, w, b)
+        out[f"panels-{n}-{rows}"] = k.panels(x, packed, 70, b)
+torch.save(out, sys.argv[1])
+"""
+
+
+@needs_kernel
+@pytest.mark.skipif(KERNEL is None or KERNEL.width != 512, reason="needs an AVX-512 host to run both codes")
+def test_the_avx2_code_gives_the_avx512_bits(tmp_path):
+    """`KIMI_PD_ROWDOT_ISA=avx2` runs the AVX2 code on this AVX-512 host: every product, row-major and
+    panels, at every row count, must be bitwise what the AVX-512 code gives."""
+    got = {}
+    for isa in ("default", "avx2"):
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env.pop("KIMI_PD_ROWDOT_ISA", None)
+        if isa == "avx2":
+            env["KIMI_PD_ROWDOT_ISA"] = "avx2"
+        path = tmp_path / f"{isa}.pt"
+        subprocess.run([sys.executable, "-c", _PRODUCTS, str(path)], env=env, check=True, timeout=300)
+        got[isa] = torch.load(path)
+    assert int(got["default"].pop("width")) == 512 and int(got["avx2"].pop("width")) == 256
+    for key, value in got["default"].items():
+        assert torch.equal(value, got["avx2"][key]), key
