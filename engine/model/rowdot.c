@@ -88,18 +88,21 @@ AVX512 static void two_rows(const float *w, const float *x, long n, float bias, 
     dots(w, x, n, 2, bias, y, ldy);
 }
 
-/* weight [out, n] row-major, x [rows, n], bias [out] or NULL, y [rows, out]; all contiguous float32 */
-AVX512 static void rowdot_512(const float *weight, const float *x, const float *bias, float *y, long out, long n, long rows) {
-    for (long o = 0; o < out; o++) {
-        const float *w = weight + o * n;
-        const float b = bias ? bias[o] : 0.0f;
-        long r = 0;
-        for (; r + 2 <= rows; r += 2)
-            two_rows(w, x + r * n, n, b, y + r * out + o, out);
-        if (r < rows)
-            one_row(w, x + r * n, n, b, y + r * out + o, out);
+/* rowdot's loop over the outputs, two input rows at a time, for one ISA's ONE/TWO row functions */
+#define ROWDOT_OVER_OUTPUTS(ATTR, NAME, ONE, TWO) \
+    ATTR static void NAME(const float *weight, const float *x, const float *bias, float *y, long out, long n, \
+                          long rows) { \
+        for (long o = 0; o < out; o++) { \
+            const float *w = weight + o * n; \
+            const float b = bias ? bias[o] : 0.0f; \
+            long r = 0; \
+            for (; r + 2 <= rows; r += 2) \
+                TWO(w, x + r * n, n, b, y + r * out + o, out); \
+            if (r < rows) \
+                ONE(w, x + r * n, n, b, y + r * out + o, out); \
+        } \
     }
-}
+ROWDOT_OVER_OUTPUTS(AVX512, rowdot_512, one_row, two_rows)
 
 /* ---- the same kernels on AVX2 -------------------------------------------------------------------- */
 
@@ -153,18 +156,7 @@ AVX2 static void two_rows_256(const float *w, const float *x, long n, float bias
     dots_256(w, x, n, 2, bias, y, ldy);
 }
 
-AVX2 static void rowdot_256(const float *weight, const float *x, const float *bias, float *y, long out, long n,
-                            long rows) {
-    for (long o = 0; o < out; o++) {
-        const float *w = weight + o * n;
-        const float b = bias ? bias[o] : 0.0f;
-        long r = 0;
-        for (; r + 2 <= rows; r += 2)
-            two_rows_256(w, x + r * n, n, b, y + r * out + o, out);
-        if (r < rows)
-            one_row_256(w, x + r * n, n, b, y + r * out + o, out);
-    }
-}
+ROWDOT_OVER_OUTPUTS(AVX2, rowdot_256, one_row_256, two_rows_256)
 
 /* weight [out, n] row-major, x [rows, n], bias [out] or NULL, y [rows, out]; all contiguous float32 */
 void rowdot(const float *weight, const float *x, const float *bias, float *y, long out, long n, long rows) {
@@ -235,29 +227,38 @@ PANEL_ROWS(1) PANEL_ROWS(2) PANEL_ROWS(3) PANEL_ROWS(4) PANEL_ROWS(5) PANEL_ROWS
 typedef void (*panel_fn)(const float *, const float *, long, float *, long);
 static const panel_fn PANEL_FNS[9] = {0, panel_1, panel_2, panel_3, panel_4, panel_5, panel_6, panel_7, panel_8};
 
-/* packed from panel_pack, x [rows, n], bias [out] or NULL, y [rows, out]; all contiguous float32 */
-AVX512 static void paneldot_512(const float *packed, const float *x, const float *bias, float *y, long out, long n, long rows) {
-    const long panels = (out + PANEL - 1) / PANEL;
-    float tail[8 * PANEL];
-    for (long p = 0; p < panels; p++) {
-        const float *panel = packed + p * n * PANEL;
-        const long o0 = p * PANEL, width = out - o0 < PANEL ? out - o0 : PANEL;
-        for (long r = 0; r < rows; r += 8) {
-            const long take = rows - r < 8 ? rows - r : 8;
-            float *dst = width == PANEL ? y + r * out + o0 : tail;
-            const long ld = width == PANEL ? out : PANEL;
-            PANEL_FNS[take](panel, x + r * n, n, dst, ld);
-            for (long q = 0; q < take; q++)
-                for (long j = 0; j < width; j++) {
-                    float *cell = y + (r + q) * out + o0 + j;
-                    if (width < PANEL)
-                        *cell = tail[q * PANEL + j];
-                    if (bias)
-                        *cell += bias[o0 + j];
-                }
-        }
-    }
+/* up to 8 rows of one panel into dst (ld apart) */
+AVX512 static void panel_rows_512(const float *panel, const float *x, long n, long rows, float *dst, long ld) {
+    PANEL_FNS[rows](panel, x, n, dst, ld);
 }
+
+/* paneldot over the panels, eight rows at a time, for one ISA's ROWS function (panel_rows_512 / _256); a
+ * panel past `out` goes through `tail`, and the bias is added after the products */
+#define PANELDOT_OVER_PANELS(ATTR, NAME, ROWS) \
+    ATTR static void NAME(const float *packed, const float *x, const float *bias, float *y, long out, long n, \
+                          long rows) { \
+        const long panels = (out + PANEL - 1) / PANEL; \
+        float tail[8 * PANEL]; \
+        for (long p = 0; p < panels; p++) { \
+            const float *panel = packed + p * n * PANEL; \
+            const long o0 = p * PANEL, width = out - o0 < PANEL ? out - o0 : PANEL; \
+            for (long r = 0; r < rows; r += 8) { \
+                const long take = rows - r < 8 ? rows - r : 8; \
+                float *dst = width == PANEL ? y + r * out + o0 : tail; \
+                const long ld = width == PANEL ? out : PANEL; \
+                ROWS(panel, x + r * n, n, take, dst, ld); \
+                for (long q = 0; q < take; q++) \
+                    for (long j = 0; j < width; j++) { \
+                        float *cell = y + (r + q) * out + o0 + j; \
+                        if (width < PANEL) \
+                            *cell = tail[q * PANEL + j]; \
+                        if (bias) \
+                            *cell += bias[o0 + j]; \
+                    } \
+            } \
+        } \
+    }
+PANELDOT_OVER_PANELS(AVX512, paneldot_512, panel_rows_512)
 
 /* The panels on AVX2: half a panel (16 outputs, two 8-lane accumulators a row) for up to four rows a
  * pass, so the accumulators stay in the sixteen registers; each output is the same single multiply-add
@@ -300,29 +301,7 @@ AVX2 static void panel_rows_256(const float *panel, const float *x, long n, long
     }
 }
 
-AVX2 static void paneldot_256(const float *packed, const float *x, const float *bias, float *y, long out, long n,
-                              long rows) {
-    const long panels = (out + PANEL - 1) / PANEL;
-    float tail[8 * PANEL];
-    for (long p = 0; p < panels; p++) {
-        const float *panel = packed + p * n * PANEL;
-        const long o0 = p * PANEL, width = out - o0 < PANEL ? out - o0 : PANEL;
-        for (long r = 0; r < rows; r += 8) {
-            const long take = rows - r < 8 ? rows - r : 8;
-            float *dst = width == PANEL ? y + r * out + o0 : tail;
-            const long ld = width == PANEL ? out : PANEL;
-            panel_rows_256(panel, x + r * n, n, take, dst, ld);
-            for (long q = 0; q < take; q++)
-                for (long j = 0; j < width; j++) {
-                    float *cell = y + (r + q) * out + o0 + j;
-                    if (width < PANEL)
-                        *cell = tail[q * PANEL + j];
-                    if (bias)
-                        *cell += bias[o0 + j];
-                }
-        }
-    }
-}
+PANELDOT_OVER_PANELS(AVX2, paneldot_256, panel_rows_256)
 
 /* packed from panel_pack, x [rows, n], bias [out] or NULL, y [rows, out]; all contiguous float32 */
 void paneldot(const float *packed, const float *x, const float *bias, float *y, long out, long n, long rows) {
