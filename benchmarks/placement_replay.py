@@ -297,7 +297,8 @@ def _interleaved_job(job: tuple[str, int, float, argparse.Namespace]) -> dict[st
         return out
     candidates = [{"candidate": list(c), **scored(router_fleet(reqs, n, args, router_settings(
         n, variant_args(args, *c), legacy=False))[0], interval=True)} for c in TUNE_GRID]
-    baselines = {"clairvoyant": simple_fleet(reqs, n, args, clairvoyant(32.0)),
+    own_weight = own_weight_of(router_settings(n, args, legacy=False))
+    baselines = {"clairvoyant": simple_fleet(reqs, n, args, clairvoyant(own_weight)),
                  "clairvoyant-greedy": simple_fleet(reqs, n, args, clairvoyant(1.0)),
                  "oracle-pooled-lru": simple_fleet(reqs, n, args, earliest_free, shared_cache=True,
                                                    shared_blocks=n * args.cache_blocks),

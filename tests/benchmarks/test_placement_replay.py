@@ -6,7 +6,15 @@ import argparse
 
 import pytest
 
-from benchmarks.placement_replay import interleaved_windows, part_bounds, router_settings, scaled
+from benchmarks.placement_replay import (
+    DEFAULT_CANDIDATE,
+    TUNE_GRID,
+    interleaved_windows,
+    part_bounds,
+    router_settings,
+    scaled,
+    variant_args,
+)
 from benchmarks.placement_sim import (
     TRACE_BLOCK,
     Request,
@@ -98,3 +106,12 @@ def test_p99_interval_is_paired_and_brackets_the_ratio():
     assert lo < point < hi and hi - lo > 0.02                        # a p99 over 3,000 requests is not exact
     # only the scored requests count: a huge outlier outside them changes nothing
     assert p99_ratio_interval([*ours, 1e9], [*oracle, 1.0], range(3000), draws=300) == (lo, hi)
+
+
+def test_the_default_candidate_is_the_routers_default_policy():
+    """The interleaved table's "router default" column reads DEFAULT_CANDIDATE: it must be what the router
+    runs when nobody configures it, or the column names the wrong policy."""
+    a = args(scorers=None, filters=None)
+    assert DEFAULT_CANDIDATE in TUNE_GRID
+    chosen = router_settings(4, variant_args(a, *DEFAULT_CANDIDATE), legacy=False)
+    assert chosen.pipeline_spec() == router_settings(4, a, legacy=False).pipeline_spec()
