@@ -14,7 +14,7 @@
  * the exported functions pick one on first call, AVX-512 where the CPU has it, and rowdot_supported()
  * says whether either runs. The AVX2 code keeps the AVX-512 code's arithmetic lane for lane: a 16-lane
  * sum is two 8-lane halves, reduced in the sequence GCC's _mm512_reduce_add_ps uses, and a panel output
- * is the same single multiply-add chain. So both give the same bits (tests/engine/model/test_rowdot.py).
+ * is the same single multiply-add chain (three rows a pass instead of eight). So both give the same bits (tests/engine/model/test_rowdot.py).
  */
 #include <immintrin.h>
 #include <stdlib.h>
@@ -260,44 +260,47 @@ AVX512 static void panel_rows_512(const float *panel, const float *x, long n, lo
     }
 PANELDOT_OVER_PANELS(AVX512, paneldot_512, panel_rows_512)
 
-/* The panels on AVX2: half a panel (16 outputs, two 8-lane accumulators a row) for up to four rows a
- * pass, so the accumulators stay in the sixteen registers; each output is the same single multiply-add
- * chain over i as on AVX-512. A panel row is two cache lines and each half reads one of them. */
-AVX2 static inline void panel_half_rows(const float *panel, int half, const float *x, long n, int rows, float *y,
-                                        long ldy) {
-    __m256 lo[4], hi[4];
-    for (int q = 0; q < 4; q++)
-        lo[q] = hi[q] = _mm256_setzero_ps();
-    const float *p = panel + 16 * half;
+/* The panels on AVX2: a whole panel row (32 outputs, four 8-lane accumulators a row) for up to three rows
+ * a pass, so the twelve accumulators, four weights and the broadcast fit the sixteen registers; each output
+ * is the same single multiply-add chain over i as on AVX-512. Read as half panels of four rows it streamed
+ * 6-35 % slower at two to eight rows on an AVX2 EPYC (every other cache line per pass). */
+AVX2 static inline void panel_rows3(const float *panel, const float *x, long n, int rows, float *y, long ldy) {
+    __m256 a0[3], a1[3], a2[3], a3[3];
+    for (int q = 0; q < 3; q++)
+        a0[q] = a1[q] = a2[q] = a3[q] = _mm256_setzero_ps();
     for (long i = 0; i < n; i++) {
-        const __m256 w0 = _mm256_loadu_ps(p + i * PANEL), w1 = _mm256_loadu_ps(p + i * PANEL + 8);
+        const float *p = panel + i * PANEL;
+        const __m256 w0 = _mm256_loadu_ps(p), w1 = _mm256_loadu_ps(p + 8);
+        const __m256 w2 = _mm256_loadu_ps(p + 16), w3 = _mm256_loadu_ps(p + 24);
         for (int q = 0; q < rows; q++) {
             const __m256 xq = _mm256_set1_ps(x[q * n + i]);
-            lo[q] = _mm256_fmadd_ps(w0, xq, lo[q]);
-            hi[q] = _mm256_fmadd_ps(w1, xq, hi[q]);
+            a0[q] = _mm256_fmadd_ps(w0, xq, a0[q]);
+            a1[q] = _mm256_fmadd_ps(w1, xq, a1[q]);
+            a2[q] = _mm256_fmadd_ps(w2, xq, a2[q]);
+            a3[q] = _mm256_fmadd_ps(w3, xq, a3[q]);
         }
     }
     for (int q = 0; q < rows; q++) {
-        _mm256_storeu_ps(y + q * ldy + 16 * half, lo[q]);
-        _mm256_storeu_ps(y + q * ldy + 16 * half + 8, hi[q]);
+        _mm256_storeu_ps(y + q * ldy, a0[q]);
+        _mm256_storeu_ps(y + q * ldy + 8, a1[q]);
+        _mm256_storeu_ps(y + q * ldy + 16, a2[q]);
+        _mm256_storeu_ps(y + q * ldy + 24, a3[q]);
     }
 }
 
-#define PANEL_HALF_ROWS(R) \
-    AVX2 static void panel_half_##R(const float *panel, int half, const float *x, long n, float *y, long ldy) { \
-        panel_half_rows(panel, half, x, n, R, y, ldy); \
+#define PANEL_ROWS3(R) \
+    AVX2 static void panel3_##R(const float *panel, const float *x, long n, float *y, long ldy) { \
+        panel_rows3(panel, x, n, R, y, ldy); \
     }
-PANEL_HALF_ROWS(1) PANEL_HALF_ROWS(2) PANEL_HALF_ROWS(3) PANEL_HALF_ROWS(4)
+PANEL_ROWS3(1) PANEL_ROWS3(2) PANEL_ROWS3(3)
 
-typedef void (*panel_half_fn)(const float *, int, const float *, long, float *, long);
-static const panel_half_fn PANEL_HALF_FNS[5] = {0, panel_half_1, panel_half_2, panel_half_3, panel_half_4};
+static const panel_fn PANEL3_FNS[4] = {0, panel3_1, panel3_2, panel3_3};
 
 /* up to 8 rows of one panel into dst (ld apart), as panel_rows does on AVX-512 */
 AVX2 static void panel_rows_256(const float *panel, const float *x, long n, long rows, float *dst, long ld) {
-    for (long r = 0; r < rows; r += 4) {
-        const long take = rows - r < 4 ? rows - r : 4;
-        for (int half = 0; half < 2; half++)
-            PANEL_HALF_FNS[take](panel, half, x + r * n, n, dst + r * ld, ld);
+    for (long r = 0; r < rows; r += 3) {
+        const long take = rows - r < 3 ? rows - r : 3;
+        PANEL3_FNS[take](panel, x + r * n, n, dst + r * ld, ld);
     }
 }
 

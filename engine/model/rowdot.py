@@ -32,9 +32,9 @@ weight that a forward of 2-16 rows meets (as oneDNN's packed copy is kept for th
 copies of a weight in all). Each kernel is compiled for AVX-512 and for AVX2 and runs the first where the
 CPU has it (`Kernel.width`: 512 or 256); the AVX2 code makes the same multiply-adds lane for lane and
 reduces in the same order, so both give the same bits. On an AVX2 host (2-core AMD EPYC, 5 Dec 2026) one row
-read 15-19 GB/s against packed oneDNN's 10-18, and the panels 8-11 GB/s at eight rows against 7-10
-(`benchmarks/results/linear_rates_avx2.json`); a decode step of the small preset ran 1.87x (batch 1) and
-1.61x (batch 8) faster than with the kernels off (`benchmarks/results/engine_throughput.md`). Without a
+read 16-21 GB/s against packed oneDNN's 11-18, and the panels 1.2-1.75x oneDNN's rate at 2-16 rows
+(`benchmarks/results/linear_rates_avx2.json`); a decode step of the small preset ran 1.91x (batch 1) and
+1.95x (batch 8) faster than with the kernels off (`benchmarks/results/engine_throughput.md`). Without a
 compiler or either ISA, or with `KIMI_PD_CPU_ROWDOT=0`, the linears stay on oneDNN/MKL as before and one log
 line says why; `KIMI_PD_CPU_PANELS=0` keeps the row-major kernel for one to three rows and oneDNN above (the
 engine before the panels). Rounding: the row-major kernel sums every dot in one order, so a row alone is
