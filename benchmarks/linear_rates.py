@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 import engine  # noqa: F401  (its OpenMP defaults, for a run without torch loaded yet)
+from benchmarks.services import cpu_model
 from engine.model import rowdot
 from engine.model.gemm import PACK_ROWS
 
@@ -104,15 +105,6 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _cpu_model() -> str:
-    """The host's CPU as /proc/cpuinfo names it ('' where it does not)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return ""
-    return next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=SMALL_PRESET_SHAPES, help="OUTxIN weight shapes")
@@ -123,7 +115,7 @@ def main() -> None:
     torch.set_num_threads(1)           # the engine runs decode-sized forwards on one thread (engine/host_threads.py)
     shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes]
     doc: dict[str, Any] = {"loadavg_start": list(os.getloadavg()), "cpus": os.cpu_count(), "threads": 1,
-                           "rowdot": rowdot.kernel() is not None, "cpu": _cpu_model(),
+                           "rowdot": rowdot.kernel() is not None, "cpu": cpu_model(),
                            "rowdot_width": getattr(rowdot.kernel(), "width", None)}       # 512: AVX-512, 256: AVX2
     doc["results"] = [measure((out, n), args.rows, args.repeats) for out, n in shapes]
     doc["loadavg_end"] = list(os.getloadavg())

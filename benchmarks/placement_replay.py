@@ -164,20 +164,20 @@ def one_cell(rows: Sequence[dict[str, Any]], trace: str, n: int, load: float,
         "kimi-pd": lambda: {**ours_fleet.result(start), "calibrated_tokens_per_s": ours_speeds,
                             "p99_vs_oracle_90": p99_ratio_interval(ours_fleet.ttft, oracle_fleet.ttft,
                                                                    range(start, end))},
-        "clairvoyant": lambda: run_simple(reqs, n, args, clairvoyant(own_weight_of(ours)), start=start),
-        "clairvoyant-greedy": lambda: run_simple(reqs, n, args, clairvoyant(1.0), start=start),
-        "oracle-pooled-lru": lambda: run_simple(reqs, n, args, earliest_free, shared_cache=True, start=start,
+        "clairvoyant": lambda: run_simple(reqs, n, args, clairvoyant(own_weight_of(ours)), scored=start),
+        "clairvoyant-greedy": lambda: run_simple(reqs, n, args, clairvoyant(1.0), scored=start),
+        "oracle-pooled-lru": lambda: run_simple(reqs, n, args, earliest_free, shared_cache=True, scored=start,
                                                 shared_blocks=n * args.cache_blocks),
-        "round-robin": lambda: run_simple(reqs, n, args, round_robin, start=start),
-        "least-loaded": lambda: run_simple(reqs, n, args, least_loaded, start=start)}
+        "round-robin": lambda: run_simple(reqs, n, args, round_robin, scored=start),
+        "least-loaded": lambda: run_simple(reqs, n, args, least_loaded, scored=start)}
     if args.baselines:
         before = variant_args(args, *TUNE_GRID[0])
         runs["kimi-pd-before"] = lambda: run_router(reqs, n, args, router_settings(n, before, legacy=False),
-                                                    start=start)
+                                                    scored=start)
         runs["kimi-pd-index-65536"] = lambda: run_router(reqs, n, args, replace(ours, static_cache_tokens=0),
-                                                         start=start)
+                                                         scored=start)
         runs["previous-default"] = lambda: run_router(reqs, n, args, router_settings(n, args, legacy=True),
-                                                      start=start)
+                                                      scored=start)
     policies = {name: run() for name, run in runs.items()}
     pooled = pooled_lru_hit(reqs, n * args.cache_blocks, start)
     for res in policies.values():
@@ -241,12 +241,12 @@ def _tune_job(job: tuple[str, int, float, argparse.Namespace]) -> list[dict[str,
     rows = load_trace(args.trace_dir / f"{trace}_trace.jsonl", args.limit)
     end, start = part_bounds(len(rows), args, tuning=True)
     reqs = scaled(rows[:end], load, n * args.tokens_per_s, basis=(start, end))
-    oracle_p99 = run_simple(reqs, n, args, earliest_free, shared_cache=True, start=start)["ttft_p99_s"]
+    oracle_p99 = run_simple(reqs, n, args, earliest_free, shared_cache=True, scored=start)["ttft_p99_s"]
     pooled = pooled_lru_hit(reqs, n * args.cache_blocks, start)
     out = []
     for candidate in TUNE_GRID:
         got = run_router(reqs, n, args, router_settings(n, variant_args(args, *candidate), legacy=False),
-                         start=start)
+                         scored=start)
         out.append({"trace": trace, "workers": n, "load": load, "candidate": candidate,
                     "hit_vs_pooled_lru": got["hit_ratio"] / pooled, "p99_vs_oracle": got["ttft_p99_s"] / oracle_p99})
     return out
@@ -445,13 +445,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def run_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The arguments as a result file records them (paths as strings, the output path left out)."""
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "output"}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     load_at_start, start = os.getloadavg(), time.perf_counter()
     if args.split_mode == "interleaved":
         found = interleaved(args)
         out_path = args.output.with_name("placement_interleaved.json") if args.output == RESULTS else args.output
-        config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "output"}
+        config = run_config(args)
         out = {"benchmark": "placement_replay --split-mode interleaved", "config": config, "grid": TUNE_GRID,
                **found, "seconds": time.perf_counter() - start, "loadavg_start": load_at_start,
                "loadavg_end": os.getloadavg()}
@@ -465,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tune:
         found = tune(args)
         out_path = args.output.with_name("placement_tune.json") if args.output == RESULTS else args.output
-        config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "output"}
+        config = run_config(args)
         out_path.write_text(json.dumps({"benchmark": "placement_replay --tune", "config": config, "grid": TUNE_GRID,
                                         **found, "loadavg_start": load_at_start,
                                         "loadavg_end": os.getloadavg()}, indent=2) + "\n")
@@ -473,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(r))
         return 0
     results = run_grid(args)
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "output"}
+    config = run_config(args)
     out = {"benchmark": "placement_replay", "config": config, "part": "held-out",
            "missing_traces": {t: "over 4 MiB, absent from the Mooncake snapshot on this machine (no internet)"
                               for t in MISSING_TRACES},

@@ -176,8 +176,8 @@ def simple_fleet(reqs: Sequence[Request], n: int, args: argparse.Namespace, choo
 
 
 def run_simple(reqs: Sequence[Request], n: int, args: argparse.Namespace, choose: Chooser,
-               shared_cache: bool = False, start: Scored = 0, shared_blocks: int | None = None) -> dict[str, float]:
-    return simple_fleet(reqs, n, args, choose, shared_cache, shared_blocks).result(start)
+               shared_cache: bool = False, scored: Scored = 0, shared_blocks: int | None = None) -> dict[str, float]:
+    return simple_fleet(reqs, n, args, choose, shared_cache, shared_blocks).result(scored)
 
 
 def round_robin(fleet: Fleet, req: Request, i: int) -> int:
@@ -218,8 +218,8 @@ def hit_share(hits: Sequence[int], reqs: Sequence[Request], scored: Scored) -> f
     return sum(hits[i] for i in picked) / sum(reqs[i].tokens for i in picked)
 
 
-def pooled_lru_hit(reqs: Sequence[Request], blocks: int, start: Scored = 0) -> float:
-    return hit_share(pooled_lru_hits(reqs, blocks), reqs, start)
+def pooled_lru_hit(reqs: Sequence[Request], blocks: int, scored: Scored = 0) -> float:
+    return hit_share(pooled_lru_hits(reqs, blocks), reqs, scored)
 
 
 # ---- the router -----------------------------------------------------------------------------------
@@ -297,7 +297,7 @@ def router_fleet(reqs: Sequence[Request], n: int, args: argparse.Namespace,
 
 
 def run_router(reqs: Sequence[Request], n: int, args: argparse.Namespace, settings: RouterSettings,
-               start: Scored = 0) -> dict[str, Any]:
+               scored: Scored = 0) -> dict[str, Any]:
     """`router_fleet`'s figures over the scored requests only."""
     fleet, speeds = router_fleet(reqs, n, args, settings)
-    return {**fleet.result(start), "calibrated_tokens_per_s": speeds}
+    return {**fleet.result(scored), "calibrated_tokens_per_s": speeds}

@@ -54,7 +54,7 @@ import httpx
 
 from benchmarks.loadgen import LoadGenError, Run, run_wrk, write_script, wrk_binary
 from benchmarks.peers import PEER_PACKAGES, ensure_venv, peers_for, proc_usage
-from benchmarks.services import BenchError, router, service, stub_worker
+from benchmarks.services import BenchError, cpu_model, router, service, stub_worker
 from shared.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -341,12 +341,8 @@ def headroom(summary: dict[str, Any]) -> dict[str, Any]:
 # ---- report -------------------------------------------------------------------------------------
 
 def machine_info() -> dict[str, Any]:
-    cpu = ""
-    with contextlib.suppress(OSError):
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
     wrk = subprocess.run([wrk_binary(), "--version"], capture_output=True, text=True, check=False)
-    return {"cpu": cpu, "cpus": os.cpu_count(), "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+    return {"cpu": cpu_model(), "cpus": os.cpu_count(), "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
             "platform": platform.platform(), "python": platform.python_version(),
             "generator": (wrk.stdout or wrk.stderr).splitlines()[0] if (wrk.stdout or wrk.stderr) else "wrk"}
 

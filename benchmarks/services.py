@@ -19,6 +19,14 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def cpu_model() -> str:
+    """The host's CPU as /proc/cpuinfo names it ('' where it does not), for a result's machine record."""
+    with contextlib.suppress(OSError):
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
+    return ""
+
+
 class BenchError(RuntimeError):
     """A reply that is not what the protocol promises, or a service that would not start."""
 

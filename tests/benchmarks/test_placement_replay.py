@@ -48,9 +48,9 @@ def workload(n: int = 120) -> list[Request]:
 
 def test_one_worker_every_policy_is_the_same_fifo():
     a, reqs = args(), workload()
-    ours = run_router(reqs, 1, a, router_settings(1, a, legacy=False), start=30)
-    for other in (run_simple(reqs, 1, a, round_robin, start=30), run_simple(reqs, 1, a, clairvoyant(32.0), start=30),
-                  run_simple(reqs, 1, a, earliest_free, shared_cache=True, start=30)):
+    ours = run_router(reqs, 1, a, router_settings(1, a, legacy=False), scored=30)
+    for other in (run_simple(reqs, 1, a, round_robin, scored=30), run_simple(reqs, 1, a, clairvoyant(32.0), scored=30),
+                  run_simple(reqs, 1, a, earliest_free, shared_cache=True, scored=30)):
         for key in ("hit_ratio", "ttft_p50_s", "ttft_p99_s", "ttft_mean_s"):
             assert ours[key] == pytest.approx(other[key])
 
