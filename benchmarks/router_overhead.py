@@ -3,8 +3,10 @@ side by side with nginx, vllm-router and sglang-router.
 
 Run: `python -m benchmarks.router_overhead [--seconds 2] [--rounds 3] [--concurrency 1 32]
 [--kinds chat chat_stream] [--modes decode-only prefill-decode] [--router-workers N] [--no-peers]
-[--no-python-floor] [--baseline-tree DIR]` (DIR: another checkout, e.g. a worktree of main, whose router runs
-beside ours as `router_baseline`: a same-run A/B of two trees).
+[--no-python-floor] [--baseline-tree DIR] [--stages]` (DIR: another checkout, e.g. a worktree of main, whose
+router runs beside ours as `router_baseline`: a same-run A/B of two trees; `--stages`: our router also runs cut
+short after each stage of its request path, `router@front` ... `router@placed` (benchmarks/router_stages.py),
+and the summary says what each stage adds to the CPU per request, beside sglang-router's whole figure).
 
 Starts a prefill and a decode stub worker (tests.stub_worker on its bare fast server), our router
 (`python -m kimi_pd router`, with `--workers N` when N > 1) and the peers (benchmarks/peers.py) on
@@ -54,6 +56,7 @@ import httpx
 
 from benchmarks.loadgen import LoadGenError, Run, run_wrk, write_script, wrk_binary
 from benchmarks.peers import PEER_PACKAGES, ensure_venv, peers_for, proc_usage
+from benchmarks.router_stages import STAGES, legs_served
 from benchmarks.services import BenchError, cpu_model, router, service, stub_worker
 from shared.net import free_port
 
@@ -65,6 +68,7 @@ MODEL = "kimi-k3"
 FILLER = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "wizards",
           "quietly", "hex", "every", "bold", "juror", "near", "the", "old", "mill")
 Body = dict[str, Any]
+STAGE_MARK = "@"                 # router@front ...: our router cut short after a stage (benchmarks/router_stages.py)
 # the legs a target's request makes the stubs serve: (stub, leg kind)
 PD_LEGS = (("prefill", "prefill"), ("decode", "decode"))
 LEGS: dict[str, dict[str, tuple[tuple[str, str], ...]]] = {"decode-only": {"*": (("decode", "local"),)},
@@ -142,7 +146,8 @@ def spread(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
 def check_legs(mode: str, target: str, run: Run, seen: Counter, connections: int) -> None:
     """Each leg the target implies was served once per counted request (plus at most the requests in
     flight when wrk stopped); no other leg was served."""
-    legs = LEGS[mode].get(target, LEGS[mode]["*"])
+    stage = target.partition(STAGE_MARK)[2]
+    legs = legs_served(stage, mode) if stage else LEGS[mode].get(target, LEGS[mode]["*"])
     for key, n in seen.items():
         low, high = (run.requests, run.requests + connections) if key in legs else (0, 0)
         if not low <= n <= high:
@@ -220,6 +225,12 @@ def run_mode(mode: str, model: Path, stubs: dict[str, str], args: argparse.Names
             base = stack.enter_context(router(base_port, MODES[mode], stubs["prefill"], stubs["decode"], model, args,
                                               tmp, tree=args.baseline_tree, name="router-baseline"))
             targets.append(Target("router_baseline", f"http://127.0.0.1:{base_port}{CHAT}", base.pid))
+        for stage in STAGES if args.stages else ():
+            stage_port = free_port()
+            cut = stack.enter_context(router(stage_port, MODES[mode], stubs["prefill"], stubs["decode"], model, args,
+                                             tmp, name=f"router-{stage}",
+                                             entry=("-m", "benchmarks.router_stages", "--stage", stage)))
+            targets.append(Target(f"router{STAGE_MARK}{stage}", f"http://127.0.0.1:{stage_port}{CHAT}", cut.pid))
         if mode == "decode-only" and args.python_floor:
             floor_port = free_port()
             floor = stack.enter_context(service("python-floor", ["-m", "benchmarks.python_floor", "--port",
@@ -285,7 +296,7 @@ def summarize_mode(mode: str, runs: dict[str, Any]) -> dict[str, Any]:
                 cells.setdefault(name, {})[f"{kind}_c{c}"] = cell
     ours, ratios = cells.get("router", {}), {}
     for peer, row in cells.items():
-        if peer.startswith("direct") or peer == "router":
+        if peer.startswith("direct") or peer == "router" or STAGE_MARK in peer:
             continue                              # router_baseline: the --baseline-tree router, a peer like the others
         ratio: dict[str, float] = {}
         for key, cell in row.items():
@@ -294,7 +305,29 @@ def summarize_mode(mode: str, runs: dict[str, Any]) -> dict[str, Any]:
                 if cell.get(stat) and stat in mine:
                     ratio[f"{key}_{stat}"] = round(mine[stat] / cell[stat], 2)
         ratios[f"router_vs_{peer.removeprefix('router_')}"] = ratio
-    return {"targets": cells, "ratios": ratios}
+    return {"targets": cells, "ratios": ratios, "stages": stage_costs(cells)}
+
+
+def stage_costs(cells: dict[str, dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Per kind and concurrency, the CPU per request of our router cut after each stage, then whole, each
+    with what it adds over the stage before and its share of the whole; sglang-router's whole figure
+    beside it (`reference`). Empty without `--stages`."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    names = [f"router{STAGE_MARK}{s}" for s in STAGES] + ["router"]
+    for key in cells.get("router", {}):
+        rows = [(name, cells[name][key]["cpu_us_per_request"]) for name in names
+                if key in cells.get(name, {}) and "cpu_us_per_request" in cells[name][key]]
+        if len(rows) < 2:
+            continue
+        whole = rows[-1][1]
+        out[key] = [{"stage": name.partition(STAGE_MARK)[2] or "whole", "cpu_us_per_request": cpu,
+                     "added_us": round(cpu - (rows[i - 1][1] if i else 0.0), 1),
+                     "share_of_whole": round((cpu - (rows[i - 1][1] if i else 0.0)) / whole, 3) if whole else None}
+                    for i, (name, cpu) in enumerate(rows)]
+        peer = cells.get("sglang-router", {}).get(key, {}).get("cpu_us_per_request")
+        if peer:
+            out[key].append({"stage": "reference: sglang-router, whole", "cpu_us_per_request": peer})
+    return out
 
 
 def goals(summary: dict[str, Any], kind: str = "chat") -> dict[str, Any]:
@@ -371,6 +404,13 @@ def markdown(result: dict[str, Any]) -> str:
             if spreads:
                 lines += ["", f"Our processes' spread (busiest over mean, per round): {spreads}"]
             lines.append("")
+            if key in s.get("stages", {}):
+                lines += [f"Where our router's CPU goes ({mode}, {key}; cut after each stage, same run):", "",
+                          "| stage | CPU µs/request | added by the stage µs | share of the whole |",
+                          "|---|---|---|---|"]
+                lines += [f"| {r['stage']} | {r['cpu_us_per_request']} | {r.get('added_us', '-')} | "
+                          f"{r.get('share_of_whole', '-')} |" for r in s["stages"][key]]
+                lines.append("")
     lines += ["Goals (ours, sglang-router): " + json.dumps(result["goals"]),
               "", "Headroom: " + json.dumps(result["headroom"]), ""]
     return "\n".join(lines)
@@ -396,6 +436,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="skip nginx, vllm-router and sglang-router (else: started side by side with ours)")
     p.add_argument("--no-python-floor", dest="python_floor", action="store_false",
                    help="skip benchmarks/python_floor.py (the least a Python proxy costs; decode-only mode)")
+    p.add_argument("--stages", action="store_true",
+                   help="also run our router cut short after each stage of its request path (benchmarks/"
+                        "router_stages.py): what each stage costs per request, in the same run")
     p.add_argument("--model", type=Path, help="checkpoint dir for the router's tokenizer (default: a tiny one)")
     p.add_argument("--startup-timeout", type=float, default=60.0)
     p.add_argument("--output", type=Path, default=RESULTS, help="JSON; the table goes beside it (NAME_latest)")

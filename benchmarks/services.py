@@ -107,11 +107,12 @@ def knows_router_workers(tree: Path) -> bool:
 
 
 def router(port: int, threshold: int, prefill: str, decode: str, model: Path, args: argparse.Namespace,
-           log_dir: Path, tree: Path = ROOT, name: str = "router"):
+           log_dir: Path, tree: Path = ROOT, name: str = "router", entry: tuple[str, ...] = ("-m", "kimi_pd")):
     """`kimi-pd router` of checkout `tree` over the two stubs with `--workers N`: a router that knows the flag
     defaults to one process per core, so it is always given; an older `--baseline-tree` that does not know it
-    runs one process, and asking it for more is an error."""
-    cmd = ["-m", "kimi_pd", "router", "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
+    runs one process, and asking it for more is an error. `entry` runs the CLI (benchmarks/router_stages.py
+    wraps it to cut the request path short)."""
+    cmd = [*entry, "router", "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
            "--prefill", prefill, "--decode", decode, "--disagg-threshold", str(threshold), "--log-level", "warning"]
     if knows_router_workers(tree):
         cmd += ["--workers", str(args.router_workers)]

@@ -150,6 +150,11 @@ class Tenants:
             return found
         return self.default if client or not self.keys_required else None
 
+    def open_to_all(self) -> bool:
+        """No key is required (none configured, the file re-read if due): `resolve` needs no token."""
+        self.maybe_reload()
+        return not self.keys_required
+
     def label(self, tenant: Tenant) -> str:
         """A metrics label: bounded cardinality whatever the file holds."""
         return tenant.name if tenant.name in self._labelled else "other"

@@ -22,6 +22,7 @@ from benchmarks.router_overhead import (
     served_by_process,
     settled_counts,
     spread,
+    stub_counts,
     summarize_mode,
 )
 from benchmarks.services import ROOT, BenchError, checkout_path
@@ -165,3 +166,72 @@ def test_a_baseline_router_is_given_the_same_process_count_or_refused(tmp_path):
     args = Namespace(router_workers=2, startup_timeout=5.0)
     with pytest.raises(BenchError, match="no --workers flag"):
         router(0, 0, "http://p", "http://d", tmp_path, args, tmp_path, tree=old)
+
+
+def test_stage_costs_are_each_stage_over_the_one_before_and_never_a_peer():
+    s = summarize_mode("decode-only", runs({
+        "32": {"direct": [row(6000, 5000)], "router": [row(1000, 30000, cpu=500)],
+               "router@front": [row(9000, 3000, cpu=50)], "router@validated": [row(8000, 3500, cpu=100)],
+               "router@admitted": [row(4000, 7000, cpu=250)], "router@placed": [row(2500, 12000, cpu=400)],
+               "sglang-router": [row(2000, 15000, cpu=150)]}}))
+    stages = s["stages"]["chat_c32"]
+    assert [(r["stage"], r["cpu_us_per_request"], r.get("added_us")) for r in stages] == [
+        ("front", 50, 50), ("validated", 100, 50), ("admitted", 250, 150), ("placed", 400, 150),
+        ("whole", 500, 100), ("reference: sglang-router, whole", 150, None)]
+    assert [r.get("share_of_whole") for r in stages[:5]] == [0.1, 0.1, 0.3, 0.3, 0.2]
+    assert set(s["ratios"]) == {"router_vs_sglang-router"}              # a cut router is not a peer
+    assert summarize_mode("decode-only", runs({"32": {"router": [row(1000, 3, cpu=5)]}}))["stages"] == {}
+
+
+def test_a_cut_router_is_checked_for_the_legs_its_stage_still_sends():
+    run = Run(requests=100, seconds=1.0, errors={}, mean_us=1.0, p50_us=1, p99_us=1, max_us=1, generator_cpu_s=0.0)
+    check_legs("prefill-decode", "router@placed", run, {("prefill", "prefill"): 100, ("decode", "decode"): 0}, 32)
+    check_legs("prefill-decode", "router@admitted", run, {("prefill", "prefill"): 0}, 32)
+    with pytest.raises(BenchError):        # a cut that still reached the decode worker would measure the whole path
+        check_legs("prefill-decode", "router@placed", run, {("prefill", "prefill"): 100, ("decode", "decode"): 5}, 32)
+    with pytest.raises(BenchError):
+        check_legs("decode-only", "router@front", run, {("decode", "local"): 1}, 32)
+
+
+def test_each_cut_answers_where_its_stage_ends_in_every_router_process(tmp_path):
+    """Against real stubs: `front` answers even a request validation would refuse, `validated` refuses it
+    and answers a good one without a leg, `placed` (in prefill-decode mode, two spawned router processes)
+    sends the prefill leg only. Every answer is the cut's fixed completion."""
+    import argparse
+
+    import httpx
+
+    from benchmarks.router_overhead import _tiny_checkpoint
+    from benchmarks.router_stages import ANSWER
+    from benchmarks.services import router, stub_worker
+    from shared.net import free_port
+
+    args = argparse.Namespace(tokens=4, token_delay_ms=0.0, startup_timeout=60.0, router_workers=1)
+    ports = {"prefill": free_port(), "decode": free_port()}
+    stubs = {role: f"http://127.0.0.1:{port}" for role, port in ports.items()}
+    model = _tiny_checkpoint(tmp_path)
+    good = {"model": "kimi-k3", "messages": [{"role": "user", "content": "hello there"}]}
+    bad = {"model": "kimi-k3", "messages": "not a list"}
+
+    def served() -> Counter:
+        return stub_counts(stubs)
+
+    with stub_worker("prefill", ports["prefill"], args, tmp_path), \
+            stub_worker("decode", ports["decode"], args, tmp_path):
+        for stage, threshold, workers in (("front", 100000, 1), ("validated", 100000, 1), ("placed", 0, 2)):
+            port = free_port()
+            with router(port, threshold, stubs["prefill"], stubs["decode"], model,
+                        argparse.Namespace(**{**vars(args), "router_workers": workers}), tmp_path, name=f"cut-{stage}",
+                        entry=("-m", "benchmarks.router_stages", "--stage", stage)):
+                url = f"http://127.0.0.1:{port}/v1/chat/completions"
+                before, answers, processes = served(), [], set()
+                while len(answers) < 8 or (len(processes) < workers and len(answers) < 64):
+                    answers.append(httpx.post(url, json=good, timeout=10))     # a new connection each: any process
+                    processes.add(answers[-1].headers.get("x-kimi-pd-router-process", "").partition(":")[0])
+                refused = httpx.post(url, json=bad, timeout=10)
+                legs = served() - before
+            assert [a.status_code for a in answers] == [200] * len(answers)
+            assert all(a.content == ANSWER for a in answers) and len(processes) == workers, (stage, processes)
+            assert refused.status_code == (200 if stage == "front" else 400), stage
+            expected = Counter({("prefill", "prefill"): len(answers)}) if stage == "placed" else Counter()
+            assert legs == expected, (stage, legs)

@@ -73,6 +73,24 @@ def test_start_up_refuses_a_bad_file_and_a_reload_keeps_the_old_tenants(tmp_path
     assert tenants.resolve("key-bbbb-1").rpm == 7 and tenants.resolve("key-aaaa-1") is None
 
 
+def test_open_to_all_follows_the_keys_a_reload_brings(tmp_path) -> None:
+    """The router skips the Authorization header only while no key is configured: a reload that adds
+    keys closes it again, one that removes them opens it."""
+    assert Tenants(None).open_to_all() and not Tenants(None, client_keys=("sk-plain-client",)).open_to_all()
+    path, now = tmp_path / "tenants.json", [0.0]
+    path.write_text('{"tenants": {"a": {"rpm": 5}}}')                  # limits, no keys: still open
+    tenants = Tenants(str(path), clock=lambda: now[0])
+    assert tenants.open_to_all()
+    path.write_text('{"tenants": {"a": {"rpm": 5, "keys": ["key-aaaa-1"]}}}')
+    os.utime(path, (1e9, 1e9))
+    now[0] = 2.0
+    assert not tenants.open_to_all() and tenants.resolve("key-aaaa-1").name == "a"
+    path.write_text('{"tenants": {"a": {"rpm": 5}}}')
+    os.utime(path, (2e9, 2e9))
+    now[0] = 4.0
+    assert tenants.open_to_all()
+
+
 def test_metric_labels_are_bounded(tmp_path) -> None:
     path = tmp_path / "t.toml"
     path.write_text("".join(f"[tenants.t{i:03d}]\nrpm = 1\n" for i in range(100)))
