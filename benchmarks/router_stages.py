@@ -6,7 +6,9 @@ fixed completion at the end of stage S instead of going on. The stages, in reque
 
 - `front`: the HTTP server takes the request and reads its body; nothing else runs;
 - `validated`: + the API key check, strict JSON parse and the request's pydantic validation;
-- `admitted`: + model and sampling checks, chat rendering and tokenising, the trace, admission;
+- `prepared`: + the model and sampling checks, chat rendering and tokenising (the cut is an exception
+  the app answers, which costs a few µs more than a return);
+- `admitted`: + the trace and admission;
 - `placed`: + placement (prefix hashes, the index, filters, scorers, the ledger), the P/D decision
   and, in prefill-decode mode, the prefill leg and its lease;
 - the whole router (router_overhead's `router` target): + the decode leg, its relay and the answer.
@@ -27,13 +29,17 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-STAGES = ("front", "validated", "admitted", "placed")
+STAGES = ("front", "validated", "prepared", "admitted", "placed")
 STAGE_ENV = "KIMI_PD_BENCH_STAGE"
 # a non-streamed answer the size of the stub worker's (16 tokens), so writing it costs what writing that does
 ANSWER = (b'{"id":"chatcmpl-stage","object":"chat.completion","created":0,"model":"kimi-k3","choices":[{"index":0,'
           b'"message":{"role":"assistant","content":"tok tok tok tok tok tok tok tok tok tok tok tok tok tok tok tok"},'
           b'"logprobs":null,"finish_reason":"length"}],"usage":{"prompt_tokens":686,"completion_tokens":16,'
           b'"total_tokens":702}}')
+
+
+class StageEnd(Exception):
+    """Raised where the `prepared` stage ends (no function ends there to replace); the app answers it."""
 
 
 def answer() -> Any:
@@ -61,6 +67,19 @@ def cut(stage: str) -> None:
     async def validated(request: Any, req: Any, one: Callable[[Any], Any]) -> Any:
         return answer()
 
+    def trace_after_prepare(*args: Any, **kwargs: Any) -> Any:
+        raise StageEnd
+
+    build_app = app.create_app
+
+    def answering_app(*args: Any, **kwargs: Any) -> Any:
+        built = build_app(*args, **kwargs)
+
+        async def answered(request: Any, exc: Exception) -> Any:
+            return answer()
+        built.add_exception_handler(StageEnd, answered)
+        return built
+
     async def admitted(self: Orchestrator, trace: Any, req: Any, prepared: Any) -> Any:
         return answer()
 
@@ -71,10 +90,14 @@ def cut(stage: str) -> None:
         app._chat = app._completions = front
     elif stage == "validated":
         app._one_or_fanned_out = validated
+    elif stage == "prepared":
+        # the request's Trace is built right after its prompt is prepared
+        app.Trace = trace_after_prepare                         # type: ignore[misc,assignment]
+        app.create_app = answering_app
     elif stage == "admitted":
-        Orchestrator.handle = admitted                                          # type: ignore[method-assign]
+        Orchestrator.handle = admitted                          # type: ignore[method-assign]
     elif stage == "placed":
-        Orchestrator._call_decode = placed                                      # type: ignore[method-assign]
+        Orchestrator._call_decode = placed                      # type: ignore[method-assign]
     else:
         raise ValueError(f"unknown stage {stage!r}; one of {STAGES}")
 

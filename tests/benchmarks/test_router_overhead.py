@@ -172,13 +172,13 @@ def test_stage_costs_are_each_stage_over_the_one_before_and_never_a_peer():
     s = summarize_mode("decode-only", runs({
         "32": {"direct": [row(6000, 5000)], "router": [row(1000, 30000, cpu=500)],
                "router@front": [row(9000, 3000, cpu=50)], "router@validated": [row(8000, 3500, cpu=100)],
-               "router@admitted": [row(4000, 7000, cpu=250)], "router@placed": [row(2500, 12000, cpu=400)],
+               "router@prepared": [row(5000, 6000, cpu=200)], "router@admitted": [row(4000, 7000, cpu=250)], "router@placed": [row(2500, 12000, cpu=400)],
                "sglang-router": [row(2000, 15000, cpu=150)]}}))
     stages = s["stages"]["chat_c32"]
     assert [(r["stage"], r["cpu_us_per_request"], r.get("added_us")) for r in stages] == [
-        ("front", 50, 50), ("validated", 100, 50), ("admitted", 250, 150), ("placed", 400, 150),
-        ("whole", 500, 100), ("reference: sglang-router, whole", 150, None)]
-    assert [r.get("share_of_whole") for r in stages[:5]] == [0.1, 0.1, 0.3, 0.3, 0.2]
+        ("front", 50, 50), ("validated", 100, 50), ("prepared", 200, 100), ("admitted", 250, 50),
+        ("placed", 400, 150), ("whole", 500, 100), ("reference: sglang-router, whole", 150, None)]
+    assert [r.get("share_of_whole") for r in stages[:6]] == [0.1, 0.1, 0.2, 0.1, 0.3, 0.2]
     assert set(s["ratios"]) == {"router_vs_sglang-router"}              # a cut router is not a peer
     assert summarize_mode("decode-only", runs({"32": {"router": [row(1000, 3, cpu=5)]}}))["stages"] == {}
 
@@ -195,8 +195,9 @@ def test_a_cut_router_is_checked_for_the_legs_its_stage_still_sends():
 
 def test_each_cut_answers_where_its_stage_ends_in_every_router_process(tmp_path):
     """Against real stubs: `front` answers even a request validation would refuse, `validated` refuses it
-    and answers a good one without a leg, `placed` (in prefill-decode mode, two spawned router processes)
-    sends the prefill leg only. Every answer is the cut's fixed completion."""
+    but answers one for a model nobody serves (the model check comes after), `prepared` refuses both,
+    `placed` (in prefill-decode mode, two spawned router processes) sends the prefill leg only. Every
+    answer is the cut's fixed completion."""
     import argparse
 
     import httpx
@@ -212,13 +213,15 @@ def test_each_cut_answers_where_its_stage_ends_in_every_router_process(tmp_path)
     model = _tiny_checkpoint(tmp_path)
     good = {"model": "kimi-k3", "messages": [{"role": "user", "content": "hello there"}]}
     bad = {"model": "kimi-k3", "messages": "not a list"}
+    unknown_model = {**good, "model": "no-such-model"}
 
     def served() -> Counter:
         return stub_counts(stubs)
 
     with stub_worker("prefill", ports["prefill"], args, tmp_path), \
             stub_worker("decode", ports["decode"], args, tmp_path):
-        for stage, threshold, workers in (("front", 100000, 1), ("validated", 100000, 1), ("placed", 0, 2)):
+        for stage, threshold, workers in (("front", 100000, 1), ("validated", 100000, 1), ("prepared", 100000, 1),
+                                          ("placed", 0, 2)):
             port = free_port()
             with router(port, threshold, stubs["prefill"], stubs["decode"], model,
                         argparse.Namespace(**{**vars(args), "router_workers": workers}), tmp_path, name=f"cut-{stage}",
@@ -229,9 +232,11 @@ def test_each_cut_answers_where_its_stage_ends_in_every_router_process(tmp_path)
                     answers.append(httpx.post(url, json=good, timeout=10))     # a new connection each: any process
                     processes.add(answers[-1].headers.get("x-kimi-pd-router-process", "").partition(":")[0])
                 refused = httpx.post(url, json=bad, timeout=10)
+                unknown = httpx.post(url, json=unknown_model, timeout=10)
                 legs = served() - before
             assert [a.status_code for a in answers] == [200] * len(answers)
             assert all(a.content == ANSWER for a in answers) and len(processes) == workers, (stage, processes)
             assert refused.status_code == (200 if stage == "front" else 400), stage
+            assert unknown.status_code == (200 if stage in ("front", "validated") else 404), stage
             expected = Counter({("prefill", "prefill"): len(answers)}) if stage == "placed" else Counter()
             assert legs == expected, (stage, legs)
