@@ -56,6 +56,8 @@ def _call_positions(tool_calls: Any) -> dict[str, int]:
 
 
 def _sorted_run(run: list[tuple[str, Any]], positions: dict[str, int]) -> list[tuple[str, Any]]:
+    if len(run) < 2:
+        return run                  # nothing to reorder (most conversations: no tool results at all)
     keys = [optional_str(message.get("tool_call_id")) for _, message in run]
     bound = [key for key in keys if key is not None and key in positions]
     if len(bound) != len(keys):

@@ -172,7 +172,8 @@ def test_stage_costs_are_each_stage_over_the_one_before_and_never_a_peer():
     s = summarize_mode("decode-only", runs({
         "32": {"direct": [row(6000, 5000)], "router": [row(1000, 30000, cpu=500)],
                "router@front": [row(9000, 3000, cpu=50)], "router@validated": [row(8000, 3500, cpu=100)],
-               "router@prepared": [row(5000, 6000, cpu=200)], "router@admitted": [row(4000, 7000, cpu=250)], "router@placed": [row(2500, 12000, cpu=400)],
+               "router@prepared": [row(5000, 6000, cpu=200)], "router@admitted": [row(4000, 7000, cpu=250)],
+               "router@placed": [row(2500, 12000, cpu=400)],
                "sglang-router": [row(2000, 15000, cpu=150)]}}))
     stages = s["stages"]["chat_c32"]
     assert [(r["stage"], r["cpu_us_per_request"], r.get("added_us")) for r in stages] == [

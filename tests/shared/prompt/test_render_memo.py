@@ -23,6 +23,14 @@ CONVERSATIONS = [
      {"role": "assistant", "content": None, "tool_calls": [
          {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
      {"role": "tool", "tool_call_id": "c1", "content": "rain"}, {"role": "user", "content": "and tomorrow?"}],
+    # memoised tags: escaped and long attribute values, two results sent out of call order
+    [{"role": "user", "name": 'o"k&1', "content": "x"},
+     {"role": "user", "name": "n" * (SHORT_CHARS + 5), "content": "y"},
+     {"role": "assistant", "content": "", "tool_calls": [
+         {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
+         {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+     {"role": "tool", "tool_call_id": "c2", "content": "sun"},
+     {"role": "tool", "tool_call_id": "c1", "content": "rain"}],
 ]
 OPTIONS = [{}, {"thinking": False}, {"thinking_effort": "low"}, {"tools": TOOLS}, {"tools": TOOLS, "thinking": False},
            {"keep_reasoning": False}, {"add_generation_prompt": False}]
