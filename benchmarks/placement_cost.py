@@ -23,11 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -102,84 +98,22 @@ def child() -> None:
         print(json.dumps(cell), flush=True)
 
 
-class Child:
-    """One tree's measuring process (its modules first on the path, as `checkout_path` gives)."""
-
-    def __init__(self, tree: Path) -> None:
-        from benchmarks.services import checkout_path
-        env = {**os.environ, "PYTHONPATH": checkout_path(tree, os.environ.get("PYTHONPATH", ""))}
-        self.tree = tree
-        # a file, not a pipe: a chatty child never blocks on it; closed in close()
-        self.errors = tempfile.TemporaryFile("w+")  # noqa: SIM115
-        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child"], cwd=tree, env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.errors, text=True)
-
-    def measure(self, size: int, seconds: float) -> dict[str, float]:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(f"{size} {seconds}\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            self.proc.wait()
-            self.errors.seek(0)
-            raise RuntimeError(f"the placement child for {self.tree} failed:\n{self.errors.read()[-2000:]}")
-        return json.loads(line)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.communicate()                          # closes its pipes
-        self.errors.close()
-
-
 def measure(trees: dict[str, Path], sizes: list[int], slices: int, seconds: float) -> dict[str, Any]:
-    """`slices` short timings per tree and fleet size, the trees taking turns slice by slice (order flipped
-    every slice) so that a noisy neighbour's bursts land on both; the medians are what the table shows."""
-    children: dict[str, Child] = {}
-    runs: dict[str, dict[str, list[dict[str, float]]]] = {name: {str(n): [] for n in sizes} for name in trees}
-    try:
-        for name, tree in trees.items():
-            children[name] = Child(tree)
-        for size in sizes:
-            for k in range(slices):
-                for name in (list(trees) if k % 2 == 0 else list(reversed(trees))):
-                    runs[name][str(size)].append(children[name].measure(size, seconds))
-    finally:
-        for c in children.values():
-            c.close()
-    medians = {name: {size: {key: statistics.median(cell[key] for cell in cells) for key in cells[0]}
-                      for size, cells in per_size.items()} for name, per_size in runs.items()}
-    doc: dict[str, Any] = {"runs": runs, "median": medians}
+    """`slices` short timings per tree and fleet size, the trees taking turns (benchmarks/paired_trees.py);
+    the medians are what the table shows."""
+    from benchmarks.paired_trees import alternate, medians, paired_ratio  # parent only: a child runs in an older tree
+    runs = alternate(trees, Path(__file__).resolve(), [f"{n} {seconds}" for n in sizes], slices)
+    runs = {name: {request.split()[0]: cells for request, cells in per.items()} for name, per in runs.items()}
+    doc: dict[str, Any] = {"runs": runs, "median": medians(runs)}
     if len(trees) == 2:                # slice by slice: the pair ran within half a second of each other
         ours, base = list(trees)
-        doc["paired_ratio"] = {str(n): statistics.median(
-            a["placement_us"] / b["placement_us"] for a, b in zip(runs[ours][str(n)], runs[base][str(n)], strict=True))
-            for n in sizes}
+        doc["paired_ratio"] = paired_ratio(runs, ours, base, "placement_us")
     return doc
 
 
 def table(doc: dict[str, Any]) -> str:
-    med = doc["median"]
-    names = list(med)
-    head = "| workers | " + " | ".join(f"{n} placement µs | {n} states() µs" for n in names)
-    ratio = len(names) == 2
-    lines = [head + (" | placement, ours / baseline (median of paired slices) |" if ratio else " |"),
-             "|---" * (1 + 2 * len(names) + ratio) + "|"]
-    for size in med[names[0]]:
-        cells = [f"{med[n][size]['placement_us']:.1f} | {med[n][size]['states_us']:.1f}" for n in names]
-        extra = f" | {doc['paired_ratio'][size]:.2f}x" if ratio else ""
-        lines.append(f"| {size} | " + " | ".join(cells) + extra + " |")
-    return "\n".join(lines)
-
-
-def _commit(tree: Path) -> str | None:
-    """The checkout's commit (and `+changes` when its tree differs from it), or None outside git."""
-    head = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    if head.returncode != 0:
-        return None
-    dirty = subprocess.run(["git", "-C", str(tree), "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True).stdout.strip()
-    return head.stdout.strip() + ("+changes" if dirty else "")
+    from benchmarks.paired_trees import table as paired_table
+    return paired_table(doc, "workers", {"placement_us": "placement µs", "states_us": "states() µs"}, "placement")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -196,23 +130,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         child()
         return 0
+    from benchmarks.paired_trees import result_doc, write_result
     trees = {"ours": ROOT} | ({"baseline": args.baseline_tree.resolve()} if args.baseline_tree else {})
-    doc: dict[str, Any] = {"argv": sys.argv[1:] if argv is None else argv,
-                           "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                           "commits": {name: _commit(tree) for name, tree in trees.items()},
-                           "loadavg_start": list(os.getloadavg()), "cpus": os.cpu_count(),
-                           "python": sys.version.split()[0], "workers": args.workers, "slices": args.slices,
-                           "seconds": args.seconds, "trees": {k: str(v) for k, v in trees.items()}}
+    doc = result_doc(sys.argv[1:] if argv is None else argv, trees, workers=args.workers, slices=args.slices,
+                     seconds=args.seconds)
     doc |= measure(trees, args.workers, args.slices, args.seconds)
-    doc["loadavg_end"] = list(os.getloadavg())
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(doc, indent=1) + "\n")
     text = table(doc)
-    trees_line = ", ".join(f"{name} {doc['commits'][name] or doc['trees'][name]}" for name in trees)
-    args.output.with_suffix(".md").write_text(
-        f"# Placement cost per request\n\n`python -m benchmarks.placement_cost {' '.join(doc['argv'])}`, "
-        f"{doc['when']} ({trees_line}; docs/router-performance.md reads it)\n\n{text}\n\nload average "
-        f"{doc['loadavg_start'][0]:.2f} -> {doc['loadavg_end'][0]:.2f}, {doc['cpus']} cpus\n")
+    write_result(doc, args.output, "Placement cost per request", "benchmarks.placement_cost", text)
     print(text)
     return 0
 
