@@ -21,7 +21,7 @@ Float = Annotated[float, Strict()]
 Bool = Annotated[bool, Strict()]
 
 # JSON kind of an input -> the tag of the union branch for it.
-_KINDS = {str: "<str>", list: "<list>", dict: "<object>"}
+_KINDS: dict[type, str] = {str: "<str>", list: "<list>", dict: "<object>"}
 
 
 class OpenAIModel(BaseModel):
@@ -42,6 +42,11 @@ class RequestModel(OpenAIModel):
 
 
 def _kind(value: Any) -> str | None:
+    """Called for every union value pydantic validates or serialises (each message, each content): the exact
+    type first (what JSON gives), subclasses through the scan."""
+    tag = _KINDS.get(type(value))
+    if tag is not None:
+        return tag
     return next((tag for kind, tag in _KINDS.items() if isinstance(value, kind)), None)
 
 

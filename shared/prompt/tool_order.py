@@ -29,19 +29,22 @@ def with_results_in_call_order(messages: list[dict[str, Any]]) -> Iterator[tuple
     OpenAI clients bind results by `tool_call_id` and may send them in any order, while XTML binds
     them by position, so a run is reordered by the position of the call it answers.
     """
-    positions: dict[str, int] = {}
+    calls: Any = None                    # the last assistant turn's tool_calls: what a run of results answers
     run: list[tuple[str, Any]] = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
-        if isinstance(message, dict) and message.get("role") == "tool":
+        role = message.get("role") if isinstance(message, dict) else None
+        if role == "tool":
             run.append((where, message))
             continue
-        yield from _sorted_run(run, positions)
-        run = []
-        if isinstance(message, dict) and message.get("role") == "assistant":
-            positions = _call_positions(message.get("tool_calls"))
+        if run:
+            yield from _sorted_run(run, _call_positions(calls))
+            run = []
+        if role == "assistant":
+            calls = message.get("tool_calls")
         yield where, message
-    yield from _sorted_run(run, positions)
+    if run:
+        yield from _sorted_run(run, _call_positions(calls))
 
 
 def _call_positions(tool_calls: Any) -> dict[str, int]:
@@ -57,7 +60,7 @@ def _call_positions(tool_calls: Any) -> dict[str, int]:
 
 def _sorted_run(run: list[tuple[str, Any]], positions: dict[str, int]) -> list[tuple[str, Any]]:
     if len(run) < 2:
-        return run                  # nothing to reorder (most conversations: no tool results at all)
+        return run                  # nothing to reorder
     keys = [optional_str(message.get("tool_call_id")) for _, message in run]
     bound = [key for key in keys if key is not None and key in positions]
     if len(bound) != len(keys):
