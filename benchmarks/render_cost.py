@@ -16,7 +16,7 @@ for a one-message chat; agents resend whole histories, where the per-message fra
 Each tree is timed in a child of its own, the trees taking turns slice by slice (benchmarks/paired_trees.py).
 The tokenizer is the generated K3 one (`KimiTokenizer.generated()`, the tests' tokenizer: the same code
 path as a checkpoint's, a smaller vocabulary). Writes benchmarks/results/render_cost.json and a table
-beside it (render_cost.md), with the load average at start and end.
+beside it (benchmarks/results/render_cost.md), with the load average at start and end.
 """
 from __future__ import annotations
 
