@@ -21,10 +21,9 @@ from router.placement.pipeline import NoWorkerAvailable
 from router.placement.types import RoutingContext, WorkerState
 from router.request.fleet import Fleet
 from router.request.recompute import merge_whole, recomputed, whole_continuation
-from router.request.trace import PATHS, Trace, trace_headers
+from router.request.trace import PATHS, Trace, trace_headers, wire_of
 from router.transport.upstream import TRANSPORT_ERRORS, UpstreamError, classify, dumps, error_body, parse_object
 from router.transport.worker_http import WorkerResponse
-from shared.openai.legs import wire_body
 from shared.openai.requests import SamplingRequest
 
 
@@ -58,7 +57,7 @@ class Opened:
 
 def decode_body(fleet: Fleet, trace: Trace, req: SamplingRequest) -> dict:
     """The decode leg's body: the client's request and what the pool's connector hands the decode."""
-    body = wire_body(req)
+    body = wire_of(trace, req)
     params = connector(trace.kv_connector).decode_params(trace)
     if params is None:
         body.pop("kv_transfer_params", None)        # clients never steer transfers (SSRF, lease tampering)

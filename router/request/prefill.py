@@ -17,7 +17,7 @@ from router.placement.pipeline import NoWorkerAvailable
 from router.placement.types import RoutingContext, WorkerState
 from router.request.fleet import Fleet
 from router.request.leases import renew_headers
-from router.request.trace import PATHS, Trace
+from router.request.trace import PATHS, Trace, wire_of
 from router.transport.upstream import JsonReply, UpstreamError, post_json
 from shared.openai.legs import prefill_body
 from shared.openai.requests import SamplingRequest
@@ -56,7 +56,7 @@ class PrefillLeg:
         fleet, tried = self.fleet, set(exclude)
         kind = connector(trace.kv_connector)
         plan = kind.prepare(trace.request_id)
-        body = fleet.for_worker(prefill_body(req))
+        body = fleet.for_worker(prefill_body(req, wire_of(trace, req)))
         body.update(plan.fields, kv_transfer_params=plan.params)
         for attempt in range(fleet.s.max_attempts):
             if attempt == 0 and passed and not tried:

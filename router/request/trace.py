@@ -6,6 +6,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shared.kv_transfer_params import KVTransferParams
+from shared.openai.legs import wire_body
+from shared.openai.requests import SamplingRequest
 
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}     # endpoint -> the workers' path
 
@@ -29,6 +31,16 @@ class Trace:
     outcome: str | None = None                       # a stream's outcome, set when its relay ends
     completion_tokens: int | None = None             # what the answer generated (admission settles by it)
     on_end: Callable[[], None] | None = None         # called once a stream's relay ends (admission)
+    wire: tuple[object, dict] | None = None          # (request, its wire body): `wire_of`
+
+
+def wire_of(trace: Trace, req: SamplingRequest) -> dict:
+    """`req`'s wire body (`shared.openai.legs.wire_body`) as a fresh dict to edit, dumped once per request
+    object: a prefill-decode request needs it for both legs, and a long history costs ~1 µs a message to
+    dump. The legs edit top-level keys only; nested values are shared, read-only."""
+    if trace.wire is None or trace.wire[0] is not req:       # a re-run's request is a new object
+        trace.wire = (req, wire_body(req))
+    return dict(trace.wire[1])
 
 
 def trace_headers(trace: Trace, workers: bool) -> dict[str, str]:

@@ -18,13 +18,14 @@ def wire_body(req: SamplingRequest) -> dict[str, Any]:
     return body
 
 
-def prefill_body(req: SamplingRequest) -> dict[str, Any]:
+def prefill_body(req: SamplingRequest, wire: dict[str, Any] | None = None) -> dict[str, Any]:
     """The prefill leg: one token, not streamed, asking the worker to keep the state for a decode.
+    `wire`: `wire_body(req)` already made (a copy this edits at the top level), else it is made here.
 
     Both token limits are set to 1, since `max_completion_tokens` overrides `max_tokens`;
     `min_tokens` is capped at 1 so that it still fits and still bans an end token at position 1.
     """
-    body = wire_body(req)
+    body = wire_body(req) if wire is None else wire
     body.pop("stream_options", None)
     body.update(max_tokens=1, stream=False, kv_transfer_params=KVTransferParams.prefill_request().to_dict())
     if "max_completion_tokens" in body:
