@@ -319,11 +319,13 @@ def stage_costs(cells: dict[str, dict[str, Any]]) -> dict[str, list[dict[str, An
                 if key in cells.get(name, {}) and "cpu_us_per_request" in cells[name][key]]
         if len(rows) < 2:
             continue
-        whole = rows[-1][1]
-        out[key] = [{"stage": name.partition(STAGE_MARK)[2] or "whole", "cpu_us_per_request": cpu,
-                     "added_us": round(cpu - (rows[i - 1][1] if i else 0.0), 1),
-                     "share_of_whole": round((cpu - (rows[i - 1][1] if i else 0.0)) / whole, 3) if whole else None}
-                    for i, (name, cpu) in enumerate(rows)]
+        whole, before = rows[-1][1], 0.0
+        out[key] = []
+        for name, cpu in rows:
+            out[key].append({"stage": name.partition(STAGE_MARK)[2] or "whole", "cpu_us_per_request": cpu,
+                             "added_us": round(cpu - before, 1),
+                             "share_of_whole": round((cpu - before) / whole, 3) if whole else None})
+            before = cpu
         peer = cells.get("sglang-router", {}).get(key, {}).get("cpu_us_per_request")
         if peer:
             out[key].append({"stage": "reference: sglang-router, whole", "cpu_us_per_request": peer})

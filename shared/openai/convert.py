@@ -256,8 +256,6 @@ def render_options(req: ChatCompletionRequest) -> dict[str, Any]:
     """
     _forced_tool(req)                       # a named function must be one of the tools
     kwargs = req.chat_template_kwargs or {}
-    if not kwargs and req.reasoning_effort is None and not req.tools:
-        return {"tools": None, "thinking": True, "thinking_effort": None}     # most requests: the defaults
     thinking = _thinking(kwargs) and req.reasoning_effort != "none"     # vLLM: "none" turns thinking off
     tools = [tool.model_dump(mode="json", exclude_none=True) for tool in req.tools or []]
     return {
