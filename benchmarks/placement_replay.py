@@ -60,6 +60,7 @@ from benchmarks.placement_sim import (
     hit_share,
     least_loaded,
     p99_ratio_interval,
+    pool_blocks,
     pooled_lru_hit,
     pooled_lru_hits,
     round_robin,
@@ -104,7 +105,9 @@ def scaled(rows: Sequence[dict[str, Any]], load: float, capacity_tokens_per_s: f
 
 def router_settings(n: int, args: argparse.Namespace, legacy: bool) -> RouterSettings:
     base = RouterSettings(model="", served_model_name=MODEL, block_size=TRACE_BLOCK,
-                          static_prefill=tuple(f"http://sim-{w}" for w in range(n)))
+                          static_prefill=tuple(f"http://sim-{w}" for w in range(n)),
+                          kv_pool_blocks=pool_blocks(n, args),
+                          kv_pool_load_cost=getattr(args, "kv_pool_load_cost", 0.1))
     if legacy:                                                      # index: the fixed 65,536 blocks
         return replace(base, scorer_weights=LEGACY_WEIGHTS, placement_filters=LEGACY_FILTERS)
     ours = replace(base, static_cache_tokens=args.cache_blocks * TRACE_BLOCK)
@@ -418,6 +421,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokens-per-s", type=float, default=12000.0, help="true prefill speed of a worker")
     p.add_argument("--speed-spread", type=float, default=0.0, help="true speeds spread over +- this share")
     p.add_argument("--overhead-s", type=float, default=0.0, help="fixed cost of every request on a worker")
+    p.add_argument("--kv-pool", type=float, default=0.0,
+                   help="the workers share a KV pool of this many times the fleet's cache blocks (0: none); "
+                        "the router is told its size (--kv-pool-blocks)")
+    p.add_argument("--kv-pool-load-cost", type=float, default=0.1,
+                   help="a token loaded from the pool costs this share of computing it (true and told)")
     p.add_argument("--heartbeat-s", type=float, default=1.0)
     p.add_argument("--report-delay-s", type=float, default=0.25, help="heartbeat -> router (store refresh)")
     p.add_argument("--reply-delay-s", type=float, default=0.0, help="prefill done -> router sees the answer")
@@ -440,6 +448,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--workers, --loads, --cache-blocks and --tokens-per-s must be positive")
     if args.windows < 2:
         p.error("--windows must be >= 2")
+    if args.kv_pool < 0 or not 0 < args.kv_pool_load_cost <= 1:
+        p.error("--kv-pool must be >= 0 and --kv-pool-load-cost in (0, 1]")
     if not 0 < args.split < 1 or not 0 <= args.warmup < 1 or not 0 <= args.speed_spread < 1:
         p.error("--split must be in (0, 1), --warmup and --speed-spread in [0, 1)")
     return args
@@ -456,6 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.split_mode == "interleaved":
         found = interleaved(args)
         out_path = args.output.with_name("placement_interleaved.json") if args.output == RESULTS else args.output
+        out_path.parent.mkdir(parents=True, exist_ok=True)
         config = run_config(args)
         out = {"benchmark": "placement_replay --split-mode interleaved", "config": config, "grid": TUNE_GRID,
                **found, "seconds": time.perf_counter() - start, "loadavg_start": load_at_start,
@@ -470,6 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tune:
         found = tune(args)
         out_path = args.output.with_name("placement_tune.json") if args.output == RESULTS else args.output
+        out_path.parent.mkdir(parents=True, exist_ok=True)
         config = run_config(args)
         out_path.write_text(json.dumps({"benchmark": "placement_replay --tune", "config": config, "grid": TUNE_GRID,
                                         **found, "loadavg_start": load_at_start,

@@ -98,12 +98,18 @@ class Fleet:
     """FIFO prefill workers with LRU caches; what happened to every request, in arrival order.
 
     `speeds[w]` is worker w's true prefill speed (tokens/s); `overhead_s` a fixed cost per request
-    (scheduling, one forward's launch), which the router's speed guess does not know about."""
+    (scheduling, one forward's launch), which the router's speed guess does not know about. With
+    `pool_blocks`, the workers also share a KV pool of that many blocks: every prompt's blocks are saved
+    there, and a worker loads the pool's chain beyond its own cached prefix at `pool_load_cost` of what
+    computing it costs."""
 
     def __init__(self, speeds: Sequence[float], cache_blocks: int | None, shared_cache: bool = False,
-                 overhead_s: float = 0.0, shared_blocks: int | None = None) -> None:
+                 overhead_s: float = 0.0, shared_blocks: int | None = None, pool_blocks: int | None = None,
+                 pool_load_cost: float = 0.1) -> None:
         shared = LRU(shared_blocks) if shared_cache else None
         self.caches = [shared or LRU(cache_blocks) for _ in speeds]
+        self.pool = LRU(pool_blocks) if pool_blocks else None
+        self.pool_load_cost = pool_load_cost
         self.speeds, self.overhead_s = list(speeds), overhead_s
         self.free_at = [0.0] * len(speeds)
         self.ends: list[list[float]] = [[] for _ in speeds]   # finish times, for heartbeats/least loaded
@@ -111,15 +117,18 @@ class Fleet:
         self.hits: list[int] = []
         self.tokens: list[int] = []
 
-    def service_s(self, worker: int, req: Request, hit_blocks: int) -> float:
+    def service_s(self, worker: int, req: Request, hit_blocks: int, loaded_blocks: int = 0) -> float:
         uncached = max(req.tokens - min(hit_blocks * TRACE_BLOCK, req.tokens), 1)
-        return self.overhead_s + uncached / self.speeds[worker]
+        loaded = self.pool_load_cost * loaded_blocks * TRACE_BLOCK
+        return self.overhead_s + (uncached + loaded) / self.speeds[worker]
 
     def serve(self, worker: int, req: Request) -> float:
         """Queue `req` on `worker`; returns its finish time."""
-        hit_blocks = self.caches[worker].serve(req.blocks)
+        local = self.caches[worker].serve(req.blocks)
+        pooled = self.pool.serve(req.blocks) if self.pool is not None else 0
+        hit_blocks = max(local, pooled)
         start = max(req.arrival, self.free_at[worker])
-        self.free_at[worker] = end = start + self.service_s(worker, req, hit_blocks)
+        self.free_at[worker] = end = start + self.service_s(worker, req, hit_blocks, hit_blocks - local)
         self.ends[worker].append(end)
         self.ttft.append(end - req.arrival)
         self.hits.append(min(hit_blocks * TRACE_BLOCK, req.tokens))
@@ -155,10 +164,17 @@ def true_speeds(n: int, args: argparse.Namespace) -> list[float]:
     return [args.tokens_per_s * (1 - spread + 2 * spread * w / (n - 1)) for w in range(n)]
 
 
+def pool_blocks(n: int, args: argparse.Namespace) -> int:
+    """The KV pool's blocks: `kv_pool` times the fleet's cache blocks (0: no pool)."""
+    return round(getattr(args, "kv_pool", 0.0) * n * args.cache_blocks)
+
+
 def new_fleet(n: int, args: argparse.Namespace, shared_cache: bool = False, shared_blocks: int | None = None) -> Fleet:
-    """Workers with their own LRUs, or one cache shared by all (`shared_blocks`; None: infinite)."""
+    """Workers with their own LRUs (and the KV pool of `--kv-pool`, if any), or one cache shared by all
+    (`shared_blocks`; None: infinite)."""
+    pool = None if shared_cache else pool_blocks(n, args) or None
     return Fleet(true_speeds(n, args), args.cache_blocks, shared_cache, getattr(args, "overhead_s", 0.0),
-                 shared_blocks)
+                 shared_blocks, pool, getattr(args, "kv_pool_load_cost", 0.1))
 
 
 # ---- baselines ------------------------------------------------------------------------------------
@@ -274,12 +290,12 @@ class _RouterSim:
         states = registry.states()
         ctx = context_from_hashes(f"r{i}", req.tokens, {self.key: req.blocks}, states, registry.index,
                                   model=MODEL, role="prefill", now=req.arrival,
-                                  tail_prefill_s=registry.ledger.tail_prefill_s())
+                                  tail_prefill_s=registry.ledger.tail_prefill_s(), pool=registry.pool)
         chosen = self.pipeline.pick(ctx, states).worker
         url = chosen.worker_id
         registry.begin(url)
-        leg = registry.ledger.open(url, ctx.uncached_tokens(chosen.info))
-        registry.index.record_sent(url, ctx.hashes_for(chosen.info))
+        leg = registry.ledger.open(url, ctx.work_tokens(chosen.info))
+        registry.record_sent(chosen.info, ctx.hashes_for(chosen.info))
         end = self.fleet.serve(self.urls.index(url), req)
         seen = end + getattr(self.args, "reply_delay_s", 0.0)
         heapq.heappush(self.events, (seen, next(self.seq), "reply", (url, leg)))

@@ -318,6 +318,8 @@ async def _metrics(request: Request) -> Response:
     st.metrics.store_up.set(1 if st.registry.store_ok else 0)
     tail = st.registry.ledger.tail_prefill_s()
     st.metrics.tail_prefill.set(math.nan if tail is None else tail)
+    if st.registry.pool is not None:
+        st.metrics.kv_pool_blocks.set(st.registry.pool.num_blocks())
     counts: dict[tuple[str, str], int] = {}
     for s in st.registry.states():
         key = (s.info.role, str(s.healthy).lower())

@@ -104,6 +104,12 @@ def add_static_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="block size of static workers")
     p.add_argument("--static-cache-tokens", type=int, default=0,
                    help="KV cache size of each static worker in tokens (default: read from its /metrics)")
+    p.add_argument("--kv-pool-blocks", type=int, default=0,
+                   help="the prefill workers share a KV pool of this many KV blocks (vLLM-Ascend's "
+                        "AscendStoreConnector, Mooncake Store, LMCache): placement counts a prefix any of them "
+                        "computed as a cheap hit on all of them (default 0: no pool)")
+    p.add_argument("--kv-pool-load-cost", type=float, default=0.1,
+                   help="what loading a token from the KV pool costs a worker, as a share of computing it (0-1]")
 
 
 def settings_from_args(args: argparse.Namespace, model_dir: str | None) -> RouterSettings:
@@ -118,6 +124,7 @@ def settings_from_args(args: argparse.Namespace, model_dir: str | None) -> Route
                           static_cache_tokens=args.static_cache_tokens, max_request_bytes=args.max_request_bytes,
                           max_sequences_per_request=args.max_sequences_per_request,
                           prefill_tokens_per_s=args.prefill_tokens_per_s,
+                          kv_pool_blocks=args.kv_pool_blocks, kv_pool_load_cost=args.kv_pool_load_cost,
                           namespace=args.namespace, disagg_threshold_tokens=args.disagg_threshold,
                           transfer_aware=args.transfer_aware,
                           max_attempts=args.max_attempts, connect_timeout_s=args.connect_timeout,

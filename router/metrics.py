@@ -23,6 +23,8 @@
   placement_tail_prefill_seconds                 the recent prefill legs' tail of uncached seconds
                                                  (WorkLedger.tail_prefill_s): the backlog filter lets a prefix
                                                  holder be its tail_share x this behind; NaN until known
+  placement_kv_pool_blocks                       blocks the router believes the prefill workers' KV pool holds
+                                                 (--kv-pool-blocks; absent without a pool)
   event_loop_lag_seconds                         how late a 0.25 s timer ran (shared/loop_watch.py): a blocked
                                                  or starved process; stalls of 1 s or more are also logged
   tenant_requests_total{tenant, outcome}         admission (docs/admission.md): finished requests per tenant
@@ -111,6 +113,9 @@ class RouterMetrics:
         self.tail_prefill = Gauge(p + "placement_tail_prefill_seconds", "High quantile of the recent prefill legs' "
                                   "uncached seconds, which bounds a prefix holder's wait (NaN until known)",
                                   registry=r, multiprocess_mode="livemostrecent")
+        self.kv_pool_blocks = Gauge(p + "placement_kv_pool_blocks", "Blocks this router believes the prefill "
+                                    "workers' KV pool holds (what it sent them, up to --kv-pool-blocks)",
+                                    registry=r, multiprocess_mode="livemostrecent")
         self.loop_lag = Histogram(p + "event_loop_lag_seconds", "Lateness of a periodic timer: the event loop "
                                   "blocked or starved of CPU", registry=r,
                                   buckets=(0.001, 0.005, 0.025, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))

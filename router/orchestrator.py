@@ -110,7 +110,7 @@ class Orchestrator:
         return build_context(trace.request_id, prepared.token_ids, states, self.registry.index,
                              model=self.s.served_model_name, role=role, now=time.time(),
                              images=prepared.image_spans(), cache_salt=prepared.cache_salt,
-                             tail_prefill_s=self.registry.ledger.tail_prefill_s())
+                             tail_prefill_s=self.registry.ledger.tail_prefill_s(), pool=self.registry.pool)
 
     def _decide(self, ctx: RoutingContext, decode: WorkerState, states: list[WorkerState]
                 ) -> tuple[Decision, Reason, RoutingContext | None, tuple[WorkerState, ...] | None]:

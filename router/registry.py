@@ -27,6 +27,7 @@ from typing import Protocol
 
 from router.connectors import CONNECTORS, Connector, connector
 from router.placement.health import HealthTracker
+from router.placement.kv_pool import KVPool, KVPoolConfig
 from router.placement.ledger import LedgerConfig, WorkLedger
 from router.placement.prefix_index import ApproximatePrefixIndex, PrefixIndex
 from router.placement.transfer import TransferCostConfig, TransferCosts
@@ -137,6 +138,8 @@ class WorkerRegistry:
         self.drained: set[str] = set()
         self.health = HealthTracker()
         self.index = CombinedIndex(settings.approximate_index_blocks)
+        pool = KVPoolConfig(settings.kv_pool_blocks, settings.kv_pool_load_cost)
+        self.pool: KVPool | None = KVPool(pool) if pool.enabled else None     # shared by the prefill workers
         self.ledger = WorkLedger(LedgerConfig(tokens_per_s=settings.prefill_tokens_per_s), clock)
         self.transfer = TransferCosts(TransferCostConfig(enabled=settings.transfer_aware))
         self._since: dict[str, _SinceReport] = {}
@@ -173,6 +176,12 @@ class WorkerRegistry:
                 for wid in dp_worker_ids(url, ranks.get(url))}
 
     # ---- views --------------------------------------------------------------------------------
+    def record_sent(self, info: WorkerInfo, prompt_hashes: Sequence[int]) -> None:
+        """What later requests will find cached: on the worker, and in the KV pool when it is a member."""
+        self.index.record_sent(info.worker_id, prompt_hashes)
+        if self.pool is not None and self.pool.member(info.role):
+            self.pool.record(prompt_hashes)
+
     def all_infos(self) -> dict[str, WorkerInfo]:
         return {**self.static, **self.discovered}
 

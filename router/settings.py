@@ -44,6 +44,10 @@ class RouterSettings:
     approximate_index_blocks: int = 65536         # per static worker whose cache size is unknown
     static_cache_tokens: int = 0                  # KV cache of each static worker (0: ask its /metrics)
     prefill_tokens_per_s: float = 20000.0         # starting guess per worker; the ledger calibrates it
+    # a KV pool the prefill workers share (router/placement/kv_pool.py): its capacity in KV blocks (0: none) and
+    # what loading a token from it costs, as a share of computing it
+    kv_pool_blocks: int = 0
+    kv_pool_load_cost: float = 0.1
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     # x-kimi-pd-prefill-worker / -decode-worker on answers name the workers a request went to (worker ids,
     # which for static workers are their URLs): for tests and tracing on a trusted network. None: only when
@@ -88,6 +92,11 @@ class RouterSettings:
 
     def validate(self) -> None:
         from router.connectors import CONNECTORS, connector
+        from router.placement.kv_pool import KVPoolConfig
+        try:
+            KVPoolConfig(self.kv_pool_blocks, self.kv_pool_load_cost)
+        except ValueError as exc:
+            raise ValueError(f"--kv-pool-blocks/--kv-pool-load-cost: {exc}") from None
         try:
             connector(self.kv_connector)
         except KeyError:

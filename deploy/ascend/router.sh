@@ -44,6 +44,13 @@ args=(
     # decode rank; 0 sends every request through a prefill rank.
     --disagg-threshold "${ROUTER_DISAGG_THRESHOLD:-32}"
 )
+# A KV pool behind the prefill ranks (the tutorial's MultiConnector with AscendStoreConnector, added to
+# prefill.sh's --kv-transfer-config): its capacity in the engines' KV blocks, so placement counts a prefix
+# that any rank computed as a cheap hit on every rank, and what loading a token from it costs as a share of
+# computing it (measure the pool's read rate against a rank's prefill rate). Unset or 0: no pool.
+if [[ "${ROUTER_KV_POOL_BLOCKS:-0}" != 0 ]]; then
+    args+=(--kv-pool-blocks "$ROUTER_KV_POOL_BLOCKS" --kv-pool-load-cost "${ROUTER_KV_POOL_LOAD_COST:-0.1}")
+fi
 for url in $PREFILL_URLS; do args+=(--prefill "$url"); done
 for url in $DECODE_URLS; do args+=(--decode "$url"); done
 

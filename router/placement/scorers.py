@@ -86,10 +86,13 @@ class KVUsageScorer(Scorer):
 def expected_completion_s(ctx: RoutingContext, worker: WorkerState, own_weight: float = 1.0,
                           default_tokens_per_s: float = 20000.0) -> float:
     """Seconds until this request's prefill would finish on `worker`: the prefill work already
-    queued there plus `own_weight` times the request's own uncached tokens at the worker's speed.
-    `own_weight > 1` charges recomputation extra, as it also costs every later request."""
+    queued there plus `own_weight` times the request's own uncached tokens at the worker's speed, plus
+    what loading its KV pool hits costs (`RoutingContext.work_tokens`). `own_weight > 1` charges
+    recomputation extra, as it also costs every later request; a pool load does not, as the pool keeps the block."""
     speed = worker.tokens_per_s if worker.tokens_per_s > 0 else default_tokens_per_s
-    return max(worker.backlog_s, 0.0) + own_weight * ctx.uncached_tokens(worker.info) / speed
+    uncached = ctx.uncached_tokens(worker.info)
+    loads = ctx.work_tokens(worker.info) - uncached if ctx.pooled_blocks else 0
+    return max(worker.backlog_s, 0.0) + (own_weight * uncached + loads) / speed
 
 
 def busy_share(workers: Sequence[WorkerState]) -> float:

@@ -5,6 +5,7 @@ requests); plugins never mutate them, so a decision is a pure function of (conte
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -90,6 +91,8 @@ class RoutingContext:
     the number of those blocks that worker `w` holds as a contiguous chain from block 0, read from
     a prefix index once, so every plugin (scorer, decider) sees the same snapshot. `tail_prefill_s`
     is how long the fleet's long prefills recently took (`WorkLedger.tail_prefill_s`; None: not known yet).
+    With a KV pool (router/placement/kv_pool.py), `pooled_blocks[w]` is the pool's leading match for each
+    member `w`: blocks it loads instead of computing, each token at `pool_load_cost` of a computed one.
     """
 
     request_id: str
@@ -100,11 +103,14 @@ class RoutingContext:
     cached_blocks: Mapping[str, int] = field(default_factory=dict)
     now: float = 0.0
     tail_prefill_s: float | None = None
+    pooled_blocks: Mapping[str, int] = field(default_factory=dict)
+    pool_load_cost: float = 1.0
     _uncached: dict[str, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_hashes", MappingProxyType(dict(self.prompt_hashes)))
         object.__setattr__(self, "cached_blocks", MappingProxyType(dict(self.cached_blocks)))
+        object.__setattr__(self, "pooled_blocks", MappingProxyType(dict(self.pooled_blocks)))
         # worker id -> uncached_tokens: filters and scorers ask it of every candidate, several times
         object.__setattr__(self, "_uncached", {})
 
@@ -125,6 +131,27 @@ class RoutingContext:
         known = self._uncached.get(info.worker_id)
         if known is not None:
             return known
-        cached = min(self.cached_blocks.get(info.worker_id, 0), len(self.hashes_for(info)))
+        cached = self._local_blocks(info)
+        if self.pooled_blocks:
+            cached = max(cached, self._pooled(info))
         known = self._uncached[info.worker_id] = max(self.num_prompt_tokens - cached * info.block_size, 1)
         return known
+
+    def pool_loaded_tokens(self, info: WorkerInfo) -> int:
+        """Prompt tokens the worker would load from the KV pool rather than compute (0 without a pool):
+        the pool's chain beyond the worker's own cached prefix."""
+        if not self.pooled_blocks:
+            return 0
+        return max(self._pooled(info) - self._local_blocks(info), 0) * info.block_size
+
+    def work_tokens(self, info: WorkerInfo) -> int:
+        """The prefill work this request puts on the worker, in computed-token equivalents: its uncached
+        tokens plus its pool loads at their cost (what the work ledger queues)."""
+        loaded = self.pool_loaded_tokens(info)
+        return self.uncached_tokens(info) + (math.ceil(self.pool_load_cost * loaded) if loaded else 0)
+
+    def _local_blocks(self, info: WorkerInfo) -> int:
+        return min(self.cached_blocks.get(info.worker_id, 0), len(self.hashes_for(info)))
+
+    def _pooled(self, info: WorkerInfo) -> int:
+        return min(self.pooled_blocks.get(info.worker_id, 0), len(self.hashes_for(info)))

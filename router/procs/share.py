@@ -173,8 +173,11 @@ class ProcessShare:
         assert reg is not None
         infos = reg.all_infos()
         for worker_id, prompts in sent.items():
-            if worker_id in infos:
+            info = infos.get(worker_id)
+            if info is not None:
                 reg.index.approximate.record_many(worker_id, prompts)
+                if reg.pool is not None and reg.pool.member(info.role):
+                    reg.pool.record_many(prompts)
         sent.clear()
 
     def _apply(self, kind: int, fields: Any) -> None:

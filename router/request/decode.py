@@ -142,7 +142,7 @@ class DecodeLeg:
             # decode-only: the decode worker computes the uncached prompt; it is settled by the first
             # streamed chunk or the whole answer. With a transferred state there is no prefill work.
             leg = fleet.registry.ledger.open(worker.worker_id, 0 if "kv_transfer_params" in body
-                                             else route.ctx.uncached_tokens(worker.info))
+                                             else route.ctx.work_tokens(worker.info))
             try:
                 return Opened(worker, await self._send(worker, trace, body, stream), leg)
             except BaseException as err:

@@ -82,7 +82,7 @@ class PrefillLeg:
         fleet = self.fleet
         start = time.perf_counter()
         fleet.record_sent(ctx, worker)
-        leg = fleet.registry.ledger.open(worker.worker_id, ctx.uncached_tokens(worker.info))
+        leg = fleet.registry.ledger.open(worker.worker_id, ctx.work_tokens(worker.info))
         answered = False
         try:
             reply = await fleet.call(worker, lambda: post_json(

@@ -20,6 +20,7 @@ from benchmarks.placement_sim import (
     Request,
     clairvoyant,
     earliest_free,
+    least_loaded,
     nearest_rank,
     new_fleet,
     p99_ratio_interval,
@@ -115,3 +116,29 @@ def test_the_default_candidate_is_the_routers_default_policy():
     assert DEFAULT_CANDIDATE in TUNE_GRID
     chosen = router_settings(4, variant_args(a, *DEFAULT_CANDIDATE), legacy=False)
     assert chosen.pipeline_spec() == router_settings(4, a, legacy=False).pipeline_spec()
+
+
+def test_a_pool_serves_what_any_worker_computed_at_its_load_cost():
+    a = args(kv_pool=1.0, kv_pool_load_cost=0.25)
+    fleet = new_fleet(2, a)
+    req = Request(arrival=0.0, tokens=4 * TRACE_BLOCK + 100, blocks=(1, 2, 3, 4))
+    fleet.serve(0, req)                                              # computes all, saves it to the pool
+    later = Request(arrival=10.0, tokens=req.tokens, blocks=req.blocks)
+    fleet.serve(1, later)                                            # loads the four blocks, computes the rest
+    assert fleet.ttft[1] == pytest.approx((100 + 0.25 * 4 * TRACE_BLOCK) / a.tokens_per_s)
+    fleet.serve(0, Request(arrival=20.0, tokens=req.tokens, blocks=req.blocks))   # its own cache: no load
+    assert fleet.ttft[2] == pytest.approx(100 / a.tokens_per_s)
+    assert fleet.hits == [0, 4 * TRACE_BLOCK, 4 * TRACE_BLOCK]
+    assert new_fleet(2, args()).pool is None and new_fleet(2, a, shared_cache=True).pool is None
+
+
+def test_one_worker_with_a_pool_of_its_own_size_is_one_worker_without():
+    """The pool then holds exactly the worker's own cache: nothing is ever loaded, every figure is the same."""
+    plain, pooled, reqs = args(), args(kv_pool=1.0, kv_pool_load_cost=0.5), workload()
+    for a, b in ((run_router(reqs, 1, plain, router_settings(1, plain, legacy=False), scored=30),
+                  run_router(reqs, 1, pooled, router_settings(1, pooled, legacy=False), scored=30)),
+                 (run_simple(reqs, 1, plain, least_loaded, scored=30),
+                  run_simple(reqs, 1, pooled, least_loaded, scored=30))):
+        for key in ("hit_ratio", "ttft_p50_s", "ttft_p99_s", "ttft_mean_s"):
+            assert a[key] == pytest.approx(b[key])
+    assert router_settings(1, pooled, legacy=False).kv_pool_blocks == pooled.cache_blocks

@@ -25,11 +25,11 @@ MODEL_DIR = ROOT / "engine" / "presets_data" / "tiny-chat"      # config.json + 
 PROMPT = "Summarise the history of the transfer engine in one line. " * 40
 
 
-def router_argv(prefill: list[AscendRank], decode: list[AscendRank], port: int) -> list[str]:
-    """What `DRY_RUN=1 router.sh` prints for these ranks, NUL-separated."""
+def router_argv(prefill: list[AscendRank], decode: list[AscendRank], port: int, **extra: str) -> list[str]:
+    """What `DRY_RUN=1 router.sh` prints for these ranks (and `extra` environment), NUL-separated."""
     env = {"PATH": "/usr/bin:/bin", "DRY_RUN": "1", "PREFILL_URLS": " ".join(r.url for r in prefill),
            "DECODE_URLS": " ".join(r.url for r in decode), "ROUTER_MODEL_DIR": str(MODEL_DIR),
-           "ROUTER_HOST": "127.0.0.1", "ROUTER_PORT": str(port), "KIMI_PD_ADMIN_TOKEN": ADMIN}
+           "ROUTER_HOST": "127.0.0.1", "ROUTER_PORT": str(port), "KIMI_PD_ADMIN_TOKEN": ADMIN, **extra}
     proc = run([tool("bash"), str(ASCEND / "router.sh")], env=env)
     assert proc.returncode == 0, proc.stderr.decode()
     argv = proc.stdout.decode().split("\0")[:-1]
@@ -147,3 +147,27 @@ def test_without_the_connector_the_router_refuses_stock_vllm_ranks(ranks, tmp_pa
     assert ADMIN not in out
     nothing_internal_reached(ranks)
 
+
+
+def test_router_sh_with_a_kv_pool_serves_through_the_ranks(ranks, tmp_path):
+    """`ROUTER_KV_POOL_BLOCKS` (the tutorial's prefill-side KV pool) reaches the router as its pool flags, and
+    the router serves P/D through the ranks with the pool counted in placement."""
+    argv = router_argv(*ranks, port := free_port(), ROUTER_KV_POOL_BLOCKS="4096", ROUTER_KV_POOL_LOAD_COST="0.05")
+    at = argv.index("--kv-pool-blocks")
+    assert argv[at:at + 4] == ["--kv-pool-blocks", "4096", "--kv-pool-load-cost", "0.05"]
+    assert "--kv-pool-blocks" not in router_argv(*ranks, port), "no pool unless asked for"
+    log = tmp_path / "router.log"
+    proc = start_router(argv, log)
+    try:
+        wait_ready(proc, f"http://127.0.0.1:{port}", log)
+        chat = {"model": "kimi-k3", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 5}
+        for _ in range(3):
+            resp = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=chat, timeout=30)
+            assert resp.status_code == 200, resp.text
+            assert resp.headers["x-kimi-pd-decision"] == "prefill-decode"
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        pooled = [ln for ln in metrics.splitlines() if ln.startswith("kimi_pd_router_placement_kv_pool_blocks ")]
+        assert pooled and float(pooled[0].split()[1]) > 0, "the prompt's blocks are in the router's view of the pool"
+    finally:
+        stop(proc)
+    nothing_internal_reached(ranks)
