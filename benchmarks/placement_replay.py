@@ -106,7 +106,7 @@ def scaled(rows: Sequence[dict[str, Any]], load: float, capacity_tokens_per_s: f
 def router_settings(n: int, args: argparse.Namespace, legacy: bool) -> RouterSettings:
     base = RouterSettings(model="", served_model_name=MODEL, block_size=TRACE_BLOCK,
                           static_prefill=tuple(f"http://sim-{w}" for w in range(n)),
-                          kv_pool_blocks=pool_blocks(n, args),
+                          kv_pool_blocks=pool_blocks(n, args, told=True),
                           kv_pool_load_cost=getattr(args, "kv_pool_load_cost", 0.1))
     if legacy:                                                      # index: the fixed 65,536 blocks
         return replace(base, scorer_weights=LEGACY_WEIGHTS, placement_filters=LEGACY_FILTERS)
@@ -424,6 +424,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-pool", type=float, default=0.0,
                    help="the workers share a KV pool of this many times the fleet's cache blocks (0: none); "
                         "the router is told its size (--kv-pool-blocks)")
+    p.add_argument("--kv-pool-told", type=float, default=None,
+                   help="the pool size the router is told, as a multiple of the fleet's cache blocks (default: "
+                        "--kv-pool, the true size): what a misconfigured --kv-pool-blocks costs")
     p.add_argument("--kv-pool-load-cost", type=float, default=0.1,
                    help="a token loaded from the pool costs this share of computing it (true and told)")
     p.add_argument("--heartbeat-s", type=float, default=1.0)
@@ -448,8 +451,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--workers, --loads, --cache-blocks and --tokens-per-s must be positive")
     if args.windows < 2:
         p.error("--windows must be >= 2")
-    if args.kv_pool < 0 or not 0 < args.kv_pool_load_cost <= 1:
-        p.error("--kv-pool must be >= 0 and --kv-pool-load-cost in (0, 1]")
+    if args.kv_pool < 0 or (args.kv_pool_told or 0) < 0 or not 0 < args.kv_pool_load_cost <= 1:
+        p.error("--kv-pool and --kv-pool-told must be >= 0 and --kv-pool-load-cost in (0, 1]")
     if not 0 < args.split < 1 or not 0 <= args.warmup < 1 or not 0 <= args.speed_spread < 1:
         p.error("--split must be in (0, 1), --warmup and --speed-spread in [0, 1)")
     return args

@@ -164,9 +164,12 @@ def true_speeds(n: int, args: argparse.Namespace) -> list[float]:
     return [args.tokens_per_s * (1 - spread + 2 * spread * w / (n - 1)) for w in range(n)]
 
 
-def pool_blocks(n: int, args: argparse.Namespace) -> int:
-    """The KV pool's blocks: `kv_pool` times the fleet's cache blocks (0: no pool)."""
-    return round(getattr(args, "kv_pool", 0.0) * n * args.cache_blocks)
+def pool_blocks(n: int, args: argparse.Namespace, told: bool = False) -> int:
+    """The KV pool's blocks: `kv_pool` times the fleet's cache blocks (0: no pool); `told`: the size the
+    router is given, `kv_pool_told` times them when set (a misconfigured router)."""
+    told_share = getattr(args, "kv_pool_told", None) if told else None
+    share = getattr(args, "kv_pool", 0.0) if told_share is None else told_share
+    return round(share * n * args.cache_blocks)
 
 
 def new_fleet(n: int, args: argparse.Namespace, shared_cache: bool = False, shared_blocks: int | None = None) -> Fleet:

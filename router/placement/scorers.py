@@ -84,15 +84,29 @@ class KVUsageScorer(Scorer):
 
 
 def expected_completion_s(ctx: RoutingContext, worker: WorkerState, own_weight: float = 1.0,
-                          default_tokens_per_s: float = 20000.0) -> float:
+                          default_tokens_per_s: float = 20000.0,
+                          recompute_tokens_per_s: float | None = None) -> float:
     """Seconds until this request's prefill would finish on `worker`: the prefill work already
-    queued there plus `own_weight` times the request's own uncached tokens at the worker's speed, plus
-    what loading its KV pool hits costs (`RoutingContext.work_tokens`). `own_weight > 1` charges
-    recomputation extra, as it also costs every later request; a pool load does not, as the pool keeps the block."""
+    queued there plus the request's own uncached tokens and KV pool loads (`RoutingContext.work_tokens`)
+    at the worker's speed, plus a surcharge of `own_weight - 1` times the uncached tokens.
+
+    `own_weight > 1` charges recomputation extra, as it also costs every later request its cache; a pool
+    load is not surcharged, as the pool keeps the block. The surcharge is priced at
+    `recompute_tokens_per_s` (the fleet's speed), not at this worker's own (the default when None): a worker
+    20 % slower than its peers must not look 20 % x own_weight worse for the same recomputation, or a fleet
+    of mixed speeds queues long prompts on its fastest workers while the others idle."""
     speed = worker.tokens_per_s if worker.tokens_per_s > 0 else default_tokens_per_s
     uncached = ctx.uncached_tokens(worker.info)
-    loads = ctx.work_tokens(worker.info) - uncached if ctx.pooled_blocks else 0
-    return max(worker.backlog_s, 0.0) + (own_weight * uncached + loads) / speed
+    work = ctx.work_tokens(worker.info) if ctx.pooled_blocks else uncached
+    surcharge = (own_weight - 1.0) * uncached / (recompute_tokens_per_s or speed)
+    return max(worker.backlog_s, 0.0) + work / speed + surcharge
+
+
+def fleet_tokens_per_s(workers: Sequence[WorkerState], default_tokens_per_s: float) -> float:
+    """The candidates' mean calibrated prefill speed (`default_tokens_per_s` for those not yet calibrated)."""
+    if not workers:
+        return default_tokens_per_s
+    return sum(w.tokens_per_s if w.tokens_per_s > 0 else default_tokens_per_s for w in workers) / len(workers)
 
 
 def busy_share(workers: Sequence[WorkerState]) -> float:
@@ -119,7 +133,8 @@ class CompletionScorer(Scorer):
     Requests differ ~100x in prefill work, so this prices load in seconds of queued work instead
     of requests, and the prefix cache by the work it saves, in one unit. `floor_s` keeps gaps of a
     few milliseconds between idle workers from looking like large ratios. A recomputed token costs
-    `recompute_weight(own_weight, idle_own_weight, workers)`.
+    `recompute_weight(own_weight, idle_own_weight, workers)`: its own time at the worker's speed, the
+    surcharge beyond it at the candidates' mean speed (`fleet_tokens_per_s`).
     """
 
     own_weight: float = 1.0
@@ -135,6 +150,7 @@ class CompletionScorer(Scorer):
 
     def __call__(self, ctx: RoutingContext, workers: Sequence[WorkerState]) -> list[float]:
         weight = recompute_weight(self.own_weight, self.idle_own_weight, workers)
-        costs = [expected_completion_s(ctx, w, weight, self.default_tokens_per_s) for w in workers]
+        fleet = fleet_tokens_per_s(workers, self.default_tokens_per_s)
+        costs = [expected_completion_s(ctx, w, weight, self.default_tokens_per_s, fleet) for w in workers]
         best = min(costs, default=0.0)
         return [(best + self.floor_s) / (c + self.floor_s) for c in costs]

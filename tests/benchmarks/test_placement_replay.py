@@ -142,3 +142,10 @@ def test_one_worker_with_a_pool_of_its_own_size_is_one_worker_without():
         for key in ("hit_ratio", "ttft_p50_s", "ttft_p99_s", "ttft_mean_s"):
             assert a[key] == pytest.approx(b[key])
     assert router_settings(1, pooled, legacy=False).kv_pool_blocks == pooled.cache_blocks
+
+
+def test_the_router_can_be_told_another_pool_size_than_the_fleet_has():
+    a = args(kv_pool=1.0, kv_pool_told=0.5)
+    assert new_fleet(2, a).pool.capacity == 2 * a.cache_blocks            # the truth
+    assert router_settings(2, a, legacy=False).kv_pool_blocks == a.cache_blocks   # what the router believes
+    assert router_settings(2, args(kv_pool=1.0, kv_pool_told=0.0), legacy=False).kv_pool_blocks == 0

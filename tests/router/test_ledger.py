@@ -8,6 +8,7 @@ from router.capacity import capacity_tokens_from_metrics
 from router.placement import FILTERS, SCORERS, HashKey, RoutingContext, WorkerState, build_pipeline, run_scorer
 from router.placement.ledger import LedgerConfig, WorkLedger
 from router.placement.prefix_index import ApproximatePrefixIndex
+from router.placement.scorers import expected_completion_s
 from router.registry import WorkerRegistry
 from router.settings import RouterSettings
 from shared.hashing import root_hash
@@ -162,6 +163,20 @@ COMPLETION_CASES = [
     ({"own_weight": 16.0, "idle_own_weight": 1.0}, ctx(cached={"a": 125}),
      [w("a", backlog=1.0), w("b", backlog=1.0)], [1.0, 9.01 / 17.01]),
 ]
+
+
+def test_a_slower_worker_is_not_charged_its_slowness_times_the_recompute_weight():
+    """Nothing cached anywhere: `a` (1000 tokens/s, idle) finishes the 1000 tokens at 1.0 s, `b` (2000 tokens/s,
+    0.6 s queued) at 1.1 s, and recomputing costs later requests the same on either. So `a` wins: the
+    surcharge of 31 x 1000 tokens is priced at the fleet's mean 1500 tokens/s on both. (Priced at each worker's
+    own speed it would be 31 s against 15.5 s, and b's queue would take the request.)"""
+    scorer = SCORERS.build("completion", own_weight=32.0, default_tokens_per_s=20000.0)
+    surcharge = 31 * 1000 / 1500
+    a, b = 1.0 + surcharge, 0.6 + 0.5 + surcharge
+    got = run_scorer(scorer, ctx(), [w("a", tps=1000.0), w("b", tps=2000.0, backlog=0.6)])
+    assert got == pytest.approx([1.0, (a + 0.01) / (b + 0.01)])
+    # the same fleet at one speed: the surcharge is the worker's own, as before
+    assert expected_completion_s(ctx(), w("a"), 32.0) == pytest.approx(32.0)
 
 
 @pytest.mark.parametrize("config,context,workers,expected", COMPLETION_CASES)
