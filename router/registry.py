@@ -80,11 +80,14 @@ class CombinedIndex:
         index = self.exact if worker_id in self.exact_workers else self.approximate
         return index.matched_blocks(worker_id, hashes)
 
-    def record_sent(self, worker_id: str, hashes) -> None:
-        if worker_id not in self.exact_workers:
+    def record_sent(self, worker_id: str, hashes, pooled: bool = False) -> None:
+        """A prompt sent to the worker: into its approximate entry unless its KV events keep an exact one. The
+        sibling processes hear of it where they keep that entry too, or where it also fills a KV pool (`pooled`)."""
+        exact = worker_id in self.exact_workers
+        if not exact:
             self.approximate.record(worker_id, hashes)
-            if self.on_sent is not None:
-                self.on_sent(worker_id, hashes)
+        if (pooled or not exact) and self.on_sent is not None:
+            self.on_sent(worker_id, hashes)
 
     def size_for(self, info: WorkerInfo, capacity_tokens: int) -> None:
         """Bound the approximate entry of a worker to its cache (no-op when the size is unknown)."""
@@ -178,8 +181,10 @@ class WorkerRegistry:
     # ---- views --------------------------------------------------------------------------------
     def record_sent(self, info: WorkerInfo, prompt_hashes: Sequence[int]) -> None:
         """What later requests will find cached: on the worker, and in the KV pool when it is a member."""
-        self.index.record_sent(info.worker_id, prompt_hashes)
-        if self.pool is not None and self.pool.member(info.role):
+        pooled = self.pool is not None and self.pool.member(info.role)
+        self.index.record_sent(info.worker_id, prompt_hashes, pooled)
+        if pooled:
+            assert self.pool is not None
             self.pool.record(prompt_hashes)
 
     def all_infos(self) -> dict[str, WorkerInfo]:

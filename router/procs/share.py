@@ -174,10 +174,12 @@ class ProcessShare:
         infos = reg.all_infos()
         for worker_id, prompts in sent.items():
             info = infos.get(worker_id)
-            if info is not None:
+            if info is None:
+                continue
+            if worker_id not in reg.index.exact_workers:    # sent only to fill the pool: its own events say the rest
                 reg.index.approximate.record_many(worker_id, prompts)
-                if reg.pool is not None and reg.pool.member(info.role):
-                    reg.pool.record_many(prompts)
+            if reg.pool is not None and reg.pool.member(info.role):
+                reg.pool.record_many(prompts)
         sent.clear()
 
     def _apply(self, kind: int, fields: Any) -> None:

@@ -140,8 +140,13 @@ def test_sibling_processes_fill_each_others_pool(tmp_path: Path):
         a, b = regs
         a.record_sent(a.all_infos()[P1], [7, 8, 9])
         a.record_sent(a.all_infos()[DEC], [20, 21])
+        for reg in regs:                                         # p2's KV events keep an exact index of it
+            reg.index.exact_workers.add(P2)
+        a.record_sent(a.all_infos()[P2], [30, 31])
         b.states()                                               # a placement read replays the siblings' sends
         assert b.pool is not None and b.pool.matched_blocks([7, 8, 9]) == 3 and b.pool.matched_blocks([20, 21]) == 0
+        assert b.pool.matched_blocks([30, 31]) == 2, "a send to an exact-index worker still fills the pool"
+        assert b.index.approximate.num_blocks(P2) == 0 and b.index.matched_blocks(P1, [7, 8, 9]) == 3
     finally:
         table.close()
 
