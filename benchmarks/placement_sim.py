@@ -99,17 +99,20 @@ class Fleet:
 
     `speeds[w]` is worker w's true prefill speed (tokens/s); `overhead_s` a fixed cost per request
     (scheduling, one forward's launch), which the router's speed guess does not know about. With
-    `pool_blocks`, the workers also share a KV pool of that many blocks: every prompt's blocks are saved
-    there, and a worker loads the pool's chain beyond its own cached prefix at `pool_load_cost` of what
-    computing it costs."""
+    `pool_capacity`, the workers also share a KV pool of that many blocks: a prompt's blocks are saved there
+    when its prefill finishes, and a worker loads the pool's chain beyond its own cached prefix (as the pool
+    holds it when the request arrives) at `pool_load_cost` of what computing it costs. The router adds a
+    prompt to its view of the pool when it sees the prefill answered (`reply_delay_s` after it ends)."""
 
     def __init__(self, speeds: Sequence[float], cache_blocks: int | None, shared_cache: bool = False,
-                 overhead_s: float = 0.0, shared_blocks: int | None = None, pool_blocks: int | None = None,
+                 overhead_s: float = 0.0, shared_blocks: int | None = None, pool_capacity: int | None = None,
                  pool_load_cost: float = 0.1) -> None:
         shared = LRU(shared_blocks) if shared_cache else None
         self.caches = [shared or LRU(cache_blocks) for _ in speeds]
-        self.pool = LRU(pool_blocks) if pool_blocks else None
+        self.pool = LRU(pool_capacity) if pool_capacity else None
         self.pool_load_cost = pool_load_cost
+        self._saving: list[tuple[float, int, tuple[int, ...]]] = []   # (prefill end, seq, blocks) not yet pooled
+        self._seq = itertools.count()
         self.speeds, self.overhead_s = list(speeds), overhead_s
         self.free_at = [0.0] * len(speeds)
         self.ends: list[list[float]] = [[] for _ in speeds]   # finish times, for heartbeats/least loaded
@@ -122,13 +125,24 @@ class Fleet:
         loaded = self.pool_load_cost * loaded_blocks * TRACE_BLOCK
         return self.overhead_s + (uncached + loaded) / self.speeds[worker]
 
+    def pooled(self, req: Request) -> int:
+        """Leading blocks of `req` in the pool when it arrives: what prefills finished by then saved."""
+        if self.pool is None:
+            return 0
+        saving = self._saving
+        while saving and saving[0][0] <= req.arrival:
+            self.pool.serve(heapq.heappop(saving)[2])
+        return self.pool.peek(req.blocks)
+
     def serve(self, worker: int, req: Request) -> float:
         """Queue `req` on `worker`; returns its finish time."""
+        pooled = self.pooled(req)
         local = self.caches[worker].serve(req.blocks)
-        pooled = self.pool.serve(req.blocks) if self.pool is not None else 0
         hit_blocks = max(local, pooled)
         start = max(req.arrival, self.free_at[worker])
         self.free_at[worker] = end = start + self.service_s(worker, req, hit_blocks, hit_blocks - local)
+        if self.pool is not None:
+            heapq.heappush(self._saving, (end, next(self._seq), req.blocks))
         self.ends[worker].append(end)
         self.ttft.append(end - req.arrival)
         self.hits.append(min(hit_blocks * TRACE_BLOCK, req.tokens))
@@ -214,14 +228,20 @@ def earliest_free(fleet: Fleet, req: Request, i: int) -> int:
 
 
 def clairvoyant(own_weight: float) -> Chooser:
-    """Dispatch on the true per-worker queues and caches: the worker minimising the request's true
-    finish time plus (`own_weight` - 1) x its recomputed seconds. own_weight 1: the request's own earliest
-    finish (greedy); the router's own_weight: our cost function with perfect knowledge. What placement
-    could get on these caches without look-ahead, to tell our estimates' error from the caches' limit."""
+    """Dispatch on the true per-worker queues, caches and KV pool: the worker minimising the request's true
+    finish time plus (`own_weight` - 1) x its recomputed tokens at the fleet's mean speed (the router's
+    pricing, router/placement/scorers.py). own_weight 1: the request's own earliest finish (greedy); the
+    router's own_weight: our cost function with perfect knowledge. What placement could get on these caches
+    without look-ahead, to tell our estimates' error from the caches' limit."""
     def choose(fleet: Fleet, req: Request, i: int) -> int:
+        mean_speed = sum(fleet.speeds) / len(fleet.speeds)
+
         def cost(w: int) -> float:
-            service = fleet.service_s(w, req, fleet.caches[w].peek(req.blocks))
-            return max(fleet.free_at[w], req.arrival) + own_weight * service
+            local = fleet.caches[w].peek(req.blocks)
+            hit = max(local, fleet.pooled(req))
+            recomputed = max(req.tokens - min(hit * TRACE_BLOCK, req.tokens), 1)
+            finish = max(fleet.free_at[w], req.arrival) + fleet.service_s(w, req, hit, hit - local)
+            return finish + (own_weight - 1) * recomputed / mean_speed
         return min(range(len(fleet.free_at)), key=lambda w: (cost(w), w))
     return choose
 
@@ -280,7 +300,7 @@ class _RouterSim:
             self.clock[0] = at
             if kind == "reply":                            # the prefill answer: settle the leg, end the call
                 url, leg = payload
-                self.registry.ledger.settle(leg)
+                self.registry.settle_leg(leg)                 # a pool member's prompt joins the pool now
                 self.registry.end(url, ok=True)
             else:
                 url, report = payload
@@ -297,8 +317,8 @@ class _RouterSim:
         chosen = self.pipeline.pick(ctx, states).worker
         url = chosen.worker_id
         registry.begin(url)
-        leg = registry.ledger.open(url, ctx.work_tokens(chosen.info))
-        registry.record_sent(chosen.info, ctx.hashes_for(chosen.info))
+        leg = registry.open_leg(chosen.info, ctx.work_tokens(chosen.info), ctx.hashes_for(chosen.info))
+        registry.index.record_sent(url, ctx.hashes_for(chosen.info))
         end = self.fleet.serve(self.urls.index(url), req)
         seen = end + getattr(self.args, "reply_delay_s", 0.0)
         heapq.heappush(self.events, (seen, next(self.seq), "reply", (url, leg)))

@@ -24,7 +24,7 @@
                                                  (WorkLedger.tail_prefill_s): the backlog filter lets a prefix
                                                  holder be its tail_share x this behind; NaN until known
   placement_kv_pool_blocks                       blocks the router believes the prefill workers' KV pool holds
-                                                 (--kv-pool-blocks; absent without a pool)
+                                                 (--kv-pool-blocks; 0 without a pool)
   event_loop_lag_seconds                         how late a 0.25 s timer ran (shared/loop_watch.py): a blocked
                                                  or starved process; stalls of 1 s or more are also logged
   tenant_requests_total{tenant, outcome}         admission (docs/admission.md): finished requests per tenant

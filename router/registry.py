@@ -28,7 +28,7 @@ from typing import Protocol
 from router.connectors import CONNECTORS, Connector, connector
 from router.placement.health import HealthTracker
 from router.placement.kv_pool import KVPool, KVPoolConfig
-from router.placement.ledger import LedgerConfig, WorkLedger
+from router.placement.ledger import LedgerConfig, Leg, WorkLedger
 from router.placement.prefix_index import ApproximatePrefixIndex, PrefixIndex
 from router.placement.transfer import TransferCostConfig, TransferCosts
 from router.placement.types import WorkerState
@@ -80,14 +80,11 @@ class CombinedIndex:
         index = self.exact if worker_id in self.exact_workers else self.approximate
         return index.matched_blocks(worker_id, hashes)
 
-    def record_sent(self, worker_id: str, hashes, pooled: bool = False) -> None:
-        """A prompt sent to the worker: into its approximate entry unless its KV events keep an exact one. The
-        sibling processes hear of it where they keep that entry too, or where it also fills a KV pool (`pooled`)."""
-        exact = worker_id in self.exact_workers
-        if not exact:
+    def record_sent(self, worker_id: str, hashes) -> None:
+        if worker_id not in self.exact_workers:
             self.approximate.record(worker_id, hashes)
-        if (pooled or not exact) and self.on_sent is not None:
-            self.on_sent(worker_id, hashes)
+            if self.on_sent is not None:
+                self.on_sent(worker_id, hashes)
 
     def size_for(self, info: WorkerInfo, capacity_tokens: int) -> None:
         """Bound the approximate entry of a worker to its cache (no-op when the size is unknown)."""
@@ -143,6 +140,8 @@ class WorkerRegistry:
         self.index = CombinedIndex(settings.approximate_index_blocks)
         pool = KVPoolConfig(settings.kv_pool_blocks, settings.kv_pool_load_cost)
         self.pool: KVPool | None = KVPool(pool) if pool.enabled else None     # shared by the prefill workers
+        self._pooling: dict[int, Sequence[int]] = {}      # open leg -> the prompt it saves to the pool when answered
+        self.on_pooled: Callable[[Sequence[int]], None] | None = None      # router processes: tell the siblings
         self.ledger = WorkLedger(LedgerConfig(tokens_per_s=settings.prefill_tokens_per_s), clock)
         self.transfer = TransferCosts(TransferCostConfig(enabled=settings.transfer_aware))
         self._since: dict[str, _SinceReport] = {}
@@ -179,13 +178,23 @@ class WorkerRegistry:
                 for wid in dp_worker_ids(url, ranks.get(url))}
 
     # ---- views --------------------------------------------------------------------------------
-    def record_sent(self, info: WorkerInfo, prompt_hashes: Sequence[int]) -> None:
-        """What later requests will find cached: on the worker, and in the KV pool when it is a member."""
-        pooled = self.pool is not None and self.pool.member(info.role)
-        self.index.record_sent(info.worker_id, prompt_hashes, pooled)
-        if pooled:
-            assert self.pool is not None
-            self.pool.record(prompt_hashes)
+    def open_leg(self, info: WorkerInfo, tokens: int, prompt_hashes: Sequence[int] = ()) -> Leg:
+        """A leg of `tokens` prefill work sent to the worker, in the work ledger. When the worker computes a prompt
+        (`tokens` > 0) and shares the KV pool, the prompt's blocks join the pool once the leg is answered
+        (`settle_leg`): only then has the worker saved them."""
+        leg = self.ledger.open(info.worker_id, tokens)
+        if tokens > 0 and prompt_hashes and self.pool is not None and self.pool.member(info.role):
+            self._pooling[leg.leg_id] = prompt_hashes
+        return leg
+
+    def settle_leg(self, leg: Leg, calibrate: bool = True) -> None:
+        """The leg is answered (`calibrate`: its prompt was computed) or gave up; its work leaves the ledger."""
+        self.ledger.settle(leg, calibrate=calibrate)
+        hashes = self._pooling.pop(leg.leg_id, None)
+        if hashes is not None and calibrate and self.pool is not None:
+            self.pool.record(hashes)
+            if self.on_pooled is not None:
+                self.on_pooled(hashes)
 
     def all_infos(self) -> dict[str, WorkerInfo]:
         return {**self.static, **self.discovered}

@@ -7,11 +7,15 @@ instead of computing it. So a prompt prefix that one worker computed is a cheap 
 worker too, and a request need not wait for the one worker that holds its prefix locally.
 
 The router cannot see inside the pool (these stores publish no KV events), so like the approximate index
-it remembers what it sent: every prompt a pool member (a prefill or colocated worker) was sent is in the
-pool, newest last, up to the pool's capacity in blocks. A block loaded from the pool costs the worker
+it remembers what it sent: every prompt a pool member (a prefill or colocated worker) computed is in the
+pool from when the router sees its leg answered (the worker saves the blocks as it computes them), newest
+last, up to the pool's capacity in blocks. A block loaded from the pool costs the worker
 `load_cost` of what computing it costs (the store's read bandwidth against the worker's prefill speed:
 measure both on the fleet you run), and it is not charged the recompute weight placement puts on
 computed tokens: the pool still holds the block for later requests.
+
+Membership is by role: every prefill and colocated worker of the router counts as reading and filling the
+one pool.
 """
 from __future__ import annotations
 
@@ -60,9 +64,6 @@ class KVPool:
 
     def record(self, prompt_hashes: Sequence[int]) -> None:
         self._index.record(_POOL, prompt_hashes)
-
-    def record_many(self, prompts: Sequence[Sequence[int]]) -> None:
-        self._index.record_many(_POOL, prompts)
 
     def matched_blocks(self, prompt_hashes: Sequence[int]) -> int:
         """Leading blocks of the prompt the pool holds (a chain: a miss ends it)."""

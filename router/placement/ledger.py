@@ -92,7 +92,8 @@ class WorkLedger:
         return w
 
     def open(self, worker_id: str, tokens: int) -> Leg:
-        """Note a leg with `tokens` uncached prompt tokens just sent to the worker."""
+        """Note a leg just sent to the worker with `tokens` of prefill work: its uncached prompt tokens, plus
+        any KV pool loads at their cost (`RoutingContext.work_tokens`)."""
         w, leg = self._get(worker_id), Leg(worker_id, next(self._ids), max(int(tokens), 0))
         w.legs[leg.leg_id] = (leg.tokens, self._clock())
         w.open_tokens += leg.tokens

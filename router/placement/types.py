@@ -104,7 +104,7 @@ class RoutingContext:
     now: float = 0.0
     tail_prefill_s: float | None = None
     pooled_blocks: Mapping[str, int] = field(default_factory=dict)
-    pool_load_cost: float = 1.0
+    pool_load_cost: float = 0.1
     _uncached: dict[str, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

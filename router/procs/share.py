@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from router.registry import WorkerRegistry
 
 log = logging.getLogger(__name__)
-SENT, ADD_STATIC, DRAIN, HEALTH, TRANSFER = 1, 2, 3, 4, 5
+SENT, ADD_STATIC, DRAIN, HEALTH, TRANSFER, POOLED = 1, 2, 3, 4, 5, 6
 PID, ADM_INFLIGHT, ADM_WAITING, SERVED, READY = 0, 1, 2, 3, 4    # process row fields (table.set_proc)
 USAGE_EVERY_S = 0.5
 IDLE_TICK_S = 0.25               # placements catch up with the log themselves; this only bounds an idle lag
@@ -68,6 +68,7 @@ class ProcessShare:
         registry.ledger.on_change = self.publish
         registry.index.on_sent = self.sent
         registry.transfer.on_observe = self.transferred
+        registry.on_pooled = self.pooled
         admin = self.table.read_blob(self.nprocs)
         if admin:
             state = msgpack.unpackb(admin)
@@ -122,6 +123,10 @@ class ProcessShare:
     def sent(self, worker_id: str, hashes: Sequence[int]) -> None:
         self.table.append(SENT, self.index, msgpack.packb([worker_id, list(hashes)]))
 
+    def pooled(self, hashes: Sequence[int]) -> None:
+        """A prompt computed by a pool member: the siblings add it to their view of the KV pool."""
+        self.table.append(POOLED, self.index, msgpack.packb(list(hashes)))
+
     def transferred(self, worker_id: str, tokens: int, seconds: float) -> None:
         self.table.append(TRANSFER, self.index, msgpack.packb([worker_id, tokens, seconds]))
 
@@ -173,13 +178,8 @@ class ProcessShare:
         assert reg is not None
         infos = reg.all_infos()
         for worker_id, prompts in sent.items():
-            info = infos.get(worker_id)
-            if info is None:
-                continue
-            if worker_id not in reg.index.exact_workers:    # sent only to fill the pool: its own events say the rest
+            if worker_id in infos:
                 reg.index.approximate.record_many(worker_id, prompts)
-            if reg.pool is not None and reg.pool.member(info.role):
-                reg.pool.record_many(prompts)
         sent.clear()
 
     def _apply(self, kind: int, fields: Any) -> None:
@@ -193,6 +193,8 @@ class ProcessShare:
             apply_round(reg, fields)
         elif kind == TRANSFER and fields[0] in reg.all_infos():
             reg.transfer.observe(fields[0], fields[1], fields[2], local=False)
+        elif kind == POOLED and reg.pool is not None:
+            reg.pool.record(fields)
 
     # ---- admission and usage --------------------------------------------------------------------
     def admission_changed(self, inflight: int, waiting: int) -> None:

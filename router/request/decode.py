@@ -141,12 +141,12 @@ class DecodeLeg:
             route.tried.add(worker.worker_id)
             # decode-only: the decode worker computes the uncached prompt; it is settled by the first
             # streamed chunk or the whole answer. With a transferred state there is no prefill work.
-            leg = fleet.registry.ledger.open(worker.worker_id, 0 if "kv_transfer_params" in body
-                                             else route.ctx.work_tokens(worker.info))
+            leg = fleet.registry.open_leg(worker.info, 0 if "kv_transfer_params" in body
+                                          else route.ctx.work_tokens(worker.info), route.ctx.hashes_for(worker.info))
             try:
                 return Opened(worker, await self._send(worker, trace, body, stream), leg)
             except BaseException as err:
-                fleet.registry.ledger.settle(leg, calibrate=False)
+                fleet.registry.settle_leg(leg, calibrate=False)
                 if not isinstance(err, UpstreamError):
                     raise
                 fleet.metrics.leg_failures.labels(leg="decode", reason=err.reason).inc()
@@ -224,7 +224,7 @@ class DecodeLeg:
             outcome = False
             raise
         finally:
-            fleet.registry.ledger.settle(leg, calibrate=bool(outcome))
+            fleet.registry.settle_leg(leg, calibrate=bool(outcome))
             if outcome:
                 resp.release()                          # read to the end: the connection goes back to the pool
             else:

@@ -46,8 +46,8 @@ class Fleet:
         return self.pipeline.pick(ctx, candidates).worker         # NoWorkerAvailable is the client's 503
 
     def record_sent(self, ctx: RoutingContext, worker: WorkerState) -> None:
-        """FIFO: what later requests will find cached on `worker` (and in the KV pool, if any)."""
-        self.registry.record_sent(worker.info, ctx.hashes_for(worker.info))
+        """FIFO: what later requests will find cached on `worker`."""
+        self.registry.index.record_sent(worker.worker_id, ctx.hashes_for(worker.info))
 
     def other_pools(self, states: list[WorkerState], kv_connector: str) -> set[str]:
         """Workers that speak another P/D protocol: they can neither hand nor take this request's KV."""

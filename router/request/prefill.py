@@ -82,7 +82,7 @@ class PrefillLeg:
         fleet = self.fleet
         start = time.perf_counter()
         fleet.record_sent(ctx, worker)
-        leg = fleet.registry.ledger.open(worker.worker_id, ctx.work_tokens(worker.info))
+        leg = fleet.registry.open_leg(worker.info, ctx.work_tokens(worker.info), ctx.hashes_for(worker.info))
         answered = False
         try:
             reply = await fleet.call(worker, lambda: post_json(
@@ -90,7 +90,7 @@ class PrefillLeg:
                 {**fleet.headers(trace, worker), **renew_headers(fleet, worker.worker_id)}, "prefill"))
             answered = True
         finally:
-            fleet.registry.ledger.settle(leg, calibrate=answered)
+            fleet.registry.settle_leg(leg, calibrate=answered)
         fleet.metrics.prefill_seconds.observe(time.perf_counter() - start)
         return reply
 

@@ -148,7 +148,7 @@ class Relay:
             async for chunk in resp.iter_any():
                 now = time.perf_counter()
                 if last_at is None:
-                    fleet.registry.ledger.settle(leg)         # the prompt is computed: the first token is out
+                    fleet.registry.settle_leg(leg)            # the prompt is computed: the first token is out
                     if not stream.continuation:
                         fleet.metrics.ttft.observe(now - trace.start)
                 else:
@@ -174,7 +174,7 @@ class Relay:
             outcome = False
             raise
         finally:
-            fleet.registry.ledger.settle(leg, calibrate=False)   # no-op once the first chunk settled it
+            fleet.registry.settle_leg(leg, calibrate=False)     # no-op once the first chunk settled it
             if outcome:
                 resp.release()
             else:

@@ -20,7 +20,6 @@ from benchmarks.placement_sim import (
     Request,
     clairvoyant,
     earliest_free,
-    least_loaded,
     nearest_rank,
     new_fleet,
     p99_ratio_interval,
@@ -132,16 +131,25 @@ def test_a_pool_serves_what_any_worker_computed_at_its_load_cost():
     assert new_fleet(2, args()).pool is None and new_fleet(2, a, shared_cache=True).pool is None
 
 
-def test_one_worker_with_a_pool_of_its_own_size_is_one_worker_without():
-    """The pool then holds exactly the worker's own cache: nothing is ever loaded, every figure is the same."""
-    plain, pooled, reqs = args(), args(kv_pool=1.0, kv_pool_load_cost=0.5), workload()
-    for a, b in ((run_router(reqs, 1, plain, router_settings(1, plain, legacy=False), scored=30),
-                  run_router(reqs, 1, pooled, router_settings(1, pooled, legacy=False), scored=30)),
-                 (run_simple(reqs, 1, plain, least_loaded, scored=30),
-                  run_simple(reqs, 1, pooled, least_loaded, scored=30))):
-        for key in ("hit_ratio", "ttft_p50_s", "ttft_p99_s", "ttft_mean_s"):
-            assert a[key] == pytest.approx(b[key])
-    assert router_settings(1, pooled, legacy=False).kv_pool_blocks == pooled.cache_blocks
+def test_the_clairvoyant_baseline_sees_the_pool():
+    """Worker 0 computed a 10-block prompt and is now busy with another; the same prefix arrives again. With a
+    pool, perfect knowledge loads it on idle worker 1; without, recomputing it there (charged 32x) loses."""
+    first = Request(arrival=0.0, tokens=10 * TRACE_BLOCK, blocks=tuple(range(10)))
+    other = Request(arrival=0.6, tokens=40 * TRACE_BLOCK, blocks=tuple(range(100, 140)))
+    again = Request(arrival=0.7, tokens=10 * TRACE_BLOCK + 50, blocks=tuple(range(10)))
+    for pool, expected in ((1.0, 1), (0.0, 0)):
+        fleet = new_fleet(2, args(kv_pool=pool))
+        fleet.serve(0, first)
+        fleet.serve(0, other)
+        assert clairvoyant(32.0)(fleet, again, 1) == expected
+
+
+def test_the_pool_holds_a_prompt_once_its_prefill_has_finished():
+    fleet = new_fleet(2, args(kv_pool=1.0))
+    first = Request(arrival=0.0, tokens=4 * TRACE_BLOCK, blocks=(1, 2, 3, 4))     # done at 0.2048 s
+    fleet.serve(0, first)
+    assert fleet.pooled(Request(arrival=0.1, tokens=first.tokens, blocks=first.blocks)) == 0
+    assert fleet.pooled(Request(arrival=0.3, tokens=first.tokens, blocks=first.blocks)) == 4
 
 
 def test_the_router_can_be_told_another_pool_size_than_the_fleet_has():

@@ -14,6 +14,7 @@ from router.cli import add_router_args, settings_from_args
 from router.placement import HashKey, RoutingContext, WorkerState, build_pipeline
 from router.placement.context import context_from_hashes
 from router.placement.kv_pool import KVPool, KVPoolConfig
+from router.placement.prefix_index import ApproximatePrefixIndex
 from router.placement.scorers import expected_completion_s
 from router.procs.share import ProcessShare
 from router.procs.table import SharedTable
@@ -82,7 +83,7 @@ def test_context_gives_the_pool_to_its_members_only():
     pool.record(hashes[:3])
     workers = [WorkerState(info(P1, "prefill")), WorkerState(info("http://b", "both")),
                WorkerState(info(DEC, "decode"))]
-    index = KVPool(KVPoolConfig(blocks=64))._index               # an empty per-worker index
+    index = ApproximatePrefixIndex(64)                           # no worker holds anything
     ctx = context_from_hashes("r", 80, {HashKey(7, BS): hashes}, workers, index, model="m", role="prefill",
                               now=0.0, pool=pool)
     assert dict(ctx.pooled_blocks) == {P1: 3, "http://b": 3} and ctx.pool_load_cost == 0.2
@@ -95,16 +96,26 @@ def registry(pool_blocks: int) -> WorkerRegistry:
     return WorkerRegistry(settings, None, clock=lambda: 50.0)
 
 
-def test_sends_to_prefill_workers_fill_the_pool_and_decode_sends_do_not():
+def computed(reg: WorkerRegistry, worker: str, hashes, calibrate: bool = True) -> None:
+    """A leg that computes the prompt on `worker`, answered (or given up on: calibrate=False)."""
+    reg.settle_leg(reg.open_leg(reg.all_infos()[worker], 10, hashes), calibrate=calibrate)
+
+
+def test_answered_prefills_of_members_fill_the_pool():
     reg = registry(1024)
-    infos = reg.all_infos()
-    assert reg.pool is not None
-    reg.record_sent(infos[DEC], [1, 2, 3])
+    assert reg.pool is not None and registry(0).pool is None
+    computed(reg, DEC, [1, 2, 3])                                # a decode worker does not fill the pool
     assert reg.pool.matched_blocks([1, 2, 3]) == 0
-    reg.record_sent(infos[P1], [1, 2, 3])
+    computed(reg, P1, [1, 2, 3], calibrate=False)                # a leg that failed saved nothing
+    assert reg.pool.matched_blocks([1, 2, 3]) == 0
+    leg = reg.open_leg(reg.all_infos()[P1], 10, [1, 2, 3])
+    assert reg.pool.matched_blocks([1, 2, 3]) == 0, "not in the pool while its prefill runs"
+    reg.settle_leg(leg)
     assert reg.pool.matched_blocks([1, 2, 3]) == 3
-    assert reg.index.matched_blocks(P1, [1, 2, 3]) == 3 and reg.index.matched_blocks(P2, [1, 2, 3]) == 0
-    assert registry(0).pool is None
+    reg.settle_leg(leg, calibrate=False)                         # a second settle changes nothing
+    assert reg.pool.num_blocks() == 3 and reg.ledger.open_legs(P1) == 0
+    reg.settle_leg(reg.open_leg(reg.all_infos()[P2], 0, [4, 5]))  # a leg with no prefill work (a transfer)
+    assert reg.pool.matched_blocks([4, 5]) == 0
 
 
 def place(reg: WorkerRegistry, hashes: tuple[int, ...], tokens: int) -> str:
@@ -123,7 +134,8 @@ def test_a_request_stops_waiting_for_its_prefix_holder_when_the_pool_has_the_pre
     pool, p2 loads the prefix and starts now."""
     reg = registry(pool_blocks)
     prefix = tuple(range(1000, 1060))
-    reg.record_sent(reg.all_infos()[P1], prefix)
+    reg.index.record_sent(P1, prefix)
+    computed(reg, P1, prefix)
     reg.ledger.open(P1, 2000)                                    # 2 s at 1000 tokens/s
     assert place(reg, (*prefix, 5000, 5001), 62 * BS + 3) == expected
 
@@ -138,15 +150,11 @@ def test_sibling_processes_fill_each_others_pool(tmp_path: Path):
             assert reg.share is not None
             reg.share.know(reg.all_infos())
         a, b = regs
-        a.record_sent(a.all_infos()[P1], [7, 8, 9])
-        a.record_sent(a.all_infos()[DEC], [20, 21])
-        for reg in regs:                                         # p2's KV events keep an exact index of it
-            reg.index.exact_workers.add(P2)
-        a.record_sent(a.all_infos()[P2], [30, 31])
-        b.states()                                               # a placement read replays the siblings' sends
+        computed(a, P1, [7, 8, 9])
+        computed(a, DEC, [20, 21])
+        b.states()                                               # a placement read applies the siblings' records
         assert b.pool is not None and b.pool.matched_blocks([7, 8, 9]) == 3 and b.pool.matched_blocks([20, 21]) == 0
-        assert b.pool.matched_blocks([30, 31]) == 2, "a send to an exact-index worker still fills the pool"
-        assert b.index.approximate.num_blocks(P2) == 0 and b.index.matched_blocks(P1, [7, 8, 9]) == 3
+        assert a.pool is not None and a.pool.num_blocks() == b.pool.num_blocks() == 3
     finally:
         table.close()
 

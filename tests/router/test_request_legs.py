@@ -178,3 +178,24 @@ def test_a_cut_stream_nobody_can_continue_ends_with_an_error_event():
     out = run(go())
     assert b'"decode_failed"' in out and out.endswith(b"data: [DONE]\n\n") and t.outcome == "error"
     assert count(orch, "migrations_total", outcome="failed") == 1
+
+
+def test_a_prefill_leg_queues_its_pool_loads_at_their_cost(monkeypatch):
+    """With a KV pool, the leg a worker is sent is queued in the work ledger as its computed tokens plus its
+    pool loads at their cost: P2 loads the 40-token prompt P1 computed (10 blocks of 4) and computes its last token."""
+    s = FakeSession({D1: [ANSWER, ANSWER]}, [PREFILLED, PREFILLED])
+    orch = orchestrator(s, prefill=(P1, P2), decode=(D1,), kv_pool_blocks=64, kv_pool_load_cost=0.5)
+    ledger, opened = orch.registry.ledger, []
+    open_leg = ledger.open
+
+    def spy(worker: str, tokens: int):
+        opened.append((worker, tokens))
+        return open_leg(worker, tokens)
+    monkeypatch.setattr(ledger, "open", spy)
+    orch.registry.drained.add(P2)
+    run(orch.handle(trace(), chat(), prompt()))
+    orch.registry.drained.symmetric_difference_update({P1, P2})      # now only P2 takes prefill legs
+    run(orch.handle(trace(), chat(), prompt()))
+    prefills = [(w, n) for w, n in opened if w in (P1, P2)]
+    assert prefills == [(P1, 40), (P2, 1 + 20)]
+    assert orch.registry.pool is not None and orch.registry.pool.num_blocks() == 10
