@@ -50,7 +50,7 @@ class KVPoolConfig:
 
 
 class KVPool:
-    """What the pool holds, approximately: an LRU of the block hashes of every prompt sent to a member."""
+    """What the pool holds, approximately: an LRU of the block hashes of the prompts members computed."""
 
     def __init__(self, config: KVPoolConfig) -> None:
         if not config.enabled:

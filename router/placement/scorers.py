@@ -96,10 +96,8 @@ def expected_completion_s(ctx: RoutingContext, worker: WorkerState, own_weight: 
     20 % slower than its peers must not look 20 % x own_weight worse for the same recomputation, or a fleet
     of mixed speeds queues long prompts on its fastest workers while the others idle."""
     speed = worker.tokens_per_s if worker.tokens_per_s > 0 else default_tokens_per_s
-    uncached = ctx.uncached_tokens(worker.info)
-    work = ctx.work_tokens(worker.info) if ctx.pooled_blocks else uncached
-    surcharge = (own_weight - 1.0) * uncached / (recompute_tokens_per_s or speed)
-    return max(worker.backlog_s, 0.0) + work / speed + surcharge
+    surcharge = (own_weight - 1.0) * ctx.uncached_tokens(worker.info) / (recompute_tokens_per_s or speed)
+    return max(worker.backlog_s, 0.0) + ctx.work_tokens(worker.info) / speed + surcharge
 
 
 def fleet_tokens_per_s(workers: Sequence[WorkerState], default_tokens_per_s: float) -> float:
