@@ -131,6 +131,8 @@ class Orchestrator:
         if not any(w.info.role == "prefill" and self.registry.connector_of(w.worker_id).name == kind for w in passed):
             return "decode-only", "no-prefill-worker", prefill_ctx, passed    # none speaks this decode's protocol
         decide_disaggregation(ctx, decode, self.s.disagg_threshold_tokens)     # refuses a prefill worker as D
+        # uncached, not work_tokens: a colocated worker behind a KV pool gets the pool's blocks from the pool
+        # whichever way the prompt goes, so only the part it would compute weighs against the move
         decision, reason = transfer_decision(uncached, self.s.disagg_threshold_tokens,
                                              self.registry.transfer.expected_s(decode.worker_id, uncached),
                                              decode.tokens_per_s)

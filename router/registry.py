@@ -27,7 +27,7 @@ from typing import Protocol
 
 from router.connectors import CONNECTORS, Connector, connector
 from router.placement.health import HealthTracker
-from router.placement.kv_pool import KVPool, KVPoolConfig
+from router.placement.kv_pool import KVPool
 from router.placement.ledger import LedgerConfig, Leg, WorkLedger
 from router.placement.prefix_index import ApproximatePrefixIndex, PrefixIndex
 from router.placement.transfer import TransferCostConfig, TransferCosts
@@ -138,7 +138,7 @@ class WorkerRegistry:
         self.drained: set[str] = set()
         self.health = HealthTracker()
         self.index = CombinedIndex(settings.approximate_index_blocks)
-        pool = KVPoolConfig(settings.kv_pool_blocks, settings.kv_pool_load_cost)
+        pool = settings.kv_pool
         self.pool: KVPool | None = KVPool(pool) if pool.enabled else None     # shared by the prefill workers
         self._pooling: dict[int, Sequence[int]] = {}      # open leg -> the prompt it saves to the pool when answered
         self.on_pooled: Callable[[Sequence[int]], None] | None = None      # router processes: tell the siblings

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
+from router.placement.kv_pool import KVPoolConfig
 from shared.openai.surface import SurfaceOptions
 
 
@@ -90,11 +92,15 @@ class RouterSettings:
     def served_model_names(self) -> tuple[str, ...]:
         return (self.served_model_name, *self.served_model_aliases)
 
+    @cached_property
+    def kv_pool(self) -> KVPoolConfig:
+        """The KV pool's two flags as the one config placement takes (raises ValueError when out of range)."""
+        return KVPoolConfig(self.kv_pool_blocks, self.kv_pool_load_cost)
+
     def validate(self) -> None:
         from router.connectors import CONNECTORS, connector
-        from router.placement.kv_pool import KVPoolConfig
         try:
-            KVPoolConfig(self.kv_pool_blocks, self.kv_pool_load_cost)
+            _ = self.kv_pool                              # building it checks the two flags
         except ValueError as exc:
             raise ValueError(f"--kv-pool-blocks/--kv-pool-load-cost: {exc}") from None
         try:

@@ -2,9 +2,8 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
-from router.placement.kv_pool import KVPool
+from router.placement.kv_pool import KVPool, KVPoolConfig
 from router.placement.prefix_index import PrefixQuery
 from router.placement.types import HashKey, RoutingContext, WorkerState
 from shared.hashing import ImageSpan, block_hashes, salted_root
@@ -37,12 +36,12 @@ def context_from_hashes(request_id: str, num_prompt_tokens: int, hashes: Mapping
     the pool's match once per hash chain for the pool's members."""
     cached = {info.worker_id: index.matched_blocks(info.worker_id, hashes.get((info.hash_root, info.block_size), ()))
               for info in (w.info for w in workers) if info.model_id == model}
-    pool_fields: dict[str, Any] = {}                 # the context's pool fields, with a pool
+    pooled: dict[str, int] = {}                      # the pool's match per member (empty without a pool)
     if pool is not None:
         chains = {key: pool.matched_blocks(chain) for key, chain in hashes.items()}
-        pool_fields = {"pool_load_cost": pool.config.load_cost, "pooled_blocks": {
-            info.worker_id: chains.get((info.hash_root, info.block_size), 0)
-            for info in (w.info for w in workers) if info.model_id == model and pool.member(info.role)}}
+        pooled = {info.worker_id: chains.get((info.hash_root, info.block_size), 0)
+                  for info in (w.info for w in workers) if info.model_id == model and pool.member(info.role)}
+    load_cost = (pool.config if pool is not None else KVPoolConfig()).load_cost
     return RoutingContext(request_id=request_id, model=model, role=role, num_prompt_tokens=num_prompt_tokens,
                           prompt_hashes=hashes, cached_blocks=cached, now=now, tail_prefill_s=tail_prefill_s,
-                          **pool_fields)
+                          pooled_blocks=pooled, pool_load_cost=load_cost)
