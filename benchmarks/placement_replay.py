@@ -68,6 +68,7 @@ from benchmarks.placement_sim import (
     run_router,
     run_simple,
     simple_fleet,
+    tail_breakdown,
 )
 from router.settings import RouterSettings
 
@@ -166,7 +167,8 @@ def one_cell(rows: Sequence[dict[str, Any]], trace: str, n: int, load: float,
         "oracle": lambda: oracle_fleet.result(start),
         "kimi-pd": lambda: {**ours_fleet.result(start), "calibrated_tokens_per_s": ours_speeds,
                             "p99_vs_oracle_90": p99_ratio_interval(ours_fleet.ttft, oracle_fleet.ttft,
-                                                                   range(start, end))},
+                                                                   range(start, end)),
+                            "tail": tail_breakdown(ours_fleet, oracle_fleet, range(start, end))},
         "clairvoyant": lambda: run_simple(reqs, n, args, clairvoyant(own_weight_of(ours)), scored=start),
         "clairvoyant-greedy": lambda: run_simple(reqs, n, args, clairvoyant(1.0), scored=start),
         "oracle-pooled-lru": lambda: run_simple(reqs, n, args, earliest_free, shared_cache=True, scored=start,
@@ -405,6 +407,16 @@ def markdown(out: dict[str, Any], command: str) -> str:
                  for c in cols]
         lines.append(f"| {r['trace']} | {r['workers']} | {r['load']} | {r['uncached_load']:.2f} | "
                      f"{r['policies']['oracle']['ttft_p99_s']:.2f} | " + " | ".join(cells) + f" | {r['goal_met']} |")
+    lines += ["", "kimi-pd's tail (the held-out requests at or above its p99 TTFT, `tail` in the JSON): the share that "
+              "spent most of their TTFT queued behind other prefills, the share of those whose prompt was mostly (90 % "
+              "or more) cached where they queued, and the oracle's median TTFT for those queued requests.", "",
+              "| trace | workers | load | tail requests | queued | of them cached | oracle p50 s for them |",
+              "|---|---|---|---|---|---|---|"]
+    for r in out["results"]:
+        t = r["policies"]["kimi-pd"].get("tail")
+        if t:
+            lines.append(f"| {r['trace']} | {r['workers']} | {r['load']} | {t['requests']} | {t['queued_share']:.2f} | "
+                         f"{t['queued_cached_share']:.2f} | {t['queued_oracle_ttft_p50_s']:.2f} |")
     missing = ", ".join(out["missing_traces"])
     lines += ["", f"Not run: {missing} (the issue's tool-agent trace is over 4 MiB and absent from the Mooncake "
               "snapshot on this machine, which has no internet; see /work/shared/data/mooncake/SOURCE.txt).", ""]

@@ -79,6 +79,23 @@ def _p99(values: Sequence[float]) -> float:
     return heapq.nlargest(k, values)[-1]
 
 
+def tail_breakdown(fleet: Fleet, oracle: Fleet, scored: Sequence[int]) -> dict[str, float]:
+    """What the requests at or above `fleet`'s p99 TTFT were doing: the share that spent most of it queued
+    behind other prefills (`queued_share`), the share of those whose prompt was mostly cached where they
+    queued (`queued_cached_share`: 90 % of its tokens or more a hit), and the median TTFT the oracle gave
+    those queued ones. A tail of queued, cached requests is lost to where a prefix lives (one
+    holder, busy), not to the compute a request needed."""
+    picked = list(scored)
+    p99 = _p99([fleet.ttft[i] for i in picked])
+    tail = [i for i in picked if fleet.ttft[i] >= p99]
+    queued = [i for i in tail if fleet.waits[i] > fleet.ttft[i] / 2]
+    cached = [i for i in queued if fleet.hits[i] >= 0.9 * fleet.tokens[i]]
+    oracle_ttft = sorted(oracle.ttft[i] for i in queued)
+    return {"requests": len(tail), "queued_share": len(queued) / len(tail) if tail else 0.0,
+            "queued_cached_share": len(cached) / len(queued) if queued else 0.0,
+            "queued_oracle_ttft_p50_s": nearest_rank(oracle_ttft, 0.5) if oracle_ttft else 0.0}
+
+
 def p99_ratio_interval(ttft: Sequence[float], oracle_ttft: Sequence[float], scored: Sequence[int],
                        draws: int = 200, seed: int = 0) -> tuple[float, float]:
     """5th and 95th percentiles of p99(ttft) / p99(oracle_ttft) over the scored requests resampled with
@@ -117,6 +134,7 @@ class Fleet:
         self.free_at = [0.0] * len(speeds)
         self.ends: list[list[float]] = [[] for _ in speeds]   # finish times, for heartbeats/least loaded
         self.ttft: list[float] = []
+        self.waits: list[float] = []                  # queued before its prefill started
         self.hits: list[int] = []
         self.tokens: list[int] = []
 
@@ -145,6 +163,7 @@ class Fleet:
             heapq.heappush(self._saving, (end, next(self._seq), req.blocks))
         self.ends[worker].append(end)
         self.ttft.append(end - req.arrival)
+        self.waits.append(start - req.arrival)
         self.hits.append(min(hit_blocks * TRACE_BLOCK, req.tokens))
         self.tokens.append(req.tokens)
         return end

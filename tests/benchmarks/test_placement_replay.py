@@ -28,6 +28,7 @@ from benchmarks.placement_sim import (
     router_fleet,
     run_router,
     run_simple,
+    tail_breakdown,
 )
 
 
@@ -157,3 +158,24 @@ def test_the_router_can_be_told_another_pool_size_than_the_fleet_has():
     assert new_fleet(2, a).pool.capacity == 2 * a.cache_blocks            # the truth
     assert router_settings(2, a, legacy=False).kv_pool_blocks == a.cache_blocks   # what the router believes
     assert router_settings(2, args(kv_pool=1.0, kv_pool_told=0.0), legacy=False).kv_pool_blocks == 0
+
+
+def test_the_tail_breakdown_tells_a_queued_cached_request_from_a_long_one():
+    """C's prefix is cached on worker 0, where it waits behind two long prompts; the oracle (one shared cache)
+    serves it at once on the worker A left. C is ours' slowest request; the oracle's slowest is a long prompt."""
+    a = args()
+    prefix = tuple(range(10))
+    reqs = [Request(0.0, 10 * TRACE_BLOCK, prefix),                                   # A
+            Request(0.6, 50 * TRACE_BLOCK, tuple(range(100, 150))),                   # B1
+            Request(0.6, 50 * TRACE_BLOCK, tuple(range(200, 250))),                   # B2
+            Request(0.6, 10 * TRACE_BLOCK + 50, prefix)]                              # C
+    ours, oracle = new_fleet(2, a), new_fleet(3, a, shared_cache=True)
+    for req, here, there in zip(reqs, (0, 0, 0, 0), (0, 1, 2, 0), strict=True):
+        ours.serve(here, req)
+        oracle.serve(there, req)
+    assert ours.waits[3] == pytest.approx(2 * 50 * TRACE_BLOCK / a.tokens_per_s)     # behind B1 and B2
+    tail = tail_breakdown(ours, oracle, range(4))
+    assert tail == {"requests": 1, "queued_share": 1.0, "queued_cached_share": 1.0,
+                    "queued_oracle_ttft_p50_s": pytest.approx(50 / a.tokens_per_s)}
+    assert tail_breakdown(oracle, oracle, range(4)) == {"requests": 2, "queued_share": 0.0,       # B1, B2
+                                                        "queued_cached_share": 0.0, "queued_oracle_ttft_p50_s": 0.0}
