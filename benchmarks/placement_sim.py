@@ -254,10 +254,11 @@ def clairvoyant(own_weight: float) -> Chooser:
     without look-ahead, to tell our estimates' error from the caches' limit."""
     def choose(fleet: Fleet, req: Request, i: int) -> int:
         mean_speed = sum(fleet.speeds) / len(fleet.speeds)
+        pooled = fleet.pooled(req)                      # the same for every worker: read once
 
         def cost(w: int) -> float:
             local = fleet.caches[w].peek(req.blocks)
-            hit = max(local, fleet.pooled(req))
+            hit = max(local, pooled)
             recomputed = max(req.tokens - min(hit * TRACE_BLOCK, req.tokens), 1)
             finish = max(fleet.free_at[w], req.arrival) + fleet.service_s(w, req, hit, hit - local)
             return finish + (own_weight - 1) * recomputed / mean_speed

@@ -3,13 +3,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from router.placement.kv_pool import KVPool, KVPoolConfig
+from router.placement.kv_pool import KVPool
 from router.placement.prefix_index import PrefixQuery
 from router.placement.types import HashKey, RoutingContext, WorkerState
 from shared.hashing import ImageSpan, block_hashes, salted_root
 from shared.workers import Role
-
-_NO_POOL_LOAD_COST = KVPoolConfig().load_cost     # unused without a pool (no pooled blocks); kept for a uniform context
 
 
 def build_context(request_id: str, token_ids: Sequence[int], workers: Sequence[WorkerState],
@@ -43,7 +41,8 @@ def context_from_hashes(request_id: str, num_prompt_tokens: int, hashes: Mapping
         chains = {key: pool.matched_blocks(chain) for key, chain in hashes.items()}
         pooled = {info.worker_id: chains.get((info.hash_root, info.block_size), 0)
                   for info in (w.info for w in workers) if info.model_id == model and pool.member(info.role)}
-    load_cost = pool.config.load_cost if pool is not None else _NO_POOL_LOAD_COST
+    # without a pool no block is pooled, so the load cost is never read: the context's own default stands
+    load_cost = pool.config.load_cost if pool is not None else RoutingContext.pool_load_cost
     return RoutingContext(request_id=request_id, model=model, role=role, num_prompt_tokens=num_prompt_tokens,
                           prompt_hashes=hashes, cached_blocks=cached, now=now, tail_prefill_s=tail_prefill_s,
                           pooled_blocks=pooled, pool_load_cost=load_cost)
